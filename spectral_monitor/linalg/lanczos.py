@@ -1,0 +1,270 @@
+"""Batched block Lanczos with full reorthogonalisation: extreme eigenpairs and top singular triplets.
+
+One Krylov process runs for every batch element at once (a batch of attention heads, of layers, or a single
+Hessian). Each element stops on its own Ritz residual; when most of a batch has converged the operator is
+restricted to the rest, so finished elements stop costing products.
+
+Warm start: previous Ritz vectors are *prepended* to a random block of the cold width. The warm Krylov space
+then contains the cold one at every iteration, so by the min-max principle its extreme Ritz values are at
+least as accurate as a cold start's after the same number of iterations, whatever the warm vectors are worth
+(the guard); a good warm start converges after one or two block products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from spectral_monitor.linalg.operators import (
+    BatchedOperator,
+    DenseOperator,
+    GramOperator,
+    as_operator,
+    default_generator,
+    gaussian,
+    working_dtype,
+)
+
+Which = Literal["largest", "smallest"]
+
+
+@dataclass
+class ConvergenceInfo:
+    """How an iterative estimate converged, per batch element.
+
+    ``iterations``: block iterations used; ``residual``: Ritz residual norms ‖Op y − θ y‖ of the returned
+    pairs, relative to max |θ|; ``converged``: every returned pair met the tolerance; ``products``: total
+    operator-vector products spent on the whole batch (one block product of width b counts b per element).
+    """
+
+    iterations: Tensor
+    residual: Tensor
+    converged: Tensor
+    products: int
+
+
+@dataclass
+class EigenResult:
+    """Extreme eigenpairs of a batch of symmetric operators: ``values`` (B, k), ``vectors`` (B, n, k)."""
+
+    values: Tensor
+    vectors: Tensor
+    info: ConvergenceInfo
+
+
+@dataclass
+class SingularResult:
+    """Top singular triplets of a batch: ``values`` (B, k) descending, ``left`` (B, m, k), ``right`` (B, n, k)."""
+
+    values: Tensor
+    left: Tensor
+    right: Tensor
+    info: ConvergenceInfo
+
+
+def orthonormal_columns(block: Tensor, basis: Tensor | None, scale: Tensor,
+                         generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Orthonormalise ``block`` (B, n, b) against ``basis`` and itself; returns (Q, C) with block ≈ Q C.
+
+    A column that vanishes (the Krylov space became invariant, e.g. for a rank-one attention matrix) is
+    replaced by a random direction orthogonal to everything so far; its coupling C is then exactly what the
+    column carried, so the projected matrix stays exact.
+    """
+    n = block.shape[1]
+    q, r = torch.linalg.qr(block)
+    tiny = r.diagonal(dim1=1, dim2=2).abs() <= 10 * n**0.5 * torch.finfo(block.dtype).eps * scale[:, None]
+    if bool(tiny.any()):
+        filler = gaussian(block.shape, dtype=block.dtype, device=block.device, generator=generator)
+        q = torch.where(tiny[:, None, :], filler, q)
+        for _ in range(2):
+            if basis is not None:
+                q = q - basis @ (basis.transpose(1, 2) @ q)
+            q, _ = torch.linalg.qr(q)
+    return q, q.transpose(1, 2) @ block
+
+
+def reorthogonalise(block: Tensor, basis: Tensor) -> Tensor:
+    # Twice is enough (Kahan–Parlett): one classical Gram–Schmidt pass loses orthogonality in float32.
+    for _ in range(2):
+        block = block - basis @ (basis.transpose(1, 2) @ block)
+    return block
+
+
+def lanczos_eigsh(
+    op: BatchedOperator | Tensor,
+    k: int = 1,
+    *,
+    which: Which = "largest",
+    block_size: int | None = None,
+    tol: float = 1e-4,
+    max_iters: int = 60,
+    init: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+) -> EigenResult:
+    """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
+
+    Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair has
+    residual ≤ ``tol`` · max|θ|; the eigenvalue error is then at most that and usually its square over the
+    spectral gap. ``init`` (B, n, r) warm-starts from earlier vectors (see the module docstring for the guard).
+    ``max_iters`` caps block iterations; ``info`` says what each element reached.
+    """
+    op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
+    if not op.symmetric:
+        raise ValueError("op must be symmetric (use top_singular for general matrices)")
+    if which not in ("largest", "smallest"):
+        raise ValueError(f"which must be 'largest' or 'smallest', got {which!r}")
+    n, batch = op.cols, op.batch
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}] for operators of size {n}, got {k}")
+    if tol <= 0:
+        raise ValueError(f"tol must be positive, got {tol}")
+    if max_iters < 1:
+        raise ValueError(f"max_iters must be >= 1, got {max_iters}")
+    work = working_dtype(op.dtype, dtype)
+    sign = 1.0 if which == "largest" else -1.0
+    generator = generator if generator is not None else default_generator(op.device)
+    width = min(block_size if block_size is not None else max(2 * k, 4), n)
+    if width < k:
+        raise ValueError(f"block_size must be >= k={k}, got {block_size}")
+
+    start = gaussian((batch, n, width), dtype=work, device=op.device, generator=generator)
+    if init is not None:
+        if init.ndim != 3 or init.shape[0] != batch or init.shape[1] != n:
+            raise ValueError(f"init must have shape ({batch}, {n}, r), got {tuple(init.shape)}")
+        warm = init.to(device=op.device, dtype=work)[:, :, : max(0, n - width)]
+        start = torch.cat([warm, start], dim=2)
+
+    def apply(active_op: BatchedOperator, x: Tensor) -> Tensor:
+        y = active_op.matmat(x.to(active_op.dtype)).to(work)
+        return y if sign > 0 else -y
+
+    values = torch.full((batch, k), float("nan"), dtype=work, device=op.device)
+    vectors = torch.zeros((batch, n, k), dtype=work, device=op.device)
+    residual = torch.full((batch, k), float("inf"), dtype=work, device=op.device)
+    iterations = torch.zeros(batch, dtype=torch.long, device=op.device)
+    converged = torch.zeros(batch, dtype=torch.bool, device=op.device)
+    products = 0
+
+    active = torch.arange(batch, device=op.device)
+    settled = torch.zeros(batch, dtype=torch.bool, device=op.device)
+    active_op = op
+    scale = torch.zeros(batch, dtype=work, device=op.device)
+    q, _ = orthonormal_columns(start, None, torch.ones(batch, dtype=work, device=op.device), generator)
+    basis = q
+    previous: Tensor | None = None
+    coupling: Tensor | None = None
+    tridiagonal = torch.zeros((batch, 0, 0), dtype=work, device=op.device)
+
+    for iteration in range(1, max_iters + 1):
+        w = apply(active_op, q)
+        products += q.shape[2] * active.numel()
+        scale = torch.maximum(scale, w.norm(dim=1).amax(dim=1))
+        alpha = q.transpose(1, 2) @ w
+        alpha = (alpha + alpha.transpose(1, 2)) / 2
+        w = w - q @ alpha
+        if previous is not None and coupling is not None:
+            w = w - previous @ coupling.transpose(1, 2)
+        w = reorthogonalise(w, basis)
+        room = n - basis.shape[2]
+        if room >= w.shape[2]:
+            next_q, next_coupling = orthonormal_columns(w, basis, scale, generator)
+        else:
+            # The last block fits only ``room`` more directions; the residual lies in them (rank <= room).
+            next_q = torch.linalg.svd(w, full_matrices=False).U[:, :, : max(room, 0)]
+            next_coupling = next_q.transpose(1, 2) @ w
+
+        size, width_now = tridiagonal.shape[1], q.shape[2]
+        grown = torch.zeros((active.numel(), size + width_now, size + width_now), dtype=work, device=op.device)
+        grown[:, :size, :size] = tridiagonal
+        grown[:, size:, size:] = alpha
+        if coupling is not None:
+            grown[:, size:, size - coupling.shape[2]:size] = coupling
+            grown[:, size - coupling.shape[2]:size, size:] = coupling.transpose(1, 2)
+        tridiagonal = grown
+
+        theta, ritz = torch.linalg.eigh(tridiagonal)
+        wanted_theta = theta[:, -k:].flip(1)
+        wanted_vectors = ritz[:, :, -k:].flip(2)
+        res = (next_coupling @ wanted_vectors[:, -width_now:, :]).norm(dim=1)
+        magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
+        relative = res / magnitude[:, None]
+        exhausted = room <= 0
+        met = (relative <= tol).all(dim=1)
+        finishing = (met | exhausted | (iteration == max_iters)) & ~settled
+
+        if bool(finishing.any()):
+            done = active[finishing]
+            values[done] = sign * wanted_theta[finishing]
+            vectors[done] = basis[finishing] @ wanted_vectors[finishing]
+            residual[done] = relative[finishing]
+            iterations[done] = iteration
+            converged[done] = met[finishing] | exhausted
+            settled = settled | finishing
+        if bool(settled.all()):
+            break
+
+        previous, q, coupling = q, next_q, next_coupling
+        basis = torch.cat([basis, next_q], dim=2)
+        remaining = ~settled
+        if remaining.sum() * 2 <= active.numel():
+            restricted = active_op.restrict(remaining.nonzero().squeeze(1))
+            if restricted is not None:
+                active_op = restricted
+                active, previous, q, coupling = active[remaining], previous[remaining], q[remaining], coupling[remaining]
+                basis, tridiagonal, scale = basis[remaining], tridiagonal[remaining], scale[remaining]
+                settled = settled[remaining]
+
+    info = ConvergenceInfo(iterations=iterations, residual=residual, converged=converged, products=products)
+    return EigenResult(values=values, vectors=vectors, info=info)
+
+
+def as_symmetric_tensor(matrices: Tensor) -> Tensor:
+    if not isinstance(matrices, Tensor) or matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2]:
+        shape = tuple(matrices.shape) if isinstance(matrices, Tensor) else type(matrices).__name__
+        raise ValueError(f"op must be a BatchedOperator or a (B, n, n) symmetric tensor, got {shape}")
+    return matrices
+
+
+def top_singular(
+    matrices: BatchedOperator | Tensor,
+    k: int = 1,
+    *,
+    block_size: int | None = None,
+    tol: float = 1e-4,
+    max_iters: int = 60,
+    init: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+) -> SingularResult:
+    """The ``k`` largest singular triplets of a batch of (possibly rectangular) matrices ``(B, m, n)``.
+
+    Block Lanczos on the Gram operator (AᵀA or AAᵀ, whichever is smaller); ``init`` holds earlier right
+    singular vectors (B, n, r) for a warm start. Tolerance is on the Gram operator's Ritz residual, relative
+    to σ₁².
+    """
+    op = as_operator(matrices)
+    gram = GramOperator(op)
+    work = working_dtype(op.dtype, dtype)
+    side_init = None
+    if init is not None:
+        side_init = init if gram.side == "right" else _other_side(op, init, work)
+    result = lanczos_eigsh(gram, k, block_size=block_size, tol=tol, max_iters=max_iters, init=side_init,
+                           generator=generator, dtype=work)
+    sigma = result.values.clamp_min(0).sqrt()
+    safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]
+    if gram.side == "right":
+        right = result.vectors
+        left = op.matmat(right.to(op.dtype)).to(work) / safe
+    else:
+        left = result.vectors
+        right = op.rmatmat(left.to(op.dtype)).to(work) / safe
+    return SingularResult(values=sigma, left=left, right=right, info=result.info)
+
+
+def _other_side(op: BatchedOperator, right: Tensor, work: torch.dtype) -> Tensor:
+    """Left vectors from right ones (A v), for warm-starting the Gram operator on the smaller side."""
+    return op.matmat(right.to(op.dtype)).to(work)

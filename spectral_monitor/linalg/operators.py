@@ -1,0 +1,204 @@
+"""Batched linear operators: "apply a batch of matrices (and their transposes) to a batch of vectors".
+
+Every iterative method in :mod:`spectral_monitor.linalg` talks to matrices only through this interface, so a
+dense batch of attention matrices, a blocked attention that is never materialised, a Hessian-vector product
+and a Jacobian-vector product all plug in the same way.
+
+Shapes: an operator has ``batch_shape`` (any leading dims, flattened to one batch dim ``B`` inside the
+solvers), ``rows`` (m) and ``cols`` (n). ``matmat`` maps ``(B, n, k) -> (B, m, k)`` and ``rmatmat`` maps
+``(B, m, k) -> (B, n, k)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class BatchedOperator:
+    """A batch of ``B`` linear maps R^cols -> R^rows, known only through products."""
+
+    def __init__(self, batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                 symmetric: bool = False) -> None:
+        if symmetric and rows != cols:
+            raise ValueError(f"a symmetric operator must be square, got rows={rows}, cols={cols}")
+        self.batch = batch
+        self.rows = rows
+        self.cols = cols
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.symmetric = symmetric
+
+    def matmat(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def rmatmat(self, y: Tensor) -> Tensor:
+        if self.symmetric:
+            return self.matmat(y)
+        raise NotImplementedError(f"{type(self).__name__} does not implement transposed products")
+
+    def restrict(self, index: Tensor) -> BatchedOperator | None:
+        """The operator for the batch elements ``index`` only, or ``None`` if that is not cheaper.
+
+        Solvers call this when most of a batch has converged, so the rest stops paying for finished work.
+        """
+        return None
+
+
+class DenseOperator(BatchedOperator):
+    """A dense batch of matrices ``(B, m, n)``.
+
+    Keeps a contiguous copy of the transpose, made on first use: a product with a transposed *view* reads
+    memory with a stride and costs about twice as much as one with a contiguous matrix.
+    """
+
+    def __init__(self, matrices: Tensor, symmetric: bool = False) -> None:
+        if matrices.ndim != 3:
+            raise ValueError(f"matrices must have shape (B, m, n), got {tuple(matrices.shape)}")
+        super().__init__(matrices.shape[0], matrices.shape[1], matrices.shape[2], matrices.dtype,
+                         matrices.device, symmetric)
+        self.matrices = matrices
+        self._transposed: Tensor | None = None
+
+    def matmat(self, x: Tensor) -> Tensor:
+        return torch.bmm(self.matrices, x)
+
+    def rmatmat(self, y: Tensor) -> Tensor:
+        if self.symmetric:
+            return torch.bmm(self.matrices, y)
+        if self._transposed is None:
+            self._transposed = self.matrices.transpose(1, 2).contiguous()
+        return torch.bmm(self._transposed, y)
+
+    def restrict(self, index: Tensor) -> DenseOperator:
+        restricted = DenseOperator(self.matrices[index], self.symmetric)
+        if self._transposed is not None:
+            restricted._transposed = self._transposed[index]
+        return restricted
+
+
+class FunctionOperator(BatchedOperator):
+    """An operator given by functions, e.g. a Hessian-vector or Jacobian-vector product.
+
+    ``matmat(x)`` takes ``(B, cols, k)``; ``rmatmat`` is needed unless ``symmetric``.
+    """
+
+    def __init__(self, matmat: Callable[[Tensor], Tensor], *, batch: int, rows: int, cols: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 rmatmat: Callable[[Tensor], Tensor] | None = None, symmetric: bool = False) -> None:
+        super().__init__(batch, rows, cols, dtype, torch.device(device), symmetric)
+        if not symmetric and rmatmat is None:
+            raise ValueError("rmatmat is required for a non-symmetric FunctionOperator")
+        self._matmat = matmat
+        self._rmatmat = rmatmat
+
+    def matmat(self, x: Tensor) -> Tensor:
+        return self._matmat(x)
+
+    def rmatmat(self, y: Tensor) -> Tensor:
+        if self.symmetric:
+            return self._matmat(y)
+        assert self._rmatmat is not None
+        return self._rmatmat(y)
+
+
+class GramOperator(BatchedOperator):
+    """The symmetric positive semi-definite ``AᵀA`` (or ``AAᵀ`` when that is smaller) of an operator.
+
+    Its eigenvalues are the squared singular values of ``A``; ``side`` says which singular vectors its
+    eigenvectors are (``"right"`` for AᵀA, ``"left"`` for AAᵀ).
+    """
+
+    def __init__(self, op: BatchedOperator) -> None:
+        self.side = "right" if op.cols <= op.rows else "left"
+        size = min(op.rows, op.cols)
+        super().__init__(op.batch, size, size, op.dtype, op.device, symmetric=True)
+        self.base = op
+
+    def matmat(self, x: Tensor) -> Tensor:
+        if self.side == "right":
+            return self.base.rmatmat(self.base.matmat(x))
+        return self.base.matmat(self.base.rmatmat(x))
+
+    def restrict(self, index: Tensor) -> GramOperator | None:
+        base = self.base.restrict(index)
+        return None if base is None else GramOperator(base)
+
+
+class ProjectedOperator(BatchedOperator):
+    """``P op P`` with ``P = I − UUᵀ`` for an orthonormal ``U`` of shape ``(B, n, r)``: ``op`` deflated.
+
+    Used to remove directions already known exactly (top singular vectors) before a stochastic estimate,
+    which removes their contribution to the estimator's variance.
+    """
+
+    def __init__(self, op: BatchedOperator, basis: Tensor) -> None:
+        if not op.symmetric:
+            raise ValueError("ProjectedOperator needs a symmetric operator")
+        super().__init__(op.batch, op.rows, op.cols, op.dtype, op.device, symmetric=True)
+        self.base = op
+        self.basis = basis
+
+    def project(self, x: Tensor) -> Tensor:
+        return x - self.basis @ (self.basis.transpose(1, 2) @ x)
+
+    def matmat(self, x: Tensor) -> Tensor:
+        return self.project(self.base.matmat(self.project(x)))
+
+    def restrict(self, index: Tensor) -> ProjectedOperator | None:
+        base = self.base.restrict(index)
+        return None if base is None else ProjectedOperator(base, self.basis[index])
+
+
+def as_operator(matrices: Tensor | BatchedOperator) -> BatchedOperator:
+    """An operator for a ``(B, m, n)`` tensor, or the operator itself."""
+    if isinstance(matrices, BatchedOperator):
+        return matrices
+    if not isinstance(matrices, Tensor):
+        raise ValueError(f"expected a Tensor or BatchedOperator, got {type(matrices).__name__}")
+    return DenseOperator(matrices)
+
+
+def working_dtype(dtype: torch.dtype, requested: torch.dtype | None = None) -> torch.dtype:
+    """The dtype iterative methods compute in: ``requested`` if given, else at least float32."""
+    if requested is not None:
+        if not requested.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype, got {requested}")
+        return requested
+    if not dtype.is_floating_point:
+        raise ValueError(f"expected a floating dtype, got {dtype}")
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rademacher(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
+               generator: torch.Generator | None) -> Tensor:
+    """±1 entries, drawn from ``generator`` (never the global RNG when a generator is given)."""
+    bits = torch.randint(0, 2, shape, generator=generator, device=generator.device if generator else device)
+    return (bits.to(device=device, dtype=dtype) * 2 - 1)
+
+
+def gaussian(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
+             generator: torch.Generator | None) -> Tensor:
+    draw_device = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=draw_device, dtype=dtype).to(device)
+
+
+def default_generator(device: torch.device, seed: int = 0) -> torch.Generator:
+    """A private generator, so solvers never consume the user's global RNG stream."""
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+__all__ = [
+    "BatchedOperator",
+    "DenseOperator",
+    "FunctionOperator",
+    "GramOperator",
+    "ProjectedOperator",
+    "as_operator",
+    "working_dtype",
+    "rademacher",
+    "gaussian",
+    "default_generator",
+]

@@ -1,0 +1,232 @@
+"""Stochastic trace estimation: tr f(M) by stochastic Lanczos quadrature, tr M by Hutchinson and Hutch++.
+
+Each estimator returns its per-probe samples as well as the mean, so callers can form ratios of traces (the
+effective-rank entropy is one) and still report an honest standard error (jackknife over probes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from spectral_monitor.linalg.operators import (
+    BatchedOperator,
+    ProjectedOperator,
+    default_generator,
+    gaussian,
+    rademacher,
+    working_dtype,
+)
+
+
+@dataclass
+class TraceEstimate:
+    """A stochastic trace: ``mean`` (B,), its sampling ``stderr`` (B,), the per-probe ``samples``
+    (B, probes), and ``bias_bound`` (B,): a bound on the deterministic (quadrature) error, 0 where exact."""
+
+    mean: Tensor
+    stderr: Tensor
+    samples: Tensor
+    bias_bound: Tensor
+
+    @classmethod
+    def from_samples(cls, samples: Tensor, bias_bound: Tensor | None = None) -> TraceEstimate:
+        probes = samples.shape[-1]
+        spread = samples.std(dim=-1) if probes > 1 else torch.full_like(samples[..., 0], float("nan"))
+        mean = samples.mean(dim=-1)
+        bound = torch.zeros_like(mean) if bias_bound is None else bias_bound
+        return cls(mean=mean, stderr=spread / probes**0.5, samples=samples, bias_bound=bound)
+
+
+@dataclass
+class QuadratureNodes:
+    """Gauss quadrature of each probe's spectral measure: ``nodes``, ``weights`` (B, probes, steps).
+
+    ``weights`` already include the probe's squared norm, so ``(weights * f(nodes)).sum(-1)`` is that probe's
+    estimate of tr f(M); averaged over probes they form a discrete approximation of the spectral density.
+    """
+
+    nodes: Tensor
+    weights: Tensor
+    radau_nodes: Tensor
+    radau_weights: Tensor
+
+
+def lanczos_quadrature(
+    op: BatchedOperator,
+    *,
+    num_probes: int = 16,
+    num_steps: int = 24,
+    deflate: Tensor | None = None,
+    until: Callable[[QuadratureNodes], Tensor] | None = None,
+    check_every: int = 4,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+) -> QuadratureNodes:
+    """Gauss quadrature nodes and weights of ``zᵀ f(M) z`` for Rademacher probes ``z`` of a symmetric ``op``.
+
+    One Lanczos process per probe, all probes and batch elements advancing together so that each step is a
+    single wide product. ``deflate`` (B, n, r), orthonormal, removes a subspace known exactly (e.g. top
+    singular vectors): the quadrature then describes ``P M P`` with ``P = I − UUᵀ`` and the caller adds the
+    exact contribution of the removed eigenvalues. Reorthogonalisation is a single full pass per step: Gauss
+    quadrature is insensitive to the mild loss of orthogonality that remains.
+
+    Both the Gauss rule and the Gauss–Radau rule with a node at 0 are returned; for √x-like functions they
+    bracket the truth, so their spread is an honest bias bound. ``until(quadrature) -> (B,) bool`` is checked
+    every ``check_every`` steps, and the process stops early once it holds for every batch element;
+    ``num_steps`` is then the cap.
+    """
+    if not op.symmetric:
+        raise ValueError("op must be symmetric")
+    if num_probes < 2:
+        raise ValueError(f"num_probes must be >= 2 (a standard error needs two samples), got {num_probes}")
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    work = working_dtype(op.dtype, dtype)
+    generator = generator if generator is not None else default_generator(op.device)
+    batch, n = op.batch, op.cols
+    steps = min(num_steps, n)
+    if deflate is not None:
+        op = ProjectedOperator(op, deflate.to(device=op.device, dtype=op.dtype))
+
+    probes = rademacher((batch, n, num_probes), dtype=work, device=op.device, generator=generator)
+    if deflate is not None:
+        probes = probes - deflate.to(work) @ (deflate.to(work).transpose(1, 2) @ probes)
+    probe_norm = probes.norm(dim=1)
+    safe_norm = torch.where(probe_norm > 0, probe_norm, torch.ones_like(probe_norm))
+    q = probes / safe_norm[:, None, :]
+
+    basis = torch.zeros((steps, batch, n, num_probes), dtype=work, device=op.device)
+    alphas = torch.zeros((batch, num_probes, steps), dtype=work, device=op.device)
+    betas = torch.zeros((batch, num_probes, steps), dtype=work, device=op.device)
+    previous = torch.zeros_like(q)
+    beta = torch.zeros((batch, num_probes), dtype=work, device=op.device)
+    scale = torch.zeros((batch, num_probes), dtype=work, device=op.device)
+    done = 0
+    for step in range(steps):
+        basis[step] = q
+        w = op.matmat(q.to(op.dtype)).to(work)
+        scale = torch.maximum(scale, w.norm(dim=1))
+        alpha = (q * w).sum(dim=1)
+        alphas[:, :, step] = alpha
+        w = w - alpha[:, None, :] * q - beta[:, None, :] * previous
+        coefficients = (basis[: step + 1] * w).sum(dim=2)
+        w = w - (basis[: step + 1] * coefficients[:, :, None, :]).sum(dim=0)
+        beta = w.norm(dim=1)
+        # A vanishing beta means the probe's Krylov space is invariant: the quadrature is already exact, and
+        # continuing with a zero vector adds only zero-weight nodes.
+        invariant = beta <= n**0.5 * torch.finfo(work).eps * scale.clamp_min(torch.finfo(work).tiny)
+        beta = torch.where(invariant, torch.zeros_like(beta), beta)
+        betas[:, :, step] = beta
+        previous = q
+        q = torch.where(invariant[:, None, :], torch.zeros_like(w), w / torch.where(invariant, 1, beta)[:, None, :])
+        done = step + 1
+        if until is not None and done < steps and done % check_every == 0:
+            if bool(until(_quadrature(alphas[..., :done], betas[..., :done], probe_norm)).all()):
+                break
+    return _quadrature(alphas[..., :done], betas[..., :done], probe_norm)
+
+
+def _quadrature(alphas: Tensor, betas: Tensor, probe_norm: Tensor) -> QuadratureNodes:
+    gauss = _nodes_and_weights(alphas, betas[..., :-1], probe_norm)
+    radau = _nodes_and_weights(*_radau_extension(alphas, betas), probe_norm)
+    return QuadratureNodes(nodes=gauss[0], weights=gauss[1], radau_nodes=radau[0], radau_weights=radau[1])
+
+
+def _nodes_and_weights(alphas: Tensor, betas: Tensor, probe_norm: Tensor) -> tuple[Tensor, Tensor]:
+    tridiagonal = torch.diag_embed(alphas) + torch.diag_embed(betas, 1) + torch.diag_embed(betas, -1)
+    nodes, vectors = torch.linalg.eigh(tridiagonal)
+    return nodes, vectors[..., 0, :] ** 2 * (probe_norm**2)[..., None]
+
+
+def _radau_extension(alphas: Tensor, betas: Tensor) -> tuple[Tensor, Tensor]:
+    """The Gauss–Radau rule with a node fixed at 0 (Golub & Meurant): one more row, no more products.
+
+    Solve T δ = β_m² e_m and append the diagonal entry δ_m, coupled by β_m. For a positive semi-definite
+    operator and an f whose derivatives have constant signs on (0, ∞) (√x is one), Gauss and Gauss–Radau
+    bracket the true quadratic form.
+    """
+    tridiagonal = torch.diag_embed(alphas) + torch.diag_embed(betas[..., :-1], 1) + torch.diag_embed(betas[..., :-1], -1)
+    last = betas[..., -1]
+    rhs = torch.zeros_like(alphas)
+    rhs[..., -1] = last**2
+    delta = torch.linalg.lstsq(tridiagonal, rhs[..., None]).solution[..., -1, 0]
+    return torch.cat([alphas, delta[..., None]], dim=-1), betas
+
+
+def spectral_sums(
+    quadrature: QuadratureNodes, functions: Mapping[str, Callable[[Tensor], Tensor]]
+) -> dict[str, TraceEstimate]:
+    """tr f(M) for each named ``f``, from one set of quadrature nodes (the probes are shared).
+
+    Each probe's value is the mean of its Gauss and Gauss–Radau rules; half their spread (averaged over
+    probes) is the ``bias_bound``.
+    """
+    sums = {}
+    for name, f in functions.items():
+        gauss = (quadrature.weights * f(quadrature.nodes)).sum(dim=-1)
+        radau = (quadrature.radau_weights * f(quadrature.radau_nodes)).sum(dim=-1)
+        bound = (gauss - radau).mean(dim=-1).abs() / 2
+        sums[name] = TraceEstimate.from_samples((gauss + radau) / 2, bias_bound=bound)
+    return sums
+
+
+def hutchinson_trace(
+    op: BatchedOperator,
+    *,
+    num_probes: int = 32,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+) -> TraceEstimate:
+    """tr M from Rademacher probes, ``E[zᵀ M z]``; one wide product."""
+    if num_probes < 2:
+        raise ValueError(f"num_probes must be >= 2, got {num_probes}")
+    work = working_dtype(op.dtype, dtype)
+    generator = generator if generator is not None else default_generator(op.device)
+    z = rademacher((op.batch, op.cols, num_probes), dtype=work, device=op.device, generator=generator)
+    samples = (z * op.matmat(z.to(op.dtype)).to(work)).sum(dim=1)
+    return TraceEstimate.from_samples(samples)
+
+
+def hutchpp_trace(
+    op: BatchedOperator,
+    *,
+    num_products: int = 48,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+) -> TraceEstimate:
+    """tr M by Hutch++ (Meyer, Musco, Musco & Woodruff 2021), with ``num_products`` products in all.
+
+    A third of the products find the dominant range Q by a sketch, tr(QᵀMQ) is taken exactly, and the
+    remaining third estimate the trace of the deflated rest by Hutchinson. The standard error is that of
+    the Hutchinson part (the exact part has none); ``samples`` are the per-probe totals.
+    """
+    if num_products < 6:
+        raise ValueError(f"num_products must be >= 6, got {num_products}")
+    if not op.symmetric:
+        raise ValueError("op must be symmetric")
+    work = working_dtype(op.dtype, dtype)
+    generator = generator if generator is not None else default_generator(op.device)
+    sketch_width = min(num_products // 3, op.cols)
+    probes = num_products - 2 * sketch_width
+    sketch = gaussian((op.batch, op.cols, sketch_width), dtype=work, device=op.device, generator=generator)
+    basis, _ = torch.linalg.qr(op.matmat(sketch.to(op.dtype)).to(work))
+    exact = (basis * op.matmat(basis.to(op.dtype)).to(work)).sum(dim=(1, 2))
+    z = rademacher((op.batch, op.cols, probes), dtype=work, device=op.device, generator=generator)
+    z = z - basis @ (basis.transpose(1, 2) @ z)
+    rest = (z * op.matmat(z.to(op.dtype)).to(work)).sum(dim=1)
+    # Projecting the probe leaves an unbiased estimator of tr((I−QQᵀ) M (I−QQᵀ)).
+    return TraceEstimate.from_samples(exact[:, None] + rest)
+
+
+__all__ = [
+    "QuadratureNodes",
+    "TraceEstimate",
+    "hutchinson_trace",
+    "hutchpp_trace",
+    "lanczos_quadrature",
+    "spectral_sums",
+]

@@ -1,0 +1,20 @@
+"""The metric catalogue of DESIGN.md as pure functions: tensors in, named tensors out.
+
+The one definition of each metric lives here; nothing else in the package re-derives one.
+"""
+
+from spectral_monitor.metrics._common import ENERGY_LEVEL
+from spectral_monitor.metrics.attention import METRIC_NAMES as ATTENTION_METRICS
+from spectral_monitor.metrics.attention import KrylovState, attention_metrics
+from spectral_monitor.metrics.tokens import token_metrics
+from spectral_monitor.metrics.weights import marchenko_pastur_edge, weight_metrics
+
+__all__ = [
+    "ATTENTION_METRICS",
+    "ENERGY_LEVEL",
+    "KrylovState",
+    "attention_metrics",
+    "marchenko_pastur_edge",
+    "token_metrics",
+    "weight_metrics",
+]

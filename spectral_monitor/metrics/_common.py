@@ -1,0 +1,72 @@
+"""Shared pieces of the metric catalogue: input checks and the spectral summaries of singular values."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+METHODS = ("auto", "exact", "krylov")
+ENERGY_LEVEL = 0.99
+"""Threshold rank keeps this fraction of the squared Frobenius norm (DESIGN.md catalogue)."""
+
+
+def check_matrices(value: object, name: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape (..., rows, cols), got {type(value).__name__}")
+    if value.ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dims (..., rows, cols), got shape {tuple(value.shape)}")
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {value.dtype}")
+    if value.shape[-1] == 0 or value.shape[-2] == 0:
+        raise ValueError(f"{name} must have non-empty rows and columns, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def flat_mask(mask: Tensor | None, name: str, batch_shape: torch.Size, size: int, device: torch.device) -> Tensor:
+    """A bool mask broadcast to ``batch_shape + (size,)`` and flattened to (B, size); all True if None."""
+    if mask is None:
+        return torch.ones((max(batch_shape.numel(), 1), size), dtype=torch.bool, device=device)
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a bool tensor (True = keep), got "
+                         f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+    try:
+        full = torch.broadcast_to(mask.to(device), (*batch_shape, size))
+    except RuntimeError as error:
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to "
+                         f"{(*batch_shape, size)}") from error
+    return full.reshape(-1, size)
+
+
+def working_dtype_of(tensor: Tensor) -> torch.dtype:
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def effective_rank_from_singular_values(singular_values: Tensor) -> Tensor:
+    """Roy & Vetterli (2007): exp of the entropy of σ/Σσ; 0 for an all-zero matrix."""
+    total = singular_values.sum(dim=-1, keepdim=True)
+    p = singular_values / torch.where(total > 0, total, torch.ones_like(total))
+    erank = torch.exp(-torch.special.xlogy(p, p).sum(dim=-1))
+    return torch.where(total.squeeze(-1) > 0, erank, torch.zeros_like(erank))
+
+
+def threshold_rank_from_singular_values(singular_values: Tensor, level: float = ENERGY_LEVEL) -> Tensor:
+    """Smallest k with Σ_{i≤k} σᵢ² ≥ level · Σ σᵢ² (singular values sorted descending)."""
+    energy = singular_values.square()
+    cumulative = energy.cumsum(dim=-1)
+    target = level * cumulative[..., -1:]
+    # Relative slack so that an exactly-met level (identity: k/n = 0.99) is not lost to rounding.
+    slack = 8 * torch.finfo(energy.dtype).eps * cumulative[..., -1:]
+    reached = cumulative >= target - slack
+    return (~reached).sum(dim=-1).to(singular_values.dtype) + 1
+
+
+def stable_rank(frobenius_squared: Tensor, sigma1: Tensor) -> Tensor:
+    """‖X‖_F² / σ₁²; NaN for the zero matrix (no direction to rank)."""
+    return torch.where(sigma1 > 0, frobenius_squared / sigma1.square().clamp_min(torch.finfo(sigma1.dtype).tiny),
+                       torch.full_like(sigma1, float("nan")))

@@ -1,0 +1,56 @@
+"""Token-collapse metrics of residual-stream states X (n tokens × d features), batched over leading dims."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spectral_monitor.metrics._common import (
+    check_matrices,
+    effective_rank_from_singular_values,
+    flat_mask,
+    stable_rank,
+    working_dtype_of,
+)
+
+
+def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, Tensor]:
+    """Token similarity and rank of residual-stream states ``x`` (..., n, d).
+
+    ``token_mask`` (..., n) bool, True = real token; padded tokens are left out. Keys (shape ``x.shape[:-2]``):
+    ``cosine_similarity`` (mean over pairs i ≠ j of cos(xᵢ, xⱼ), Noci et al. 2022; NaN with < 2 tokens),
+    ``token_residual`` (‖X − 1x̄ᵀ‖_F / ‖X‖_F, Dong et al. 2021), ``stable_rank`` (‖X‖_F²/σ₁²),
+    ``effective_rank`` (Roy & Vetterli), and ``nonfinite`` (True where x had a NaN/Inf; that element's
+    metrics are NaN). Exact (``svdvals``): sampled sequences are short enough.
+    """
+    x = check_matrices(x, "x")
+    batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]
+    mask = flat_mask(token_mask, "token_mask", batch_shape, n, x.device)
+    states = x.reshape(-1, n, d).to(working_dtype_of(x))
+    nonfinite = ~torch.isfinite(states).all(dim=2).all(dim=1)
+    states = torch.where(nonfinite[:, None, None], torch.zeros_like(states), states) * mask[:, :, None]
+    count = mask.sum(dim=1).to(states.dtype)
+
+    norms = states.norm(dim=2, keepdim=True)
+    unit = states / torch.where(norms > 0, norms, torch.ones_like(norms))
+    pairs = count * (count - 1)
+    cosine = (unit.sum(dim=1).square().sum(dim=1) - unit.square().sum(dim=(1, 2)))
+    cosine = torch.where(pairs > 0, cosine / pairs.clamp_min(1), torch.full_like(cosine, float("nan")))
+
+    mean = states.sum(dim=1) / count.clamp_min(1)[:, None]
+    frobenius = states.norm(dim=(1, 2))
+    residual = (states - mask[:, :, None] * mean[:, None, :]).norm(dim=(1, 2))
+    residual = torch.where(frobenius > 0, residual / frobenius.clamp_min(torch.finfo(states.dtype).tiny),
+                           torch.full_like(frobenius, float("nan")))
+
+    singular_values = torch.linalg.svdvals(states)
+    metrics = {
+        "cosine_similarity": cosine,
+        "token_residual": residual,
+        "stable_rank": stable_rank(frobenius.square(), singular_values[:, 0]),
+        "effective_rank": effective_rank_from_singular_values(singular_values),
+    }
+    for value in metrics.values():
+        value[nonfinite] = float("nan")
+    metrics["nonfinite"] = nonfinite
+    return {name: value.reshape(batch_shape) for name, value in metrics.items()}

@@ -1,0 +1,51 @@
+"""Probes: what looks at a model while it trains (attention-kernel inputs, the residual stream).
+
+Probes know ``nn.Module`` but not Lightning; they are armed on logging steps only and hand back detached
+copies of what they saw.
+"""
+
+from spectral_monitor.probes.attention import (
+    ROOT_LAYER_NAME,
+    AttentionCapture,
+    AttentionExtractor,
+    AttentionInputs,
+    AttentionRecording,
+    AttentionSample,
+    CapturedAttention,
+    SkippedCapture,
+    register_attention_extractor,
+)
+from spectral_monitor.probes.residual import (
+    ResidualCapture,
+    ResidualRecording,
+    ResidualSample,
+    find_transformer_blocks,
+)
+from spectral_monitor.probes.weights import (
+    WEIGHT_FAMILY,
+    AttentionWeights,
+    AttentionWeightsReader,
+    WeightProbe,
+    query_key_spectral_norms,
+)
+
+__all__ = [
+    "ROOT_LAYER_NAME",
+    "WEIGHT_FAMILY",
+    "AttentionCapture",
+    "AttentionExtractor",
+    "AttentionInputs",
+    "AttentionRecording",
+    "AttentionSample",
+    "AttentionWeights",
+    "AttentionWeightsReader",
+    "CapturedAttention",
+    "ResidualCapture",
+    "ResidualRecording",
+    "ResidualSample",
+    "SkippedCapture",
+    "WeightProbe",
+    "find_transformer_blocks",
+    "query_key_spectral_norms",
+    "register_attention_extractor",
+]

@@ -1,0 +1,732 @@
+"""Capture of attention-kernel inputs on logging steps, and the attention probabilities they imply.
+
+The training forward is never changed: no ``need_weights=True``, no patched module. While a capture is
+armed, and only then, two things are installed:
+
+- a :class:`torch.overrides.TorchFunctionMode` that sees the *outermost* attention-kernel call of every
+  module, ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` and everything built on it) or
+  ``F.scaled_dot_product_attention`` (Hugging Face ``sdpa`` attention, nanoGPT-style code, also when the
+  function was imported by name). It lets the kernel run untouched, then projects q and k for the first
+  ``max_sequences`` sequences from the very arguments the kernel received (after ``batch_first``
+  transposition and mask canonicalisation), so no layout or mask convention has to be re-derived from a
+  module's public signature. One interception point serves both kernels, which a forward pre-hook on
+  ``nn.MultiheadAttention`` could not: SDPA is a function, not a module.
+- forward pre/post hooks on every submodule that keep a stack of qualified module names, so each kernel
+  call is attributed to the innermost module that made it (``encoder.layers.0.self_attn``), and forward
+  hooks that run the user's registered extractors for attention computed by hand.
+
+Everything is removed on disarm. The kernel's arguments are read, never modified; the extra work runs under
+``torch.no_grad``, consumes no random numbers and keeps detached copies of the sampled sequences only
+(never views of the batch's activations). In train mode the forward is bit-identical with the capture armed.
+
+Caveat: an active TorchFunctionMode disables the fused inference fast path of ``nn.MultiheadAttention`` and
+``nn.TransformerEncoderLayer`` (eval mode under ``no_grad``), which changes their outputs at rounding level.
+Capture is meant for training-step forwards; when a forward could take that fast path the kernel capture is
+not installed and the recording says why, so a user's evaluation is never altered.
+
+When a module runs several times in one armed forward (a reused module, activation-checkpointing
+recomputation) only its first call is kept.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "ROOT_LAYER_NAME",
+    "AttentionCapture",
+    "AttentionExtractor",
+    "AttentionInputs",
+    "AttentionRecording",
+    "AttentionSample",
+    "CapturedAttention",
+    "SkippedCapture",
+    "register_attention_extractor",
+]
+
+ROOT_LAYER_NAME = "model"
+"""The layer name reported for attention computed by the captured model's own (root) forward."""
+
+_MULTI_HEAD_ATTENTION_FORWARD = F.multi_head_attention_forward
+_SCALED_DOT_PRODUCT_ATTENTION = F.scaled_dot_product_attention
+_MULTI_HEAD_ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+@dataclass
+class AttentionInputs:
+    """What an attention computation consumes, in ``F.scaled_dot_product_attention``'s conventions.
+
+    ``q``: (B, H, n, d); ``k``: (B, H_k, m, d) with H a multiple of H_k (grouped-query attention: query head
+    h reads key head h // (H / H_k)). ``mask``: bool (True = may attend) or additive float, broadcastable to
+    (B, H, n, m). ``causal``: query i attends keys j <= i (top-left aligned, as SDPA's ``is_causal``).
+    ``scale``: multiplies q·k; ``None`` means 1/sqrt(d). Tensors may be views of the batch: the capture
+    keeps copies of the sampled sequences only.
+    """
+
+    q: Tensor
+    k: Tensor
+    mask: Tensor | None = None
+    causal: bool = False
+    scale: float | None = None
+
+
+AttentionExtractor = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], AttentionInputs | None]
+"""``extractor(module, args, kwargs, output)`` -> the attention inputs of that call, or ``None`` to skip it.
+
+Runs as a forward hook of the module on armed forwards only, under ``torch.no_grad``.
+"""
+
+
+@dataclass
+class AttentionSample:
+    """The attention probabilities of one layer for the sampled sequences, ready for the metrics.
+
+    ``probs``: (S, H, n, m) float32, rows sum to 1 over attendable keys (rows with none are 0).
+    ``key_mask``: (S, m) bool, True = the key is attendable by at least one query; ``None`` = all are.
+    ``query_mask``: (S, n) bool, True = a real query (not padding, has an attendable key); ``None`` = all are.
+    """
+
+    layer: str
+    probs: Tensor
+    key_mask: Tensor | None
+    query_mask: Tensor | None
+    causal: bool
+    scale: float
+
+
+@dataclass
+class CapturedAttention:
+    """The attention-kernel inputs of one layer for the sampled sequences (detached copies).
+
+    ``q``: (S, H, n, d) and ``k``: (S, H, m, d) in the forward's dtype, grouped keys already repeated per
+    query head. ``mask``: additive float32 logit bias broadcastable to (S, H, n, m), ``-inf`` where a key may
+    not be attended; the causal pattern is not in it but in ``causal`` (query i attends keys j <= i), so a
+    long-context path can apply it blockwise without materialising n x m. ``scale`` multiplies q·k.
+    ``key_mask`` and ``query_mask`` as in :class:`AttentionSample`.
+    """
+
+    layer: str
+    q: Tensor
+    k: Tensor
+    mask: Tensor | None
+    causal: bool
+    scale: float
+    key_mask: Tensor | None
+    query_mask: Tensor | None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    def logits(self) -> Tensor:
+        """scale · q kᵀ + mask, with the causal pattern applied: (S, H, n, m) float32."""
+        logits = torch.matmul(self.q.float(), self.k.float().transpose(-1, -2)) * self.scale
+        if self.mask is not None:
+            logits = logits + self.mask
+        if self.causal:
+            logits = logits.masked_fill(~_causal_pattern(*logits.shape[-2:], logits.device), -math.inf)
+        return logits
+
+    def probs(self) -> Tensor:
+        """The attention probabilities softmax(logits) before dropout: (S, H, n, m) float32."""
+        logits = self.logits()
+        no_attendable_key = torch.isneginf(logits).all(dim=-1, keepdim=True)
+        return torch.softmax(logits, dim=-1).masked_fill_(no_attendable_key, 0.0)
+
+    def sample(self) -> AttentionSample:
+        """The probabilities with their masks, computed now."""
+        return AttentionSample(
+            self.layer, self.probs(), self.key_mask, self.query_mask, self.causal, self.scale
+        )
+
+    def nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
+        """Bytes held by this capture cut to ``sequences`` x ``heads``, plus the float32 probs it implies."""
+        sequences = self.num_sequences if sequences is None else min(sequences, self.num_sequences)
+        heads = self.num_heads if heads is None else min(heads, self.num_heads)
+        n, m = self.q.shape[2], self.k.shape[2]
+        per_sequence_head = (
+            self.q[0, 0].numel() * self.q.element_size()
+            + self.k[0, 0].numel() * self.k.element_size()
+            + 4 * n * m
+        )
+        total = sequences * heads * per_sequence_head
+        if self.mask is not None:
+            total += min(self.mask.shape[0], sequences) * min(self.mask.shape[1], heads) * 4 * n * m
+        total += sequences * (n + m)  # the bool key and query masks, at most
+        return total
+
+    def first(self, sequences: int, heads: int) -> CapturedAttention:
+        """A copy cut to the first ``sequences`` sequences and ``heads`` heads (fresh storage, not views)."""
+
+        def cut(tensor: Tensor | None, head_dim: bool) -> Tensor | None:
+            if tensor is None:
+                return None
+            tensor = tensor[:sequences]
+            if head_dim:
+                tensor = tensor[:, :heads]
+            return tensor.clone()
+
+        return replace(
+            self,
+            q=cut(self.q, True),
+            k=cut(self.k, True),
+            mask=cut(self.mask, True),
+            key_mask=cut(self.key_mask, False),
+            query_mask=cut(self.query_mask, False),
+        )
+
+
+@dataclass(frozen=True)
+class SkippedCapture:
+    """A layer (or ``"*"`` for the whole forward) whose attention was not captured or was cut, and why."""
+
+    layer: str
+    reason: str
+
+
+@dataclass
+class AttentionRecording:
+    """What one armed forward captured, in call order; filled during the forward, final on disarm."""
+
+    captured: list[CapturedAttention] = field(default_factory=list)
+    skipped: list[SkippedCapture] = field(default_factory=list)
+
+    def samples(self) -> list[AttentionSample]:
+        """The attention probabilities of every captured layer, computed now (float32)."""
+        return [capture.sample() for capture in self.captured]
+
+    def nbytes(self) -> int:
+        """Bytes held by the captures plus the float32 probabilities they expand to."""
+        return sum(capture.nbytes() for capture in self.captured)
+
+
+# An OrderedDict, as torch's hook registries: RemovableHandle needs a weak reference to it.
+_GLOBAL_EXTRACTORS: OrderedDict[int, tuple[type[nn.Module] | str, AttentionExtractor]] = OrderedDict()
+
+
+def register_attention_extractor(
+    target: type[nn.Module] | str, extractor: AttentionExtractor
+) -> RemovableHandle:
+    """Register how to read q, k, mask and scale from modules that compute attention by hand.
+
+    ``target`` is a module type (matched with ``isinstance``) or an ``fnmatch`` pattern over qualified module
+    names. Applies to every :class:`AttentionCapture` created afterwards; a capture's own ``extractors``
+    take precedence, and a later registration over an earlier one. Returns a handle whose ``remove()``
+    unregisters (also usable as a context manager).
+    """
+    _check_extractor_target("target", target, extractor)
+    handle = RemovableHandle(_GLOBAL_EXTRACTORS)
+    _GLOBAL_EXTRACTORS[handle.id] = (target, extractor)
+    return handle
+
+
+class AttentionCapture:
+    """Captures the attention of ``model`` during armed forwards only; costs nothing otherwise.
+
+    Use ``with capture.armed() as recording: model(batch)`` around a training-step forward, or ``arm()`` /
+    ``disarm()`` from callback hooks that bracket it (arm before the forward, disarm before backward).
+    The first ``max_sequences`` sequences of the batch are kept, so no random numbers are drawn.
+    ``max_bytes`` bounds what a recording holds (q, k, masks and the float32 probabilities they expand to):
+    over budget, fewer sequences, then fewer heads, then fewer layers (the last ones) are kept, each cut
+    listed in ``recording.skipped``. ``extractors`` maps module types or name patterns to
+    :data:`AttentionExtractor` functions for attention written by hand. With ``strict=False`` an error while
+    capturing one layer is recorded in ``skipped`` and the forward goes on; ``strict=True`` raises it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_sequences: int = 4,
+        max_bytes: int | None = None,
+        extractors: Mapping[type[nn.Module] | str, AttentionExtractor] | None = None,
+        strict: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(max_sequences, int) or isinstance(max_sequences, bool) or max_sequences < 1:
+            raise ValueError(f"max_sequences must be a positive int, got {max_sequences!r}")
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1
+        ):
+            raise ValueError(f"max_bytes must be a positive int (bytes) or None, got {max_bytes!r}")
+        for target, extractor in (extractors or {}).items():
+            _check_extractor_target("extractors", target, extractor)
+        self.model = model
+        self.max_sequences = max_sequences
+        self.max_bytes = max_bytes
+        self.extractors = dict(extractors or {})
+        self.strict = strict
+        self._armed: _ArmedForward | None = None
+
+    @property
+    def is_armed(self) -> bool:
+        return self._armed is not None
+
+    def arm(self, token_mask: Tensor | None = None) -> AttentionRecording:
+        """Install the capture for the next forward; returns the recording it fills.
+
+        ``token_mask``: optional (B, n) bool, True = real token, marking padded queries of every attention
+        call with n queries (self-attention over the batch's tokens).
+        """
+        if self._armed is not None:
+            raise RuntimeError("AttentionCapture is already armed; disarm() it first")
+        if token_mask is not None and (
+            not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool or token_mask.dim() != 2
+        ):
+            raise ValueError("token_mask must be a (batch, tokens) bool tensor (True = real token) or None")
+        self._armed = _ArmedForward(self, token_mask)
+        return self._armed.recording
+
+    def disarm(self) -> AttentionRecording:
+        """Remove everything ``arm()`` installed and apply the memory budget; returns the final recording."""
+        if self._armed is None:
+            raise RuntimeError("AttentionCapture is not armed")
+        armed, self._armed = self._armed, None
+        return armed.close()
+
+    @contextmanager
+    def armed(self, token_mask: Tensor | None = None) -> Iterator[AttentionRecording]:
+        """Context manager form of :meth:`arm` / :meth:`disarm`; disarms even if the forward raises."""
+        recording = self.arm(token_mask)
+        try:
+            yield recording
+        finally:
+            self.disarm()
+
+    def _extractor_for(self, name: str, module: nn.Module) -> AttentionExtractor | None:
+        for target, extractor in self.extractors.items():
+            if _matches(target, name, module):
+                return extractor
+        for target, extractor in reversed(_GLOBAL_EXTRACTORS.values()):
+            if _matches(target, name, module):
+                return extractor
+        return None
+
+
+class _KernelCallMode(TorchFunctionMode):
+    """Passes every torch function through unchanged, reporting attention-kernel calls after they ran.
+
+    Torch pops the mode while its handler runs, so only outermost calls are seen and the capture's own
+    tensor operations are not intercepted.
+    """
+
+    def __init__(self, on_kernel_call: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], None]):
+        super().__init__()
+        self._on_kernel_call = on_kernel_call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is _MULTI_HEAD_ATTENTION_FORWARD or func is _SCALED_DOT_PRODUCT_ATTENTION:
+            self._on_kernel_call(func, args, kwargs)
+        return result
+
+
+class _ArmedForward:
+    """The hooks and mode of one armed forward, and the recording they fill."""
+
+    def __init__(self, capture: AttentionCapture, token_mask: Tensor | None) -> None:
+        self._capture = capture
+        self._token_mask = token_mask
+        self.recording = AttentionRecording()
+        self._names: list[str] = []
+        self._seen: set[str] = set()
+        self._extracted: set[str] = set()
+        self._handles: list[RemovableHandle] = []
+        self._mode: _KernelCallMode | None = None
+        try:
+            self._install()
+        except BaseException:
+            self._remove()
+            raise
+
+    def _install(self) -> None:
+        for name, module in self._capture.model.named_modules():
+            layer = name or ROOT_LAYER_NAME
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer)))
+            self._handles.append(module.register_forward_hook(self._exit_hook(layer), always_call=True))
+            extractor = self._capture._extractor_for(name, module)
+            if extractor is not None:
+                self._extracted.add(layer)
+                hook = self._extractor_hook(layer, extractor)
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        fused = _module_with_fused_inference_path(self._capture.model)
+        if fused is None:
+            self._mode = _KernelCallMode(self._on_kernel_call)
+            self._mode.__enter__()
+        else:
+            self.recording.skipped.append(
+                SkippedCapture(
+                    "*",
+                    f"attention kernels not captured: {fused!r} is in eval mode under no_grad, where "
+                    "capturing would disable its fused fast path and change its outputs "
+                    "(capture training forwards)",
+                )
+            )
+
+    def close(self) -> AttentionRecording:
+        self._remove()
+        if self._capture.max_bytes is not None:
+            _fit_to_budget(self.recording, self._capture.max_bytes)
+        self._token_mask = None
+        return self.recording
+
+    def _remove(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._names.clear()
+
+    def _enter_hook(self, layer: str) -> Callable[..., None]:
+        def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+            self._names.append(layer)
+
+        return enter
+
+    def _exit_hook(self, layer: str) -> Callable[..., None]:
+        def exit_(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if self._names and self._names[-1] == layer:
+                self._names.pop()
+
+        return exit_
+
+    def _extractor_hook(self, layer: str, extractor: AttentionExtractor) -> Callable[..., None]:
+        def extract(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if layer in self._seen:
+                return
+            self._seen.add(layer)
+            self._record(
+                layer, lambda: _captured(layer, extractor(module, args, kwargs, output), *self._sampling())
+            )
+
+        return extract
+
+    def _on_kernel_call(
+        self, kernel: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if not self._names:
+            return  # not called from inside the captured model
+        layer = self._names[-1]
+        if layer in self._seen or layer in self._extracted:
+            return
+        self._seen.add(layer)
+        if kernel is _MULTI_HEAD_ATTENTION_FORWARD:
+            self._record(
+                layer, lambda: _captured_multi_head_attention(layer, args, kwargs, *self._sampling())
+            )
+        else:
+            self._record(
+                layer,
+                lambda: _captured(layer, _scaled_dot_product_inputs(*args, **kwargs), *self._sampling()),
+            )
+
+    def _sampling(self) -> tuple[int, Tensor | None]:
+        return self._capture.max_sequences, self._token_mask
+
+    def _record(self, layer: str, capture: Callable[[], CapturedAttention | None]) -> None:
+        try:
+            with torch.no_grad():
+                captured = capture()
+        except Exception as error:
+            if self._capture.strict:
+                raise
+            self.recording.skipped.append(SkippedCapture(layer, f"capture failed: {error!r}"))
+            return
+        if captured is not None:
+            self.recording.captured.append(captured)
+
+
+def _scaled_dot_product_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> AttentionInputs:
+    """Binds the arguments of an ``F.scaled_dot_product_attention`` call (its builtin has no signature)."""
+    return AttentionInputs(q=query, k=key, mask=attn_mask, causal=is_causal, scale=scale)
+
+
+def _captured_multi_head_attention(
+    layer: str, args: tuple[Any, ...], kwargs: dict[str, Any], max_sequences: int, token_mask: Tensor | None
+) -> CapturedAttention:
+    """Projects q and k of the sampled sequences from an ``F.multi_head_attention_forward`` call's arguments.
+
+    Mirrors the kernel: packed or separate projection weights, ``bias_k`` and ``add_zero_attn`` key columns,
+    ``static_k``, bool (True = masked) or float masks, 2-D or 3-D ``attn_mask`` merged with
+    ``key_padding_mask``; where the kernel runs causal SDPA and ignores ``attn_mask``, so does the capture.
+    """
+    call = _MULTI_HEAD_ATTENTION_SIGNATURE.bind(*args, **kwargs)
+    call.apply_defaults()
+    arguments = call.arguments
+    query, key = arguments["query"], arguments["key"]
+    attn_mask, key_padding_mask = arguments["attn_mask"], arguments["key_padding_mask"]
+    is_self_attention = query is key
+    if query.dim() == 2:  # unbatched (n, E): the kernel adds a batch dimension of one
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    num_queries, batch, embed_dim = query.shape
+    heads = arguments["num_heads"]
+    head_dim = embed_dim // heads
+    sequences = min(max_sequences, batch)
+
+    projection_bias = arguments["in_proj_bias"]
+    query_bias, key_bias = (None, None) if projection_bias is None else projection_bias.chunk(3)[:2]
+    if arguments["use_separate_proj_weight"]:
+        query_weight, key_weight = arguments["q_proj_weight"], arguments["k_proj_weight"]
+    else:
+        query_weight, key_weight, _ = arguments["in_proj_weight"].chunk(3)
+    q = F.linear(query[:, :sequences], query_weight, query_bias)
+    q = q.view(num_queries, sequences, heads, head_dim).permute(1, 2, 0, 3)
+
+    extra_keys = 0
+    if arguments["static_k"] is None:
+        k = F.linear(key[:, :sequences], key_weight, key_bias)
+        if arguments["bias_k"] is not None:
+            k = torch.cat([k, arguments["bias_k"].expand(1, sequences, embed_dim)])
+            extra_keys += 1
+        k = k.view(k.shape[0], sequences, heads, head_dim).permute(1, 2, 0, 3)
+    else:
+        k = arguments["static_k"].view(batch, heads, -1, head_dim)[:sequences]
+    if arguments["add_zero_attn"]:
+        k = torch.cat([k, k.new_zeros(sequences, heads, 1, head_dim)], dim=2)
+        extra_keys += 1
+
+    # The kernel either runs causal SDPA and ignores attn_mask, or applies the merged masks; with a truthful
+    # is_causal hint and no extra key columns both give the same attention, and ``causal`` stays informative.
+    is_causal = bool(arguments["is_causal"])
+    kernel_ignores_attn_mask = is_causal and key_padding_mask is None and not arguments["need_weights"]
+    causal = is_causal and (kernel_ignores_attn_mask or extra_keys == 0)
+    mask = None
+    if attn_mask is not None and not kernel_ignores_attn_mask:
+        mask = _additive_mask(attn_mask, true_means_masked=True)
+        if mask.dim() == 2:
+            mask = mask.view(1, 1, *mask.shape)
+        else:
+            mask = mask.view(batch, heads, *mask.shape[-2:])[:sequences]
+    padded_queries = None
+    if key_padding_mask is not None:
+        padding = _additive_mask(key_padding_mask[:sequences], true_means_masked=True)
+        if is_self_attention:
+            padded_queries = torch.isneginf(padding)
+        padding = padding.view(sequences, 1, 1, -1)
+        mask = padding if mask is None else mask + padding
+    if mask is not None and extra_keys:
+        mask = F.pad(mask, (0, extra_keys))
+    inputs = AttentionInputs(q=q, k=k, mask=mask, causal=causal, scale=1.0 / math.sqrt(head_dim))
+    return _captured(layer, inputs, sequences, token_mask, padded_queries)
+
+
+def _captured(
+    layer: str,
+    inputs: AttentionInputs | None,
+    max_sequences: int,
+    token_mask: Tensor | None,
+    padded_queries: Tensor | None = None,
+) -> CapturedAttention | None:
+    """Detached copies of the first ``max_sequences`` sequences of ``inputs``, with key and query masks."""
+    if inputs is None:
+        return None
+    if not isinstance(inputs, AttentionInputs):
+        raise TypeError(
+            f"an attention extractor must return AttentionInputs or None, got {type(inputs).__name__}"
+        )
+    q, k = _batch_heads_layout(inputs.q), _batch_heads_layout(inputs.k)
+    sequences = min(max_sequences, q.shape[0])
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    q = _copy(q[:sequences])
+    k = k[:sequences] if k.shape[0] > 1 else k.expand(sequences, *k.shape[1:])
+    heads, key_heads = q.shape[1], k.shape[1]
+    if heads % key_heads:
+        raise ValueError(f"{heads} query heads cannot share {key_heads} key heads")
+    k = k.repeat_interleave(heads // key_heads, dim=1) if key_heads < heads else _copy(k)
+
+    mask = None
+    if inputs.mask is not None:
+        mask = _batch_heads_mask(inputs.mask, inputs.q.shape, sequences)
+        mask = _additive_mask(mask, true_means_masked=False)
+        torch.broadcast_shapes(mask.shape, (sequences, heads, num_queries, num_keys))
+    scale = inputs.scale if inputs.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+    attendable = _attendable(mask, inputs.causal, sequences, num_queries, num_keys, q.device)
+    key_mask = attendable.any(dim=(1, 2)) if attendable is not None else None
+    query_mask = attendable.any(dim=(1, 3)) if attendable is not None else None
+    if padded_queries is not None:
+        query_mask = _conjunction(query_mask, ~padded_queries)
+    if token_mask is not None and token_mask.shape[1] == num_queries:
+        query_mask = _conjunction(query_mask, token_mask[:sequences].to(q.device))
+    return CapturedAttention(
+        layer=layer,
+        q=q,
+        k=k,
+        mask=mask,
+        causal=bool(inputs.causal),
+        scale=float(scale),
+        key_mask=None if key_mask is None or bool(key_mask.all()) else key_mask,
+        query_mask=None if query_mask is None or bool(query_mask.all()) else query_mask,
+    )
+
+
+def _batch_heads_layout(tensor: Tensor) -> Tensor:
+    """(..., L, E) as SDPA accepts it -> (B, H, L, E): absent dims become 1, extra dims join heads."""
+    if tensor.dim() == 2:
+        return tensor.view(1, 1, *tensor.shape)
+    if tensor.dim() == 3:
+        return tensor.unsqueeze(1)
+    return tensor.reshape(tensor.shape[0], -1, *tensor.shape[-2:])
+
+
+def _batch_heads_mask(mask: Tensor, query_shape: torch.Size, sequences: int) -> Tensor:
+    """A mask broadcastable to SDPA's (..., L, S) as (B or 1, H or 1, L, S), cut to the sampled sequences."""
+    mask = mask[(None,) * (len(query_shape) - mask.dim())]
+    if len(query_shape) > 4:  # extra dims join the heads, as for q; broadcast dims must be materialised
+        mask = mask.expand(*query_shape[:-2], *mask.shape[-2:])
+    mask = mask[:sequences] if mask.dim() > 2 and mask.shape[0] > 1 else mask
+    return _batch_heads_layout(mask)
+
+
+def _additive_mask(mask: Tensor, *, true_means_masked: bool) -> Tensor:
+    """A float32 copy of ``mask`` as an additive logit bias with ``-inf`` where attention is not allowed.
+
+    Float masks at or below half their dtype's lowest value (the "minus infinity" of Hugging Face masks)
+    become ``-inf``; after the softmax that changes nothing but makes "not attendable" exact.
+    """
+    if mask.dtype == torch.bool:
+        blocked = mask if true_means_masked else ~mask
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+            blocked, -math.inf
+        )
+    if not mask.is_floating_point():
+        raise ValueError(f"attention masks must be bool or floating point, got {mask.dtype}")
+    return mask.to(torch.float32, copy=True).masked_fill_(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
+
+
+def _attendable(
+    mask: Tensor | None, causal: bool, sequences: int, num_queries: int, num_keys: int, device: torch.device
+) -> Tensor | None:
+    """Where a query may attend a key: bool (S, H or 1, n, m), or ``None`` when everywhere."""
+    attendable = None
+    if mask is not None:
+        attendable = ~torch.isneginf(mask).expand(sequences, -1, num_queries, num_keys)
+    if causal:
+        pattern = _causal_pattern(num_queries, num_keys, device)
+        attendable = pattern.expand(sequences, 1, -1, -1) if attendable is None else attendable & pattern
+    return attendable
+
+
+def _causal_pattern(num_queries: int, num_keys: int, device: torch.device) -> Tensor:
+    """SDPA's ``is_causal`` pattern: query i attends keys j <= i (top-left aligned)."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril()
+
+
+def _conjunction(mask: Tensor | None, other: Tensor) -> Tensor:
+    return other.clone() if mask is None else mask & other
+
+
+def _copy(tensor: Tensor) -> Tensor:
+    """A detached copy with its own storage, so nothing of the batch's activations stays alive."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _fit_to_budget(recording: AttentionRecording, max_bytes: int) -> None:
+    """Cuts sequences, then heads, then trailing layers until the recording fits ``max_bytes``."""
+    captured = recording.captured
+    if not captured or recording.nbytes() <= max_bytes:
+        return
+
+    def total(layers: list[CapturedAttention], sequences: int, heads: int) -> int:
+        return sum(layer.nbytes(sequences, heads) for layer in layers)
+
+    most_sequences = max(layer.num_sequences for layer in captured)
+    most_heads = max(layer.num_heads for layer in captured)
+    kept_layers = len(captured)
+    sequences, heads = 1, 1
+    fitting_sequences = [
+        s for s in range(most_sequences, 0, -1) if total(captured, s, most_heads) <= max_bytes
+    ]
+    if fitting_sequences:
+        sequences, heads = fitting_sequences[0], most_heads
+    else:
+        fitting_heads = [h for h in range(most_heads, 0, -1) if total(captured, 1, h) <= max_bytes]
+        if fitting_heads:
+            heads = fitting_heads[0]
+        else:
+            while kept_layers and total(captured[:kept_layers], 1, 1) > max_bytes:
+                kept_layers -= 1
+
+    budget = f"memory budget of {max_bytes} bytes"
+    kept = []
+    for layer in captured[:kept_layers]:
+        cut = layer.first(sequences, heads)
+        if cut.num_sequences < layer.num_sequences or cut.num_heads < layer.num_heads:
+            recording.skipped.append(
+                SkippedCapture(
+                    layer.layer,
+                    f"{budget}: kept {cut.num_sequences} of {layer.num_sequences} sequences and "
+                    f"{cut.num_heads} of {layer.num_heads} heads",
+                )
+            )
+        kept.append(cut)
+    for layer in captured[kept_layers:]:
+        recording.skipped.append(
+            SkippedCapture(
+                layer.layer, f"{budget}: not kept (one sequence and head need {layer.nbytes(1, 1)})"
+            )
+        )
+    recording.captured[:] = kept
+
+
+def _module_with_fused_inference_path(model: nn.Module) -> str | None:
+    """The name of a module whose fused inference fast path an active TorchFunctionMode would disable."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return None
+    grad_enabled = torch.is_grad_enabled()
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.MultiheadAttention, nn.TransformerEncoderLayer)) or module.training:
+            continue
+        trainable = any(parameter.requires_grad for parameter in module.parameters())
+        if not (grad_enabled and trainable):  # torch's own condition for leaving the fast path
+            return name or ROOT_LAYER_NAME
+    return None
+
+
+def _check_extractor_target(argument: str, target: object, extractor: object) -> None:
+    is_module_type = isinstance(target, type) and issubclass(target, nn.Module)
+    if not (is_module_type or isinstance(target, str)):
+        raise ValueError(
+            f"{argument}: a target must be an nn.Module subclass or a module-name pattern (str), "
+            f"got {target!r}"
+        )
+    if not callable(extractor):
+        raise ValueError(f"{argument}: the extractor for {target!r} must be callable, got {extractor!r}")
+
+
+def _matches(target: type[nn.Module] | str, name: str, module: nn.Module) -> bool:
+    if isinstance(target, str):
+        return fnmatch.fnmatchcase(name or ROOT_LAYER_NAME, target)
+    return isinstance(module, target)

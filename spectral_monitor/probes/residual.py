@@ -1,0 +1,226 @@
+"""Capture of the residual stream (the outputs of transformer blocks) on logging steps.
+
+While armed, a forward hook on each block keeps a detached float32 copy of the block's output for the first
+``max_sequences`` sequences of the batch, laid out (S, n, d) whatever the block's own layout, with the token
+mask when it is known. Hooks exist only between arm and disarm; outputs are read, never modified.
+
+Blocks are found automatically (``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer``, Hugging Face
+``GPT2Block`` and ``BertLayer``, and any ``*Block`` / ``*Layer`` module held in an ``nn.ModuleList`` named
+``layers``, ``h``, ``blocks`` or ``layer``) or named by ``fnmatch`` patterns.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from spectral_monitor.probes.attention import SkippedCapture
+
+__all__ = ["ResidualCapture", "ResidualRecording", "ResidualSample", "find_transformer_blocks"]
+
+_BLOCK_TYPES = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+_BLOCK_CLASS_NAMES = frozenset({"GPT2Block", "BertLayer"})  # by name: transformers stays optional
+_BLOCK_LIST_NAMES = frozenset({"layers", "h", "blocks", "layer"})
+_BLOCK_LIKE_CLASS_NAME = re.compile(r"(Block|Layer)$")
+# Where a block's keyword arguments say which of its tokens are padding (True or -inf = padding).
+_PADDING_MASK_ARGUMENTS = {
+    nn.TransformerEncoderLayer: "src_key_padding_mask",
+    nn.TransformerDecoderLayer: "tgt_key_padding_mask",
+}
+
+
+@dataclass
+class ResidualSample:
+    """The output of one block for the sampled sequences.
+
+    ``states``: (S, n, d) float32, a detached copy. ``token_mask``: (S, n) bool, True = real token, or
+    ``None`` when unknown (or when every token is real).
+    """
+
+    layer: str
+    states: Tensor
+    token_mask: Tensor | None
+
+
+@dataclass
+class ResidualRecording:
+    """The block outputs of one armed forward, in model order, and the blocks not read; final on disarm."""
+
+    states: list[ResidualSample] = field(default_factory=list)
+    skipped: list[SkippedCapture] = field(default_factory=list)
+
+
+def find_transformer_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> list[str]:
+    """Qualified names of the transformer blocks of ``model``, in model (registration) order.
+
+    With ``patterns``, the modules whose qualified names match any of the ``fnmatch`` patterns instead.
+    """
+    if patterns is not None:
+        return [
+            name
+            for name, _ in model.named_modules()
+            if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+        ]
+    in_block_list = set()
+    for list_name, container in model.named_modules():
+        if isinstance(container, nn.ModuleList) and list_name.rpartition(".")[2] in _BLOCK_LIST_NAMES:
+            in_block_list.update(id(child) for child in container.children())
+    blocks = []
+    for name, module in model.named_modules():
+        known = isinstance(module, _BLOCK_TYPES) or type(module).__name__ in _BLOCK_CLASS_NAMES
+        block_like = (
+            id(module) in in_block_list
+            and _BLOCK_LIKE_CLASS_NAME.search(type(module).__name__) is not None
+            and next(module.children(), None) is not None
+        )
+        if known or block_like:
+            blocks.append(name)
+    return blocks
+
+
+class ResidualCapture:
+    """Captures block outputs of ``model`` during armed forwards only; costs nothing otherwise.
+
+    ``block_patterns``: ``fnmatch`` patterns over qualified module names choosing the blocks (default: found
+    automatically). The first ``max_sequences`` sequences of the batch are kept; when a block runs several
+    times in one armed forward only its first output is kept.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        block_patterns: Sequence[str] | None = None,
+        max_sequences: int = 4,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(max_sequences, int) or isinstance(max_sequences, bool) or max_sequences < 1:
+            raise ValueError(f"max_sequences must be a positive int, got {max_sequences!r}")
+        if block_patterns is not None and (
+            isinstance(block_patterns, str) or not all(isinstance(pattern, str) for pattern in block_patterns)
+        ):
+            raise ValueError(
+                f"block_patterns must be a sequence of str patterns or None, got {block_patterns!r}"
+            )
+        self.model = model
+        self.max_sequences = max_sequences
+        self.blocks = tuple(find_transformer_blocks(model, block_patterns))
+        if not self.blocks:
+            if block_patterns is not None:
+                raise ValueError(f"block_patterns {list(block_patterns)} match no module of the model")
+            raise ValueError(
+                "no transformer block found in the model; name its blocks with block_patterns "
+                "(fnmatch patterns over qualified module names, e.g. ['encoder.layers.*'])"
+            )
+        self._handles: list[RemovableHandle] = []
+        self._recording: ResidualRecording | None = None
+
+    @property
+    def is_armed(self) -> bool:
+        return self._recording is not None
+
+    def arm(self, token_mask: Tensor | None = None) -> ResidualRecording:
+        """Install the hooks for the next forward; returns the recording they fill.
+
+        ``token_mask``: optional (B, n) bool, True = real token, attached to blocks whose sequence length is
+        n and whose own arguments carry no padding mask.
+        """
+        if self._recording is not None:
+            raise RuntimeError("ResidualCapture is already armed; disarm() it first")
+        if token_mask is not None and (
+            not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool or token_mask.dim() != 2
+        ):
+            raise ValueError("token_mask must be a (batch, tokens) bool tensor (True = real token) or None")
+        recording = ResidualRecording()
+        modules = dict(self.model.named_modules())
+        seen: set[str] = set()
+        for name in self.blocks:
+            hook = self._output_hook(name, token_mask, recording, seen)
+            self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
+        self._recording = recording
+        return recording
+
+    def disarm(self) -> ResidualRecording:
+        """Remove the hooks; returns the final recording, its states in model order."""
+        if self._recording is None:
+            raise RuntimeError("ResidualCapture is not armed")
+        recording, self._recording = self._recording, None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        order = {name: position for position, name in enumerate(self.blocks)}
+        recording.states.sort(key=lambda sample: order[sample.layer])
+        return recording
+
+    @contextmanager
+    def armed(self, token_mask: Tensor | None = None) -> Iterator[ResidualRecording]:
+        """Context manager form of :meth:`arm` / :meth:`disarm`; disarms even if the forward raises."""
+        recording = self.arm(token_mask)
+        try:
+            yield recording
+        finally:
+            self.disarm()
+
+    def _output_hook(
+        self, name: str, token_mask: Tensor | None, recording: ResidualRecording, seen: set[str]
+    ) -> Callable[..., None]:
+        def keep_output(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            if name in seen:
+                return
+            seen.add(name)
+            states = output if isinstance(output, Tensor) else _first_tensor(output)
+            if states is None or states.is_nested or states.dim() not in (2, 3):
+                reason = f"output is not a (batch, tokens, features) tensor but {type(output).__name__}"
+                recording.skipped.append(SkippedCapture(name, reason))
+                return
+            with torch.no_grad():
+                states = _batch_first(states, module)[: self.max_sequences]
+                copy = states.detach().to(torch.float32, copy=True).contiguous()
+                mask = _token_mask(module, kwargs, token_mask, copy.shape[0], copy.shape[1])
+                mask = None if mask is None else mask.to(copy.device)
+            recording.states.append(ResidualSample(name, copy, mask))
+
+        return keep_output
+
+
+def _first_tensor(output: Any) -> Tensor | None:
+    if isinstance(output, (tuple, list)):
+        return next((item for item in output if isinstance(item, Tensor)), None)
+    return None
+
+
+def _batch_first(states: Tensor, module: nn.Module) -> Tensor:
+    """The block output as (B, n, d): unbatched (n, d) gains a batch of one, sequence-first is transposed."""
+    if states.dim() == 2:
+        return states.unsqueeze(0)
+    attention = getattr(module, "self_attn", None)
+    batch_first = getattr(attention, "batch_first", getattr(module, "batch_first", True))
+    return states if batch_first else states.transpose(0, 1)
+
+
+def _token_mask(
+    module: nn.Module, kwargs: dict[str, Any], token_mask: Tensor | None, sequences: int, tokens: int
+) -> Tensor | None:
+    """True = real token, from the block's own padding-mask argument, else from the batch's token mask."""
+    mask = None
+    for block_type, argument in _PADDING_MASK_ARGUMENTS.items():
+        padding = kwargs.get(argument) if isinstance(module, block_type) else None
+        if padding is not None and padding.dim() == 2:
+            mask = ~padding if padding.dtype == torch.bool else ~torch.isneginf(padding)
+    if mask is None and token_mask is not None:
+        mask = token_mask
+    if mask is None or mask.shape[1] != tokens:
+        return None
+    mask = mask[:sequences].to(torch.bool).clone()
+    return None if bool(mask.all()) else mask

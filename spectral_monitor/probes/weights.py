@@ -1,0 +1,691 @@
+"""Spectral norms, Frobenius norms and stable ranks of a model's weights, warm-started between logging steps.
+
+What is measured: every ``nn.Linear`` and Hugging Face ``Conv1D`` (recognised by class name, so transformers
+stays optional; it stores its weight (in, out) and is read transposed), and the query, key and value
+projections of every attention module the probe recognises, split out of packed weights:
+
+- ``nn.MultiheadAttention``: ``in_proj_weight`` rows [W_Q; W_K; W_V], or ``q_proj_weight``, ``k_proj_weight``,
+  ``v_proj_weight`` when ``kdim``/``vdim`` differ from ``embed_dim``. Its ``out_proj`` is an ``nn.Linear`` and
+  is measured as one.
+- GPT-2-style attention (Hugging Face): a ``Conv1D`` ``c_attn`` with columns [W_Q | W_K | W_V] and an int
+  ``num_heads``; as cross-attention (``is_cross_attention``) ``c_attn`` holds [W_K | W_V] and ``q_attn`` W_Q.
+- a packed ``nn.Linear`` ``c_attn`` or ``qkv`` with rows [W_Q; W_K; W_V], heads contiguous within each, and an
+  int head count ``n_head``, ``n_heads`` or ``num_heads`` (nanoGPT, timm, the demo model).
+- ``nn.Linear`` ``q_proj``, ``k_proj``, ``v_proj`` with an int ``head_dim`` (Hugging Face Llama, Mistral, OPT,
+  BART, ...; grouped-query attention included).
+- any other layout through ``attention_readers``.
+
+Names and records (family ``"weights"``). A weight is named by its module (``blocks.0.mlp.0``); a projection
+split out of an attention module ``blocks.0.attn`` is named ``blocks.0.attn.q``, ``.k``, ``.v`` whatever the
+packing, so every model family reads the same (named as the module's children: when the measured model is
+itself the attention module they are ``q``, ``k``, ``v``, and its own values are on ``"model"``).
+
+- every weight: ``spectral_norm`` σ₁, ``frobenius_norm``, ``stable_rank`` ‖W‖_F²/σ₁² (NaN for a zero weight)
+  and ``spectral_norm_residual``, the relative Ritz residual of the estimate (below);
+- with ``per_head``, the same four for each head's rows W^h of q, k and v (``Measurement.head`` = h, tag
+  ``weights/spectral_norm/blocks.0.attn.q/head_0``), and ``qk_spectral_norm`` = ‖W_Q^hᵀ W_K^h‖₂ for each
+  query head h on the attention module's own name (grouped keys: query head h reads key head h // (H / H_k));
+- ``qk_spectral_norm_max``, the largest over heads, per attention module, also without ``per_head``.
+
+‖W_Q^hᵀ W_K^h‖₂ is the norm of the bilinear form of the head's attention logits, before the 1/√d_k scale and
+the biases; its growth precedes attention-entropy collapse (Zhai et al. 2023). With rotary embeddings it is
+the form at relative position 0. Histograms (:meth:`WeightProbe.distributions`) are named
+``<metric>_per_head``, so they never share a tag with a scalar.
+
+How. σ₁ comes from the batched block Lanczos of :mod:`spectral_monitor.linalg`, warm-started like
+``torch.nn.utils.parametrizations.spectral_norm``: each weight (and head) keeps its right singular vector
+between calls, so a logging step costs ``iterations_per_step`` block iterations, and weights of one shape run
+as one batch. A weight seen for the first time, or whose shape changed, starts cold and is solved to ``tol``.
+A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ from
+``torch.linalg.svdvals`` instead (residual 0, no warm state): Krylov iteration buys nothing there.
+The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller); σ₁'s relative error is
+then at most about half of it. ‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
+
+Observing only: everything runs under ``torch.no_grad`` on detached float32 (float64 stays float64) copies,
+with a private random generator; parameters, ``.grad`` and optimizer state are never touched. A parametrized
+weight (``torch.nn.utils.parametrize``) is read as its stored ``original``, because evaluating the
+parametrization can change its state (``spectral_norm`` runs a power iteration on every evaluation in
+training mode).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from spectral_monitor.linalg import top_singular
+from spectral_monitor.linalg.operators import default_generator, working_dtype
+from spectral_monitor.probes.attention import ROOT_LAYER_NAME
+from spectral_monitor.records import Distribution, Measurement
+
+__all__ = [
+    "WEIGHT_FAMILY",
+    "AttentionWeights",
+    "AttentionWeightsReader",
+    "WeightProbe",
+    "query_key_spectral_norms",
+]
+
+WEIGHT_FAMILY = "weights"
+
+_COLD_START_MAX_ITERATIONS = 60  # once per weight, so it may cost what converging to ``tol`` costs
+# A matrix with a side this short (a head's rows, a small layer) gets its exact σ₁ from svdvals: there a few
+# block Krylov iterations already span the whole space, so iterating buys nothing.
+_EXACT_MAX_SIZE = 32
+# Bounds the float32 copies held at once (a 7B model's q, k, v and o of all layers would be 8 GiB); a single
+# weight larger than this is measured alone.
+_MAX_BATCH_BYTES = 256 * 2**20
+_CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
+_PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
+_HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads")
+_PER_HEAD_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank")
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionWeights:
+    """The query, key and value projections of one attention module, each (out, in) as ``nn.Linear`` has it.
+
+    ``query``: (H·d_k, d_q); ``key``: (H_k·d_k, d_kv); ``value``: (H_k·d_v, d_v_in) or ``None``; head h owns
+    rows h·d_k … (h+1)·d_k. ``num_key_value_heads`` H_k (default H) must divide H (grouped-query attention:
+    query head h reads key head h // (H / H_k)). ``replaces``: names, relative to the attention module, of the
+    submodules whose weights these are (e.g. ``("c_attn",)``), so they are not also measured whole.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor | None
+    num_heads: int
+    num_key_value_heads: int | None = None
+    replaces: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, weight in (("query", self.query), ("key", self.key), ("value", self.value)):
+            if weight is not None and (not isinstance(weight, Tensor) or weight.ndim != 2):
+                raise ValueError(f"{name} must be a 2-D (out, in) tensor, got {_describe(weight)}")
+        _check_heads(self.query, self.key, self.value, self.num_heads, self.key_value_heads)
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
+    def projections(self) -> Iterator[tuple[str, Tensor, int]]:
+        """``(role, weight, heads)`` for ``"q"``, ``"k"`` and ``"v"`` (when there is a value projection)."""
+        yield "q", self.query, self.num_heads
+        yield "k", self.key, self.key_value_heads
+        if self.value is not None:
+            yield "v", self.value, self.key_value_heads
+
+
+AttentionWeightsReader = Callable[[nn.Module], AttentionWeights | None]
+"""``reader(module)`` -> the module's projections (detached views of its weights), or ``None`` when the module
+is not attention after all (its submodules are then measured as plain weights)."""
+
+
+def query_key_spectral_norms(
+    query: Tensor, key: Tensor, num_heads: int, num_key_value_heads: int | None = None
+) -> Tensor:
+    """‖W_Q^hᵀ W_K^g‖₂ for every query head h (g its key head), exactly, as a (H,) tensor.
+
+    ``query`` (H·d_k, d_q) and ``key`` (H_k·d_k, d_kv) as ``nn.Linear`` stores them, so head h's logit between
+    inputs x and y is (W_Q^h x)·(W_K^g y) = xᵀ (W_Q^hᵀ W_K^g) y, with g = h // (H / H_k). With reduced QR
+    factors W_Q^hᵀ = U_Q R_Q and W_K^gᵀ = U_K R_K (orthonormal U), W_Q^hᵀ W_K^g = U_Q (R_Q R_Kᵀ) U_Kᵀ has the
+    singular values of the d_k × d_k matrix R_Q R_Kᵀ: nothing of size d_q × d_kv is formed.
+    """
+    key_heads = num_heads if num_key_value_heads is None else num_key_value_heads
+    _check_heads(query, key, None, num_heads, key_heads)
+    head_dim = query.shape[0] // num_heads
+    query_heads = query.reshape(num_heads, head_dim, -1).transpose(1, 2)
+    key_heads_per_query = key.reshape(key_heads, head_dim, -1).transpose(1, 2)
+    key_heads_per_query = key_heads_per_query.repeat_interleave(num_heads // key_heads, dim=0)
+    r_query = torch.linalg.qr(query_heads, mode="r").R
+    r_key = torch.linalg.qr(key_heads_per_query, mode="r").R
+    return torch.linalg.svdvals(r_query @ r_key.transpose(1, 2))[:, 0]
+
+
+@dataclass
+class _Target:
+    """One matrix whose top singular value is estimated: a whole weight, or one head's rows of it."""
+
+    layer: str
+    head: int | None
+    matrix: Tensor  # a detached (out, in) view of the stored weight
+
+    @property
+    def key(self) -> str:
+        return self.layer if self.head is None else f"{self.layer}/head_{self.head}"
+
+
+@dataclass
+class _Estimate:
+    spectral_norm: float
+    frobenius_norm: float
+    residual: float
+
+    @property
+    def stable_rank(self) -> float:
+        if self.spectral_norm == 0.0:
+            return math.nan
+        return (self.frobenius_norm / self.spectral_norm) ** 2
+
+
+@dataclass
+class _AttentionSite:
+    module_name: str  # "" for the root module
+    weights: AttentionWeights
+
+    @property
+    def layer(self) -> str:
+        return _layer_name(self.module_name)
+
+    def projections(self) -> Iterator[tuple[str, Tensor, int]]:
+        """``(layer, weight, heads)`` of q, k and v, named like children of the attention module."""
+        for role, weight, heads in self.weights.projections():
+            yield _qualified(self.module_name, role), weight, heads
+
+
+@dataclass
+class _Selection:
+    """What one call measures, in module order: plain weights as (layer, matrix) and attention sites."""
+
+    items: list[tuple[str, Tensor] | _AttentionSite]
+    candidate_names: list[str]
+
+
+class WeightProbe:
+    """Per-weight spectral norms, Frobenius norms and stable ranks of ``model``, warm-started between calls.
+
+    ``include`` / ``exclude``: ``fnmatch`` patterns over qualified module names. A weight is measured when its
+    module (for a split projection: the attention module or the packed submodule) matches some ``include``
+    pattern (default: all) and none of ``exclude``; :attr:`unmatched_patterns` lists patterns that select
+    nothing. ``iterations_per_step``: block Lanczos iterations per call for a warm weight. ``tol``: relative
+    Ritz residual at which an estimate stops early. ``per_head``: also measure each attention head.
+    ``attention_readers``: module types or name patterns mapped to a function returning the module's
+    :class:`AttentionWeights`, tried before the built-in layouts (see the module docstring).
+
+    :meth:`measure` returns :class:`~spectral_monitor.records.Measurement` records, :meth:`distributions`
+    histograms; :meth:`state_dict` / :meth:`load_state_dict` carry the warm vectors through a checkpoint.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        iterations_per_step: int = 2,
+        tol: float = 1e-3,
+        per_head: bool = True,
+        attention_readers: Mapping[type[nn.Module] | str, AttentionWeightsReader] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not _is_positive_int(iterations_per_step):
+            raise ValueError(f"iterations_per_step must be a positive int, got {iterations_per_step!r}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
+            raise ValueError(f"tol must be a float in (0, 1), got {tol!r}")
+        if not isinstance(per_head, bool):
+            raise ValueError(f"per_head must be a bool, got {per_head!r}")
+        for target, reader in (attention_readers or {}).items():
+            is_module_type = isinstance(target, type) and issubclass(target, nn.Module)
+            if not (is_module_type or isinstance(target, str)) or not callable(reader):
+                raise ValueError(
+                    "attention_readers must map nn.Module subclasses or module-name patterns (str) to "
+                    f"callables, got {target!r}: {reader!r}"
+                )
+        self.model = model
+        self.include = _patterns("include", include)
+        self.exclude = _patterns("exclude", exclude) or ()
+        self.iterations_per_step = iterations_per_step
+        self.tol = float(tol)
+        self.per_head = per_head
+        self.attention_readers = dict(attention_readers or {})
+        self._generator = default_generator(torch.device("cpu"))
+        self._right_vectors: dict[str, Tensor] = {}
+        self._latest_histograms: tuple[int, list[Distribution]] | None = None
+
+    @property
+    def unmatched_patterns(self) -> list[str]:
+        """The ``include`` and ``exclude`` patterns that match no module the probe could measure."""
+        names = self._select(filtered=False).candidate_names
+        patterns = [*(self.include or ()), *self.exclude]
+        return [pattern for pattern in patterns if not any(fnmatch.fnmatchcase(n, pattern) for n in names)]
+
+    def named_matrices(self) -> Iterator[tuple[str, Tensor]]:
+        """``(layer, W)`` for every measured weight, W a detached (out, in) view.
+
+        q, k and v come split out of packed weights and ``Conv1D`` weights transposed: the matrices and names
+        :meth:`measure` uses, for metrics it does not compute (e.g. an exact spectrum). Views share storage
+        with the parameters: copy before modifying.
+        """
+        for item in self._select().items:
+            if isinstance(item, _AttentionSite):
+                for layer, weight, _ in item.projections():
+                    yield layer, weight
+            else:
+                yield item
+
+    @torch.no_grad()
+    def measure(self, step: int) -> list[Measurement]:
+        """Advance every estimate by ``iterations_per_step`` (cold ones to ``tol``) and return the records."""
+        measurements, histograms = self._run(step)
+        self._latest_histograms = (step, histograms)
+        return measurements
+
+    @torch.no_grad()
+    def distributions(self, step: int, *, full_spectrum: bool = False) -> list[Distribution]:
+        """Per-head histograms (``<metric>_per_head`` of q, k, v; ``qk_spectral_norm_per_head``) of ``step``.
+
+        Reuses the estimates of :meth:`measure` at the same step, or runs them. ``full_spectrum`` adds every
+        singular value of each whole weight (``singular_values``, ``torch.linalg.svdvals``: a full SVD, meant
+        for occasional steps).
+        """
+        if self._latest_histograms is None or self._latest_histograms[0] != step:
+            self.measure(step)
+        assert self._latest_histograms is not None
+        records = list(self._latest_histograms[1])
+        if full_spectrum:
+            records.extend(self._singular_values(step))
+        return records
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warm vectors, keyed by layer (``layer/head_h`` per head), and the private generator's state."""
+        return {
+            "right_vectors": {key: vector.detach().clone() for key, vector in self._right_vectors.items()},
+            "generator": self._generator.get_state(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Weights without an entry start cold; entries for absent weights, and vectors whose length no longer
+        fits their weight, are dropped at the next :meth:`measure`.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        vectors = state_dict.get("right_vectors", {})
+        if not isinstance(vectors, Mapping) or not all(
+            isinstance(key, str) and isinstance(vector, Tensor) and vector.ndim == 2
+            for key, vector in vectors.items()
+        ):
+            raise ValueError("state_dict['right_vectors'] must map layer names to (n, r) tensors")
+        self._right_vectors = {key: vector.detach().clone() for key, vector in vectors.items()}
+        if "generator" in state_dict:
+            self._generator.set_state(state_dict["generator"])
+        self._latest_histograms = None
+
+    # ----------------------------------------------------------------------------------------------------
+    # Finding the weights
+    # ----------------------------------------------------------------------------------------------------
+
+    def _select(self, filtered: bool = True) -> _Selection:
+        modules = dict(self.model.named_modules())
+        sites: dict[str, AttentionWeights] = {}
+        for name, module in modules.items():
+            weights = self._read_attention(name, module)
+            if weights is not None:
+                sites[name] = weights
+        replaced = {_qualified(name, child) for name, weights in sites.items() for child in weights.replaces}
+
+        items: list[tuple[str, Tensor] | _AttentionSite] = []
+        candidate_names: list[str] = []
+        seen_storage: set[tuple[int, tuple[int, ...]]] = set()
+        for name, module in modules.items():
+            if name in sites:
+                names = [_layer_name(name), *(_qualified(name, child) for child in sites[name].replaces)]
+                candidate_names.extend(names)
+                if not filtered or self._selected(names):
+                    items.append(_AttentionSite(name, sites[name]))
+                continue
+            if name in replaced:
+                continue
+            matrix = _plain_weight(module)
+            if matrix is None:
+                continue
+            layer = _layer_name(name)
+            candidate_names.append(layer)
+            storage = (matrix.data_ptr(), tuple(matrix.shape))
+            if (filtered and not self._selected([layer])) or storage in seen_storage:
+                continue
+            seen_storage.add(storage)  # a weight tied to one already listed is measured once
+            items.append((layer, matrix))
+        return _Selection(items, candidate_names)
+
+    def _selected(self, names: list[str]) -> bool:
+        def matches(patterns: Sequence[str]) -> bool:
+            return any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in patterns)
+
+        return (self.include is None or matches(self.include)) and not matches(self.exclude)
+
+    def _read_attention(self, name: str, module: nn.Module) -> AttentionWeights | None:
+        for target, reader in self.attention_readers.items():
+            matched = (
+                fnmatch.fnmatchcase(_layer_name(name), target) if isinstance(target, str)
+                else isinstance(module, target)
+            )
+            if matched:
+                weights = reader(module)
+                if weights is None:
+                    return None
+                if not isinstance(weights, AttentionWeights):
+                    raise ValueError(
+                        f"attention_readers: the reader for {target!r} must return AttentionWeights or None, "
+                        f"got {type(weights).__name__} for module {_layer_name(name)!r}"
+                    )
+                value = None if weights.value is None else weights.value.detach()
+                return replace(weights, query=weights.query.detach(), key=weights.key.detach(), value=value)
+        for reader in _BUILT_IN_READERS:
+            weights = reader(module)
+            if weights is not None:
+                return weights
+        return None
+
+    # ----------------------------------------------------------------------------------------------------
+    # Estimating
+    # ----------------------------------------------------------------------------------------------------
+
+    def _run(self, step: int) -> tuple[list[Measurement], list[Distribution]]:
+        items = self._select().items
+        targets_per_item = [self._targets(item) for item in items]
+        estimates = self._estimate([target for targets in targets_per_item for target in targets])
+
+        measurements: list[Measurement] = []
+        per_head: dict[tuple[str, str], list[float]] = {}
+        for item, targets in zip(items, targets_per_item, strict=True):
+            for target in targets:
+                estimate = estimates[target.key]
+                values = {
+                    "spectral_norm": estimate.spectral_norm,
+                    "frobenius_norm": estimate.frobenius_norm,
+                    "stable_rank": estimate.stable_rank,
+                    "spectral_norm_residual": estimate.residual,
+                }
+                for metric, value in values.items():
+                    measurements.append(
+                        Measurement(step, WEIGHT_FAMILY, metric, target.layer, value, head=target.head)
+                    )
+                    if target.head is not None and metric in _PER_HEAD_METRICS:
+                        per_head.setdefault((metric, target.layer), []).append(value)
+            if isinstance(item, _AttentionSite):
+                weights = item.weights
+                norms = query_key_spectral_norms(
+                    _working_copy(weights.query), _working_copy(weights.key), weights.num_heads,
+                    weights.key_value_heads,
+                ).tolist()
+                if self.per_head:
+                    measurements.extend(
+                        Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm", item.layer, value, head=h)
+                        for h, value in enumerate(norms)
+                    )
+                    per_head[("qk_spectral_norm", item.layer)] = norms
+                measurements.append(
+                    Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm_max", item.layer, max(norms))
+                )
+
+        distributions = [
+            Distribution(step, WEIGHT_FAMILY, f"{metric}_per_head", layer, np.asarray(values))
+            for (metric, layer), values in per_head.items()
+        ]
+        return measurements, distributions
+
+    def _targets(self, item: tuple[str, Tensor] | _AttentionSite) -> list[_Target]:
+        if not isinstance(item, _AttentionSite):
+            layer, matrix = item
+            return [_Target(layer, None, matrix)]
+        targets = []
+        for layer, weight, heads in item.projections():
+            targets.append(_Target(layer, None, weight))
+            if self.per_head:
+                targets.extend(_Target(layer, h, rows) for h, rows in enumerate(weight.chunk(heads)))
+        return targets
+
+    def _estimate(self, targets: list[_Target]) -> dict[str, _Estimate]:
+        """σ₁, ‖·‖_F and the residual of every target, one batched solve per shape; keeps the warm vectors."""
+        estimates: dict[str, _Estimate] = {}
+        right_vectors: dict[str, Tensor] = {}
+        for group in _batches(targets):
+            matrices = _stacked_copy([target.matrix for target in group])
+            frobenius = torch.linalg.matrix_norm(matrices).tolist()
+            rows, cols = matrices.shape[1:]
+            if min(rows, cols) <= _EXACT_MAX_SIZE:
+                sigma = torch.linalg.svdvals(matrices)[:, 0].tolist()
+                estimates.update(
+                    (target.key, _Estimate(sigma[i], frobenius[i], 0.0)) for i, target in enumerate(group)
+                )
+                continue
+            warm = [i for i, target in enumerate(group) if self._fits(target.key, cols)]
+            cold = sorted(set(range(len(group))) - set(warm))
+            for indices, is_warm in ((warm, True), (cold, False)):
+                if not indices:
+                    continue
+                init = None
+                if is_warm:
+                    init = torch.stack([self._right_vectors[group[i].key] for i in indices])
+                    init = init.to(device=matrices.device, dtype=matrices.dtype)
+                result = top_singular(
+                    matrices[indices],
+                    tol=self.tol,
+                    max_iters=self.iterations_per_step if is_warm else _COLD_START_MAX_ITERATIONS,
+                    init=init,
+                    generator=self._generator,
+                )
+                sigma, residual = result.values[:, 0].tolist(), result.info.residual[:, 0].tolist()
+                for position, i in enumerate(indices):
+                    key = group[i].key
+                    estimates[key] = _Estimate(sigma[position], frobenius[i], residual[position])
+                    right_vectors[key] = result.right[position].clone()
+        self._right_vectors = right_vectors  # weights gone or reshaped lose their state here
+        return estimates
+
+    def _fits(self, key: str, cols: int) -> bool:
+        vector = self._right_vectors.get(key)
+        return vector is not None and vector.shape[0] == cols
+
+    def _singular_values(self, step: int) -> list[Distribution]:
+        targets = [_Target(layer, None, matrix) for layer, matrix in self.named_matrices()]
+        spectra: dict[str, np.ndarray] = {}
+        for group in _batches(targets):
+            values = torch.linalg.svdvals(_stacked_copy([target.matrix for target in group])).cpu().numpy()
+            spectra.update((target.layer, spectrum) for target, spectrum in zip(group, values, strict=True))
+        return [
+            Distribution(step, WEIGHT_FAMILY, "singular_values", target.layer, spectra[target.layer])
+            for target in targets
+        ]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading weights out of modules
+# --------------------------------------------------------------------------------------------------------
+
+
+def _stored_weight(module: nn.Module, name: str) -> Tensor | None:
+    """The detached weight ``name`` as stored (a parametrized one's ``original``), or ``None`` if unusable."""
+    if parametrize.is_parametrized(module, name):
+        weight = getattr(getattr(module.parametrizations, name), "original", None)
+    else:
+        weight = getattr(module, name, None)
+    if (
+        not isinstance(weight, Tensor)
+        or nn.parameter.is_lazy(weight)
+        or weight.ndim != 2
+        or weight.numel() == 0
+        or weight.is_meta
+        or not weight.is_floating_point()
+    ):
+        return None
+    return weight.detach()
+
+
+def _plain_weight(module: nn.Module) -> Tensor | None:
+    """The (out, in) weight of an ``nn.Linear`` or a Hugging Face ``Conv1D``, else ``None``."""
+    if isinstance(module, nn.Linear):
+        return _stored_weight(module, "weight")
+    if type(module).__name__ == _CONV1D_CLASS_NAME:
+        weight = _stored_weight(module, "weight")
+        return None if weight is None else weight.t()
+    return None
+
+
+def _read_multihead_attention(module: nn.Module) -> AttentionWeights | None:
+    if not isinstance(module, nn.MultiheadAttention):
+        return None
+    if module.in_proj_weight is not None:
+        packed = _stored_weight(module, "in_proj_weight")
+        if packed is None:
+            return None
+        query, key, value = packed.chunk(3)
+    else:
+        query, key, value = (_stored_weight(module, f"{role}_proj_weight") for role in ("q", "k", "v"))
+        if query is None or key is None:
+            return None
+    return _layout_or_none(query, key, value, module.num_heads)
+
+
+def _read_gpt2_attention(module: nn.Module) -> AttentionWeights | None:
+    packed = getattr(module, "c_attn", None)
+    heads = getattr(module, "num_heads", None)
+    if type(packed).__name__ != _CONV1D_CLASS_NAME or not _is_positive_int(heads):
+        return None
+    packed_weight = _plain_weight(packed)
+    if packed_weight is None:
+        return None
+    if getattr(module, "is_cross_attention", False):
+        query = _plain_weight(getattr(module, "q_attn", None))
+        if query is None:
+            return None
+        key, value = packed_weight.chunk(2)
+        return _layout_or_none(query, key, value, heads, replaces=("c_attn", "q_attn"))
+    query, key, value = packed_weight.chunk(3)
+    return _layout_or_none(query, key, value, heads, replaces=("c_attn",))
+
+
+def _read_packed_linear_attention(module: nn.Module) -> AttentionWeights | None:
+    heads = next((getattr(module, name) for name in _HEAD_COUNT_NAMES if hasattr(module, name)), None)
+    if not _is_positive_int(heads):
+        return None
+    for name in _PACKED_PROJECTION_NAMES:
+        projection = getattr(module, name, None)
+        if isinstance(projection, nn.Linear):
+            weight = _stored_weight(projection, "weight")
+            if weight is None or weight.shape[0] % 3:
+                return None
+            query, key, value = weight.chunk(3)
+            return _layout_or_none(query, key, value, heads, replaces=(name,))
+    return None
+
+
+def _read_separate_projection_attention(module: nn.Module) -> AttentionWeights | None:
+    head_dim = getattr(module, "head_dim", None)
+    projections = [getattr(module, f"{role}_proj", None) for role in ("q", "k", "v")]
+    if not _is_positive_int(head_dim) or not all(isinstance(p, nn.Linear) for p in projections[:2]):
+        return None
+    query, key = (_stored_weight(projection, "weight") for projection in projections[:2])
+    value = _stored_weight(projections[2], "weight") if isinstance(projections[2], nn.Linear) else None
+    if query is None or key is None or query.shape[0] % head_dim or key.shape[0] % head_dim:
+        return None
+    replaces = tuple(
+        f"{role}_proj" for role, projection in zip("qkv", projections, strict=True)
+        if isinstance(projection, nn.Linear)
+    )
+    return _layout_or_none(query, key, value, query.shape[0] // head_dim, key.shape[0] // head_dim, replaces)
+
+
+def _layout_or_none(*args: Any, **kwargs: Any) -> AttentionWeights | None:
+    """The built-in readers' result, or ``None`` when the weights do not split into the module's heads.
+
+    Such a module is not that layout after all; its submodules are measured as plain weights.
+    """
+    try:
+        return AttentionWeights(*args, **kwargs)
+    except ValueError:
+        return None
+
+
+_BUILT_IN_READERS: tuple[AttentionWeightsReader, ...] = (
+    _read_multihead_attention,
+    _read_gpt2_attention,
+    _read_packed_linear_attention,
+    _read_separate_projection_attention,
+)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def _patterns(argument: str, patterns: Sequence[str] | None) -> tuple[str, ...] | None:
+    if patterns is None:
+        return None
+    if isinstance(patterns, str) or not all(isinstance(pattern, str) for pattern in patterns) or not patterns:
+        raise ValueError(
+            f"{argument} must be None or a non-empty list of fnmatch patterns over module names "
+            f"(e.g. ['blocks.*.attn']), got {patterns!r}"
+        )
+    return tuple(patterns)
+
+
+def _working_copy(matrix: Tensor) -> Tensor:
+    return _stacked_copy([matrix])[0]
+
+
+def _stacked_copy(matrices: list[Tensor]) -> Tensor:
+    """One float32 (float64 stays float64) batch, a copy: nothing measured can reach a parameter."""
+    stacked = torch.stack([matrix.detach() for matrix in matrices])
+    return stacked.to(working_dtype(stacked.dtype))
+
+
+def _batches(targets: list[_Target]) -> Iterator[list[_Target]]:
+    """Targets of one shape, dtype and device together, at most ``_MAX_BATCH_BYTES`` of copies per batch."""
+    groups: dict[tuple[Any, ...], list[_Target]] = {}
+    for target in targets:
+        matrix = target.matrix
+        groups.setdefault((tuple(matrix.shape), matrix.dtype, matrix.device), []).append(target)
+    for group in groups.values():
+        matrix = group[0].matrix
+        copy_bytes = matrix.numel() * torch.finfo(working_dtype(matrix.dtype)).bits // 8
+        size = max(1, _MAX_BATCH_BYTES // copy_bytes)
+        for start in range(0, len(group), size):
+            yield group[start : start + size]
+
+
+def _qualified(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _layer_name(module_name: str) -> str:
+    return module_name or ROOT_LAYER_NAME
+
+
+def _check_heads(query: Tensor, key: Tensor, value: Tensor | None, heads: int, key_heads: int) -> None:
+    """Raises ValueError unless the rows split into ``heads`` query and ``key_heads`` key/value heads."""
+    if not (_is_positive_int(heads) and _is_positive_int(key_heads)):
+        raise ValueError(
+            f"num_heads and num_key_value_heads must be positive ints, got {heads!r}, {key_heads!r}"
+        )
+    if heads % key_heads:
+        raise ValueError(f"num_key_value_heads={key_heads} must divide num_heads={heads}")
+    for name, weight, count in (("query", query, heads), ("key", key, key_heads),
+                                ("value", value, key_heads)):
+        if weight is not None and weight.shape[0] % count:
+            raise ValueError(f"{name} has {weight.shape[0]} rows, not a multiple of its {count} heads")
+    if query.shape[0] // heads != key.shape[0] // key_heads:
+        raise ValueError(
+            f"query and key heads must have one width d_k, got {query.shape[0] // heads} "
+            f"and {key.shape[0] // key_heads}"
+        )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _describe(value: object) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__

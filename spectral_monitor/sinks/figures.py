@@ -1,0 +1,217 @@
+"""The figures the monitor draws: spectra, attention maps and layer × head summaries.
+
+Figures are built on ``matplotlib.figure.Figure`` directly, never through ``pyplot``: no figure is
+registered globally, nothing has to be closed to be freed, and the user's backend is left alone
+(rendering goes through the Agg canvas the sink creates). Sizes are fixed so each PNG stays small.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+ENERGY_LEVEL = 0.99
+"""The cumulative-energy level marked on spectrum figures: the threshold-rank definition of DESIGN.md."""
+
+_DPI = 100
+_LEGEND_ENTRIES = 12
+_ANNOTATED_CELLS = 256
+_HEATMAP_CELLS = 128
+
+
+def spectrum_figure(singular_values: Mapping[str, np.ndarray], title: str) -> Figure:
+    """Singular values (sorted, descending, log scale) and cumulative energy Σ_{i≤k} σᵢ² / Σ σᵢ², per series.
+
+    ``singular_values`` maps a label (a layer, or a layer and head) to the singular values of one matrix,
+    in any order. The energy panel marks the ``ENERGY_LEVEL`` line: where a curve crosses it is the
+    threshold rank. Zero singular values are left out of the log panel; a series that is all zeros has
+    no energy curve.
+    """
+    if not singular_values:
+        raise ValueError("singular_values must map at least one label to an array; got an empty mapping")
+    spectra = {label: _checked_spectrum(label, values) for label, values in singular_values.items()}
+
+    figure = Figure(figsize=(8.0, 3.2), dpi=_DPI, layout="constrained")
+    values_axes, energy_axes = figure.subplots(1, 2)
+    colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(spectra)))
+    labelled = _legend_labels(list(spectra))
+    for sigma, color, legend_label in zip(spectra.values(), colors, labelled, strict=True):
+        index = np.arange(1, sigma.size + 1)
+        values_axes.plot(index, np.where(sigma > 0, sigma, np.nan), color=color, label=legend_label)
+        energy = np.cumsum(sigma**2)
+        if energy[-1] > 0:
+            energy_axes.plot(index, energy / energy[-1], color=color)
+
+    for axes in (values_axes, energy_axes):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    values_axes.set_yscale("log")
+    values_axes.set_xlabel("index k")
+    values_axes.set_ylabel(r"$\sigma_k$")
+    values_axes.grid(True, which="major", alpha=0.3)
+    values_axes.legend(fontsize="x-small", loc="upper right")
+
+    energy_axes.axhline(ENERGY_LEVEL, color="tab:red", linestyle="--", linewidth=1.0)
+    energy_axes.annotate(
+        f"{ENERGY_LEVEL:.0%}",
+        xy=(1.0, ENERGY_LEVEL),
+        xycoords=("axes fraction", "data"),
+        xytext=(-4, -10),
+        textcoords="offset points",
+        ha="right",
+        color="tab:red",
+        fontsize="small",
+    )
+    energy_axes.set_ylim(0.0, 1.02)
+    energy_axes.set_xlabel("index k")
+    energy_axes.set_ylabel(r"$\sum_{i \leq k} \sigma_i^2 \,/\, \|\cdot\|_F^2$")
+    energy_axes.grid(True, alpha=0.3)
+    figure.suptitle(title)
+    return figure
+
+
+def attention_heatmap_figure(
+    probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None
+) -> Figure:
+    """One attention matrix as a heatmap: queries down, keys across, colour from 0 to its largest weight.
+
+    ``key_padding_mask`` follows ``nn.MultiheadAttention``: shape (m,), ``True`` where a key is padding
+    and ignored; those columns are drawn grey. A matrix with more than 128 queries or keys is shown as
+    means over blocks of consecutive queries and keys (said in the title), which keeps the PNG small.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or probs.size == 0:
+        raise ValueError(f"probs must be a non-empty (n_queries, n_keys) array; got shape {probs.shape}")
+    if not np.all(np.isfinite(probs)) or np.any(probs < 0):
+        raise ValueError("probs must hold finite, non-negative attention weights")
+    n_queries, n_keys = probs.shape
+    shown = probs
+    if key_padding_mask is not None:
+        key_padding_mask = np.asarray(key_padding_mask)
+        if key_padding_mask.dtype != np.bool_ or key_padding_mask.shape != (n_keys,):
+            raise ValueError(
+                f"key_padding_mask must be a boolean array of shape ({n_keys},) (one entry per key, "
+                f"True = padding); got dtype {key_padding_mask.dtype} and shape {key_padding_mask.shape}"
+            )
+        shown = np.where(key_padding_mask, np.nan, probs)
+    block = (-(-n_queries // _HEATMAP_CELLS), -(-n_keys // _HEATMAP_CELLS))
+    if block != (1, 1):
+        shown = _block_means(shown, block)
+        title = f"{title} (means of {block[0]}×{block[1]} blocks)"
+
+    figure = Figure(figsize=(4.8, 4.0), dpi=_DPI, layout="constrained")
+    axes = figure.subplots()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    largest = np.nanmax(shown) if np.any(np.isfinite(shown)) else 0.0
+    image = axes.imshow(
+        np.ma.masked_invalid(shown),
+        cmap=cmap,
+        vmin=0.0,
+        vmax=largest if largest > 0 else 1.0,
+        interpolation="nearest",
+        aspect="auto",
+        extent=(-0.5, n_keys - 0.5, n_queries - 0.5, -0.5),
+    )
+    axes.set_xlabel("key")
+    axes.set_ylabel("query")
+    axes.set_title(title, fontsize="medium")
+    figure.colorbar(image, ax=axes, label="attention weight")
+    return figure
+
+
+def layer_head_heatmap_figure(
+    values: np.ndarray,
+    layer_names: Sequence[str],
+    title: str,
+    vmin: float | None = None,
+    vmax: float | None = None,
+) -> Figure:
+    """A (layers, heads) grid of one metric, e.g. effective rank / n, annotated with each value.
+
+    ``vmin``/``vmax`` fix the colour scale (pass the metric's natural range, e.g. 0 and 1, so figures
+    from different steps compare); by default it spans the finite values. NaN cells are grey. Cells are
+    annotated while the grid is small enough to read (at most 256 cells).
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2 or values.size == 0:
+        raise ValueError(f"values must be a non-empty (layers, heads) array; got shape {values.shape}")
+    if len(layer_names) != values.shape[0]:
+        raise ValueError(
+            f"layer_names must name each of the {values.shape[0]} layers (rows of values); "
+            f"got {len(layer_names)} names"
+        )
+    if vmin is not None and vmax is not None and not vmin < vmax:
+        raise ValueError(f"vmin must be smaller than vmax; got vmin={vmin}, vmax={vmax}")
+
+    n_layers, n_heads = values.shape
+    figure = Figure(figsize=(6.4, 4.0), dpi=_DPI, layout="constrained")
+    axes = figure.subplots()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    image = axes.imshow(
+        np.ma.masked_invalid(values), cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="auto"
+    )
+    axes.set_xticks(range(n_heads), [str(head) for head in range(n_heads)])
+    axes.set_yticks(range(n_layers), list(layer_names))
+    axes.tick_params(labelsize="small")
+    axes.set_xlabel("head")
+    axes.set_title(title)
+    figure.colorbar(image, ax=axes)
+
+    if values.size <= _ANNOTATED_CELLS:
+        fontsize = 8 if values.size <= 64 else 6
+        for (row, column), value in np.ndenumerate(values):
+            if np.isfinite(value):
+                # Dark text on the bright end of viridis, light text on the dark end.
+                brightness = image.norm(value)
+                color = "black" if brightness > 0.6 else "white"
+                text = f"{value:.2f}"
+            else:
+                color, text = "black", "–"
+            axes.text(column, row, text, ha="center", va="center", color=color, fontsize=fontsize)
+    return figure
+
+
+def release_figure(figure: Figure) -> None:
+    """Free a figure once it has been written, whoever made it.
+
+    Our figures hold no global state. A figure made with ``pyplot`` stays registered with it until
+    ``pyplot.close``; pyplot is consulted only if the user already imported it, so drawing never
+    imports it (which would pick a backend).
+    """
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close(figure)
+
+
+def _checked_spectrum(label: str, values: np.ndarray) -> np.ndarray:
+    sigma = np.asarray(values, dtype=np.float64)
+    if sigma.ndim != 1 or sigma.size == 0:
+        raise ValueError(f"singular_values[{label!r}] must be a non-empty 1-D array; got shape {sigma.shape}")
+    if not np.all(np.isfinite(sigma)) or np.any(sigma < 0):
+        raise ValueError(f"singular_values[{label!r}] must hold finite, non-negative singular values")
+    return np.sort(sigma)[::-1]
+
+
+def _block_means(matrix: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """Means over ``block``-shaped tiles (the last ones may be partial); NaN entries are left out."""
+    block_rows, block_columns = block
+    rows = -(-matrix.shape[0] // block_rows)
+    columns = -(-matrix.shape[1] // block_columns)
+    padded = np.full((rows * block_rows, columns * block_columns), np.nan)
+    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
+    tiles = padded.reshape(rows, block_rows, columns, block_columns)
+    counts = np.isfinite(tiles).sum(axis=(1, 3))
+    sums = np.nansum(tiles, axis=(1, 3))
+    return np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
+
+
+def _legend_labels(labels: list[str]) -> list[str]:
+    """All labels when the legend stays readable; otherwise only the first and last (colour shows order)."""
+    if len(labels) <= _LEGEND_ENTRIES:
+        return labels
+    hidden = ["_" + label for label in labels[1:-1]]
+    return [labels[0], *hidden, labels[-1]]

@@ -1,0 +1,96 @@
+"""The TensorBoard Custom Scalars layout: one chart per metric with one line per layer.
+
+The Scalars tab shows one chart per tag; Custom Scalars puts every layer of a metric on one chart, which
+is how collapse across depth is read. A layout is kept in the dict form that
+``SummaryWriter.add_custom_scalars`` takes::
+
+    {category: {chart_title: ("Multiline", (tag_regex, ...))
+                             | ("Margin", (value_tag, lower_tag, upper_tag))}}
+
+rather than as a ``layout_pb2.Layout``: it is the public input of the writer (torch and tensorboardX),
+and plain data, so merging layouts and asking "did a chart appear?" are dict operations. Charts are
+tuples (the writer only indexes them) so layouts can be shared and compared without defensive copies.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+MULTILINE = "Multiline"
+MARGIN = "Margin"
+
+ChartSpec = tuple[str, tuple[str, ...]]
+Layout = dict[str, dict[str, ChartSpec]]
+
+_PER_HEAD_SUFFIX = re.compile(r"/head_\d+$")
+
+
+def per_layer_layout(scalar_tags: Iterable[str]) -> Layout:
+    """One category per family and one multiline chart per metric, drawing one line per layer.
+
+    ``scalar_tags`` are ``Measurement.tag`` values, ``family/metric/layer[/head_h]``. Per-head tags are
+    left out (they stay in the Scalars tab): a chart is made for a metric only when some layer reports
+    it per layer. Each chart holds one regex, so a layer that appears later joins its chart without a
+    new layout; only a new family or metric changes the layout.
+    """
+    layout: Layout = {}
+    for tag in scalar_tags:
+        parts = tag.split("/", 2)
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"scalar_tags must look like 'family/metric/layer[/head_h]'; got {tag!r}")
+        if _PER_HEAD_SUFFIX.search(tag):
+            continue
+        family, metric, _ = parts
+        layout.setdefault(family, {})[metric] = (MULTILINE, (_per_layer_regex(family, metric),))
+    return {family: dict(sorted(charts.items())) for family, charts in sorted(layout.items())}
+
+
+def with_margin_chart(
+    layout: Layout, category: str, title: str, value_tag: str, lower_tag: str, upper_tag: str
+) -> Layout:
+    """A copy of ``layout`` with a chart of ``value_tag`` drawn inside the band from ``lower_tag`` to
+    ``upper_tag`` (exact tags, e.g. sharpness against its edge-of-stability bounds)."""
+    for name, tag in (("value_tag", value_tag), ("lower_tag", lower_tag), ("upper_tag", upper_tag)):
+        if not tag:
+            raise ValueError(f"{name} must be a non-empty scalar tag; got {tag!r}")
+    return merged_layout(layout, {category: {title: (MARGIN, (value_tag, lower_tag, upper_tag))}})
+
+
+def merged_layout(base: Layout, update: Layout) -> Layout:
+    """``base`` with the charts of ``update`` added; a chart with the same category and title is replaced."""
+    merged = {category: dict(charts) for category, charts in base.items()}
+    for category, charts in update.items():
+        merged.setdefault(category, {}).update(charts)
+    return merged
+
+
+def check_layout(layout: Layout) -> None:
+    """Raise ``ValueError`` unless ``layout`` has the form described in this module's docstring."""
+    if not isinstance(layout, dict):
+        raise ValueError(f"layout must be a dict of categories; got {type(layout).__name__}")
+    for category, charts in layout.items():
+        if not isinstance(category, str) or not isinstance(charts, dict):
+            raise ValueError(f"layout must map category names to dicts of charts; got {category!r}")
+        for title, chart in charts.items():
+            if not isinstance(title, str) or not _is_chart(chart):
+                raise ValueError(
+                    f"layout[{category!r}][{title!r}] must be ({MULTILINE!r}, (tag_regex, ...)) or "
+                    f"({MARGIN!r}, (value_tag, lower_tag, upper_tag)); got {chart!r}"
+                )
+
+
+def _is_chart(chart: object) -> bool:
+    if not isinstance(chart, (tuple, list)) or len(chart) != 2:
+        return False
+    kind, tags = chart
+    if isinstance(tags, str) or not isinstance(tags, (tuple, list)):
+        return False
+    if not all(isinstance(tag, str) and tag for tag in tags):
+        return False
+    return (kind == MULTILINE and len(tags) >= 1) or (kind == MARGIN and len(tags) == 3)
+
+
+def _per_layer_regex(family: str, metric: str) -> str:
+    # Layer names may contain '/', so per-head tags are excluded by their suffix, not by counting parts.
+    return rf"^{re.escape(family)}/{re.escape(metric)}/(?!.*/head_\d+$).+$"

@@ -1,0 +1,131 @@
+"""What every sink promises, and the sinks for destinations other than TensorBoard.
+
+A sink takes records (and finished figures) and writes them somewhere; it knows nothing of how they were
+computed. Each sink declares in ``capabilities`` what it keeps and drops the rest without error, so the
+caller can warn once about what is lost and skip drawing figures that no sink keeps. A failure while
+writing something a sink keeps raises ``SinkError``: the caller reports it and training goes on.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from matplotlib.figure import Figure
+
+from spectral_monitor.records import Distribution, Measurement
+from spectral_monitor.sinks.figures import release_figure
+from spectral_monitor.sinks.layout import Layout
+
+
+class SinkError(RuntimeError):
+    """Writing to a sink failed (full disk, broken writer, a logger that raised); ``__cause__`` says why."""
+
+
+class Capability(enum.Enum):
+    """A kind of output a sink can keep."""
+
+    SCALARS = "scalars"
+    HISTOGRAMS = "histograms"
+    FIGURES = "figures"
+    TEXT = "text"
+    LAYOUT = "layout"
+
+
+class Sink:
+    """The interface of every sink. Each method here drops its input: a sink overrides the methods of
+    the kinds it lists in ``capabilities``.
+
+    ``write_figure`` takes ownership of the figure: it is released whether or not it was written.
+    """
+
+    capabilities: frozenset[Capability] = frozenset()
+
+    def write_measurements(self, records: Iterable[Measurement]) -> None:
+        """Write scalar measurements."""
+
+    def write_distributions(self, records: Iterable[Distribution]) -> None:
+        """Write distributions as histograms."""
+
+    def write_figure(self, tag: str, figure: Figure, step: int) -> None:
+        """Write a rendered figure, then release it."""
+        release_figure(figure)
+
+    def write_text(self, tag: str, markdown: str, step: int) -> None:
+        """Write a text entry (markdown)."""
+
+    def write_layout(self, layout: Layout) -> bool:
+        """Write a custom-scalars layout; return whether anything was written."""
+        return False
+
+    def flush(self) -> None:
+        """Make everything written so far durable."""
+
+
+class MetricsLogger(Protocol):
+    """Anything with Lightning's ``Logger.log_metrics``: CSV, MLflow, W&B, ... loggers."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+
+
+class LoggerSink(Sink):
+    """Scalars to any Lightning-style logger, one ``log_metrics`` call per step, keyed by ``Measurement.tag``.
+
+    Histograms, figures, text and layouts are dropped: ``capabilities`` says so. The logger keeps its own
+    flushing schedule, so ``flush`` does nothing.
+    """
+
+    capabilities = frozenset({Capability.SCALARS})
+
+    def __init__(self, logger: MetricsLogger) -> None:
+        if not callable(getattr(logger, "log_metrics", None)):
+            raise ValueError(
+                f"logger must have a log_metrics(metrics, step) method like Lightning's loggers; "
+                f"got {type(logger).__name__}"
+            )
+        self._logger = logger
+
+    def write_measurements(self, records: Iterable[Measurement]) -> None:
+        metrics_by_step: dict[int, dict[str, float]] = {}
+        for record in records:
+            metrics_by_step.setdefault(record.step, {})[record.tag] = float(record.value)
+        for step, metrics in metrics_by_step.items():
+            try:
+                self._logger.log_metrics(metrics, step=step)
+            except Exception as error:
+                raise SinkError(
+                    f"{type(self._logger).__name__}.log_metrics failed at step {step}: {error!r}"
+                ) from error
+
+
+class LoggingSink(Sink):
+    """Text entries (alerts, notes) as lines of Python ``logging``, at one level.
+
+    Everything else is dropped. ``logging`` reports its own handler failures and never raises, so this
+    sink never raises ``SinkError``.
+    """
+
+    capabilities = frozenset({Capability.TEXT})
+
+    def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
+        if logger is not None and not isinstance(logger, logging.Logger):
+            raise ValueError(f"logger must be a logging.Logger or None; got {type(logger).__name__}")
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise ValueError(f"level must be a logging level such as logging.WARNING; got {level!r}")
+        self._logger = logger if logger is not None else logging.getLogger("spectral_monitor")
+        self._level = level
+
+    def write_text(self, tag: str, markdown: str, step: int) -> None:
+        check_tag_and_step(tag, step)
+        self._logger.log(self._level, "step %d %s: %s", step, tag, markdown)
+
+
+def check_tag_and_step(tag: str, step: int) -> None:
+    """Raise ``ValueError`` unless ``tag`` is a non-empty string and ``step`` a non-negative integer."""
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tag must be a non-empty string; got {tag!r}")
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative integer; got {step!r}")

@@ -1,0 +1,126 @@
+"""Measurements, histograms, figures, text and the Custom Scalars layout into TensorBoard event files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from spectral_monitor.records import Distribution, Measurement
+from spectral_monitor.sinks.figures import release_figure
+from spectral_monitor.sinks.layout import Layout, check_layout, merged_layout
+from spectral_monitor.sinks.logger import Capability, Sink, SinkError, check_tag_and_step
+
+
+class SummaryWriterLike(Protocol):
+    """The part of ``torch.utils.tensorboard.SummaryWriter`` this sink uses (Lightning's
+    ``TensorBoardLogger.experiment`` is one)."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+
+    def add_histogram(self, tag: str, values: np.ndarray, global_step: int | None = None) -> Any: ...
+
+    def add_image(
+        self, tag: str, img_tensor: np.ndarray, global_step: int | None = None, dataformats: str = "CHW"
+    ) -> Any: ...
+
+    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> Any: ...
+
+    def add_custom_scalars(self, layout: Layout) -> Any: ...
+
+    def flush(self) -> Any: ...
+
+
+_WRITER_METHODS = ("add_scalar", "add_histogram", "add_image", "add_text", "add_custom_scalars", "flush")
+
+
+class TensorBoardSink(Sink):
+    """Writes every kind of output through a ``SummaryWriter``; the writer stays the caller's to close.
+
+    Scalars are tagged ``Measurement.tag`` (``family/metric/layer[/head_h]``), so the Scalars tab groups
+    by family and metric. Any failure of the writer (full disk, closed file) raises ``SinkError``.
+    """
+
+    capabilities = frozenset(Capability)
+
+    def __init__(self, writer: SummaryWriterLike) -> None:
+        missing = [name for name in _WRITER_METHODS if not callable(getattr(writer, name, None))]
+        if missing:
+            raise ValueError(
+                f"writer must be a torch.utils.tensorboard.SummaryWriter or have its methods; "
+                f"{type(writer).__name__} lacks {', '.join(missing)}"
+            )
+        self._writer = writer
+        self._layout: Layout = {}
+
+    def write_measurements(self, records: Iterable[Measurement]) -> None:
+        for record in records:
+            with _failures_as_sink_error(f"scalar {record.tag!r} at step {record.step}"):
+                self._writer.add_scalar(record.tag, float(record.value), global_step=record.step)
+
+    def write_distributions(self, records: Iterable[Distribution]) -> None:
+        """Histograms of the finite values of each record; a record with none is skipped.
+
+        Non-finite values have no bin; the matching scalars still show them.
+        """
+        for record in records:
+            values = np.asarray(record.values, dtype=np.float64).ravel()
+            finite = values[np.isfinite(values)]
+            if finite.size == 0:
+                continue
+            with _failures_as_sink_error(f"histogram {record.tag!r} at step {record.step}"):
+                self._writer.add_histogram(record.tag, finite, global_step=record.step)
+
+    def write_figure(self, tag: str, figure: Figure, step: int) -> None:
+        """Render ``figure`` to an RGBA image under ``tag``, then release it (even if writing failed)."""
+        try:
+            check_tag_and_step(tag, step)
+            if not isinstance(figure, Figure):
+                raise ValueError(f"figure must be a matplotlib.figure.Figure; got {type(figure).__name__}")
+            with _failures_as_sink_error(f"figure {tag!r} at step {step}"):
+                canvas = FigureCanvasAgg(figure)
+                canvas.draw()
+                image = np.array(canvas.buffer_rgba())
+                self._writer.add_image(tag, image, global_step=step, dataformats="HWC")
+        finally:
+            release_figure(figure)
+
+    def write_text(self, tag: str, markdown: str, step: int) -> None:
+        """A markdown text entry; TensorBoard files it under ``<tag>/text_summary``."""
+        check_tag_and_step(tag, step)
+        with _failures_as_sink_error(f"text {tag!r} at step {step}"):
+            self._writer.add_text(tag, markdown, global_step=step)
+
+    def write_layout(self, layout: Layout) -> bool:
+        """Add ``layout``'s charts to the Custom Scalars layout; write it only if a chart is new or changed.
+
+        The layout written is the union of every layout given so far, so passing the charts of one step
+        never hides charts shown before. ``add_custom_scalars`` writes every layout at step 0, and the
+        Custom Scalars plugin shows the newest layout record of each run, with TensorBoard's Python loader
+        and its Rust data server alike (tests/test_tensorboard_server.py checks both on a live server).
+        Returns whether a layout was written.
+        """
+        check_layout(layout)
+        merged = merged_layout(self._layout, layout)
+        if merged == self._layout:
+            return False
+        with _failures_as_sink_error("the custom-scalars layout"):
+            self._writer.add_custom_scalars(merged)
+        self._layout = merged
+        return True
+
+    def flush(self) -> None:
+        with _failures_as_sink_error("pending events (flush)"):
+            self._writer.flush()
+
+
+@contextmanager
+def _failures_as_sink_error(what: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:
+        raise SinkError(f"TensorBoard sink could not write {what}: {error!r}") from error
