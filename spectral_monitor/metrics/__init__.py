@@ -3,7 +3,7 @@
 The one definition of each metric lives here; nothing else in the package re-derives one.
 """
 
-from spectral_monitor.metrics._common import ENERGY_LEVEL
+from spectral_monitor.metrics._common import ENERGY_LEVEL, METHODS
 from spectral_monitor.metrics.attention import METRIC_NAMES as ATTENTION_METRICS
 from spectral_monitor.metrics.attention import KrylovState, attention_metrics
 from spectral_monitor.metrics.tokens import token_metrics
@@ -12,6 +12,7 @@ from spectral_monitor.metrics.weights import marchenko_pastur_edge, weight_metri
 __all__ = [
     "ATTENTION_METRICS",
     "ENERGY_LEVEL",
+    "METHODS",
     "KrylovState",
     "attention_metrics",
     "marchenko_pastur_edge",

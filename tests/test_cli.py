@@ -1,0 +1,104 @@
+"""The ``spectral-monitor`` command line: ``demo`` trains with the monitor and says where the logs are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing import event_accumulator
+
+from spectral_monitor.cli import main, shipped_configs
+
+MONITOR_FAMILIES = ("attention/", "tokens/", "weights/")
+
+TINY_CONFIG = """\
+seed_everything: 0
+model:
+  d_model: 16
+  n_layers: 1
+  n_heads: 2
+  seq_len: 16
+data:
+  seq_len: 16
+  batch_size: 4
+  num_batches: 8
+trainer:
+  max_steps: 100
+  accelerator: cpu
+  enable_checkpointing: false
+  callbacks:
+    - class_path: spectral_monitor.callback.SpectralMonitor
+      init_args:
+        every_n_steps: 2
+        figures_every_n_logs: 0
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: on a shared machine, intra-op threads only wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def scalar_tags(run: Path) -> dict[str, list[int]]:
+    accumulator = event_accumulator.EventAccumulator(str(run), size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    return {tag: [event.step for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def test_the_demo_config_ships_with_the_package() -> None:
+    assert "demo" in shipped_configs()
+    assert shipped_configs()["demo"].is_file()
+
+
+@pytest.mark.slow
+def test_demo_trains_with_the_monitor_and_prints_how_to_open_the_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--max-steps", "6", "--logdir", str(tmp_path)]) == 0
+
+    (run,) = tmp_path.glob("demo/version_*")
+    assert list(run.glob("events.out.tfevents*"))
+    steps = scalar_tags(run)
+    assert any(tag.startswith(MONITOR_FAMILIES) for tag in steps)
+    assert max(step for tag_steps in steps.values() for step in tag_steps) < 6
+    output = capsys.readouterr().out
+    assert str(run) in output
+    assert f"tensorboard --logdir {tmp_path}" in output.splitlines()
+
+
+@pytest.mark.slow
+def test_demo_runs_a_config_file_with_the_given_steps_and_seed(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY_CONFIG)
+    logdir = tmp_path / "logs"
+    argv = ["demo", "--config", str(config), "--logdir", str(logdir), "--max-steps", "4", "--seed", "7"]
+    assert main(argv) == 0
+
+    steps = scalar_tags(logdir / "tiny" / "version_0")
+    # log_first_step, then (step + 1) % 2 == 0, within the 4 steps asked for (not the config's 100).
+    assert steps["attention/entropy/blocks.0.attention"] == [0, 1, 3]
+    saved = (logdir / "tiny" / "version_0" / "config.yaml").read_text()
+    assert "seed_everything: 7" in saved and "seed: 7" in saved
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--config", "no-such-config"], "--config"),
+        (["demo", "--max-steps", "0"], "--max-steps"),
+        (["demo", "--seed", "-1"], "--seed"),
+        ([], "COMMAND"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message_naming_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
