@@ -1,4 +1,4 @@
-"""spectral-monitor: watch the spectra of a transformer's attention, residual stream and weights while it trains.
+"""spectral-monitor: watch the spectra of a transformer's attention, residual stream and weights as it trains.
 
 Add :class:`SpectralMonitor` to a Lightning ``Trainer``; or call the metric functions
 (:mod:`spectral_monitor.metrics`) and probes (:mod:`spectral_monitor.probes`) directly, without Lightning.

@@ -593,9 +593,14 @@ class _Reports:
 
 def _sinks_of(loggers: Sequence[pl.loggers.Logger]) -> list[Sink]:
     return [
-        TensorBoardSink(logger.experiment) if isinstance(logger, TensorBoardLogger) else LoggerSink(logger)
+        TensorBoardSink(logger.experiment) if _is_tensorboard(logger) else LoggerSink(logger)
         for logger in loggers
     ]
+
+
+def _is_tensorboard(logger: object) -> bool:
+    # By name too: lightning.pytorch's TensorBoardLogger is the same class under the other namespace.
+    return isinstance(logger, TensorBoardLogger) or type(logger).__name__ == "TensorBoardLogger"
 
 
 def _per_head(mask: Tensor | None, heads: int) -> Tensor | None:

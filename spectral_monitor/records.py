@@ -16,7 +16,7 @@ class Measurement:
     """One scalar: ``value`` of ``metric`` for ``layer`` (and ``head``, if per head) at ``step``.
 
     ``family`` groups metrics by what was observed: ``"attention"``, ``"tokens"``, ``"weights"``, ...
-    ``head`` is ``None`` for a per-layer value (a head aggregate is a metric of its own, e.g. ``entropy_min``).
+    ``head`` is ``None`` for a per-layer value (a head aggregate is a metric of its own: ``entropy_min``).
     """
 
     step: int

@@ -57,7 +57,7 @@ class EigenResult:
 
 @dataclass
 class SingularResult:
-    """Top singular triplets of a batch: ``values`` (B, k) descending, ``left`` (B, m, k), ``right`` (B, n, k)."""
+    """Top singular triplets: ``values`` (B, k) descending, ``left`` (B, m, k), ``right`` (B, n, k)."""
 
     values: Tensor
     left: Tensor
@@ -65,8 +65,9 @@ class SingularResult:
     info: ConvergenceInfo
 
 
-def orthonormal_columns(block: Tensor, basis: Tensor | None, scale: Tensor,
-                         generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def orthonormal_columns(
+    block: Tensor, basis: Tensor | None, scale: Tensor, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
     """Orthonormalise ``block`` (B, n, b) against ``basis`` and itself; returns (Q, C) with block ≈ Q C.
 
     A column that vanishes (the Krylov space became invariant, e.g. for a rank-one attention matrix) is
@@ -109,7 +110,8 @@ def lanczos_eigsh(
 
     Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair has
     residual ≤ ``tol`` · max|θ|; the eigenvalue error is then at most that and usually its square over the
-    spectral gap. ``init`` (B, n, r) warm-starts from earlier vectors (see the module docstring for the guard).
+    spectral gap. ``init`` (B, n, r) warm-starts from earlier vectors (the module docstring says why it
+    is safe).
     ``max_iters`` caps block iterations; ``info`` says what each element reached.
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
@@ -178,15 +180,17 @@ def lanczos_eigsh(
             next_coupling = next_q.transpose(1, 2) @ w
 
         size, width_now = tridiagonal.shape[1], q.shape[2]
-        grown = torch.zeros((active.numel(), size + width_now, size + width_now), dtype=work, device=op.device)
+        grown = torch.zeros(
+            (active.numel(), size + width_now, size + width_now), dtype=work, device=op.device
+        )
         grown[:, :size, :size] = tridiagonal
         grown[:, size:, size:] = alpha
         if coupling is not None:
-            grown[:, size:, size - coupling.shape[2]:size] = coupling
-            grown[:, size - coupling.shape[2]:size, size:] = coupling.transpose(1, 2)
+            grown[:, size:, size - coupling.shape[2] : size] = coupling
+            grown[:, size - coupling.shape[2] : size, size:] = coupling.transpose(1, 2)
         tridiagonal = grown
 
-        theta, ritz = torch.linalg.eigh(tridiagonal)
+        theta, ritz = (t.to(work) for t in torch.linalg.eigh(tridiagonal.double()))
         wanted_theta = theta[:, -k:].flip(1)
         wanted_vectors = ritz[:, :, -k:].flip(2)
         res = (next_coupling @ wanted_vectors[:, -width_now:, :]).norm(dim=1)
@@ -214,7 +218,12 @@ def lanczos_eigsh(
             restricted = active_op.restrict(remaining.nonzero().squeeze(1))
             if restricted is not None:
                 active_op = restricted
-                active, previous, q, coupling = active[remaining], previous[remaining], q[remaining], coupling[remaining]
+                active, previous, q, coupling = (
+                    active[remaining],
+                    previous[remaining],
+                    q[remaining],
+                    coupling[remaining],
+                )
                 basis, tridiagonal, scale = basis[remaining], tridiagonal[remaining], scale[remaining]
                 settled = settled[remaining]
 
@@ -252,8 +261,16 @@ def top_singular(
     side_init = None
     if init is not None:
         side_init = init if gram.side == "right" else _other_side(op, init, work)
-    result = lanczos_eigsh(gram, k, block_size=block_size, tol=tol, max_iters=max_iters, init=side_init,
-                           generator=generator, dtype=work)
+    result = lanczos_eigsh(
+        gram,
+        k,
+        block_size=block_size,
+        tol=tol,
+        max_iters=max_iters,
+        init=side_init,
+        generator=generator,
+        dtype=work,
+    )
     sigma = result.values.clamp_min(0).sqrt()
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]
     if gram.side == "right":

@@ -20,8 +20,15 @@ from torch import Tensor
 class BatchedOperator:
     """A batch of ``B`` linear maps R^cols -> R^rows, known only through products."""
 
-    def __init__(self, batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
-                 symmetric: bool = False) -> None:
+    def __init__(
+        self,
+        batch: int,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        symmetric: bool = False,
+    ) -> None:
         if symmetric and rows != cols:
             raise ValueError(f"a symmetric operator must be square, got rows={rows}, cols={cols}")
         self.batch = batch
@@ -57,8 +64,14 @@ class DenseOperator(BatchedOperator):
     def __init__(self, matrices: Tensor, symmetric: bool = False) -> None:
         if matrices.ndim != 3:
             raise ValueError(f"matrices must have shape (B, m, n), got {tuple(matrices.shape)}")
-        super().__init__(matrices.shape[0], matrices.shape[1], matrices.shape[2], matrices.dtype,
-                         matrices.device, symmetric)
+        super().__init__(
+            matrices.shape[0],
+            matrices.shape[1],
+            matrices.shape[2],
+            matrices.dtype,
+            matrices.device,
+            symmetric,
+        )
         self.matrices = matrices
         self._transposed: Tensor | None = None
 
@@ -85,9 +98,18 @@ class FunctionOperator(BatchedOperator):
     ``matmat(x)`` takes ``(B, cols, k)``; ``rmatmat`` is needed unless ``symmetric``.
     """
 
-    def __init__(self, matmat: Callable[[Tensor], Tensor], *, batch: int, rows: int, cols: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu",
-                 rmatmat: Callable[[Tensor], Tensor] | None = None, symmetric: bool = False) -> None:
+    def __init__(
+        self,
+        matmat: Callable[[Tensor], Tensor],
+        *,
+        batch: int,
+        rows: int,
+        cols: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        rmatmat: Callable[[Tensor], Tensor] | None = None,
+        symmetric: bool = False,
+    ) -> None:
         super().__init__(batch, rows, cols, dtype, torch.device(device), symmetric)
         if not symmetric and rmatmat is None:
             raise ValueError("rmatmat is required for a non-symmetric FunctionOperator")
@@ -172,15 +194,17 @@ def working_dtype(dtype: torch.dtype, requested: torch.dtype | None = None) -> t
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rademacher(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
-               generator: torch.Generator | None) -> Tensor:
+def rademacher(
+    shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None
+) -> Tensor:
     """±1 entries, drawn from ``generator`` (never the global RNG when a generator is given)."""
     bits = torch.randint(0, 2, shape, generator=generator, device=generator.device if generator else device)
-    return (bits.to(device=device, dtype=dtype) * 2 - 1)
+    return bits.to(device=device, dtype=dtype) * 2 - 1
 
 
-def gaussian(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device,
-             generator: torch.Generator | None) -> Tensor:
+def gaussian(
+    shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None
+) -> Tensor:
     draw_device = generator.device if generator is not None else device
     return torch.randn(shape, generator=generator, device=draw_device, dtype=dtype).to(device)
 

@@ -12,11 +12,17 @@ ENERGY_LEVEL = 0.99
 
 def check_matrices(value: object, name: str) -> Tensor:
     if not isinstance(value, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape (..., rows, cols), got {type(value).__name__}")
+        raise ValueError(
+            f"{name} must be a torch.Tensor of shape (..., rows, cols), got {type(value).__name__}"
+        )
     if value.ndim < 2:
-        raise ValueError(f"{name} must have at least 2 dims (..., rows, cols), got shape {tuple(value.shape)}")
+        raise ValueError(
+            f"{name} must have at least 2 dims (..., rows, cols), got shape {tuple(value.shape)}"
+        )
     if not value.dtype.is_floating_point:
-        raise ValueError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {value.dtype}")
+        raise ValueError(
+            f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {value.dtype}"
+        )
     if value.shape[-1] == 0 or value.shape[-2] == 0:
         raise ValueError(f"{name} must have non-empty rows and columns, got shape {tuple(value.shape)}")
     return value
@@ -28,18 +34,23 @@ def check_method(method: str) -> str:
     return method
 
 
-def flat_mask(mask: Tensor | None, name: str, batch_shape: torch.Size, size: int, device: torch.device) -> Tensor:
+def flat_mask(
+    mask: Tensor | None, name: str, batch_shape: torch.Size, size: int, device: torch.device
+) -> Tensor:
     """A bool mask broadcast to ``batch_shape + (size,)`` and flattened to (B, size); all True if None."""
     if mask is None:
         return torch.ones((max(batch_shape.numel(), 1), size), dtype=torch.bool, device=device)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        raise ValueError(f"{name} must be a bool tensor (True = keep), got "
-                         f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+        raise ValueError(
+            f"{name} must be a bool tensor (True = keep), got "
+            f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}"
+        )
     try:
         full = torch.broadcast_to(mask.to(device), (*batch_shape, size))
     except RuntimeError as error:
-        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to "
-                         f"{(*batch_shape, size)}") from error
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to {(*batch_shape, size)}"
+        ) from error
     return full.reshape(-1, size)
 
 
@@ -68,5 +79,8 @@ def threshold_rank_from_singular_values(singular_values: Tensor, level: float = 
 
 def stable_rank(frobenius_squared: Tensor, sigma1: Tensor) -> Tensor:
     """‖X‖_F² / σ₁²; NaN for the zero matrix (no direction to rank)."""
-    return torch.where(sigma1 > 0, frobenius_squared / sigma1.square().clamp_min(torch.finfo(sigma1.dtype).tiny),
-                       torch.full_like(sigma1, float("nan")))
+    return torch.where(
+        sigma1 > 0,
+        frobenius_squared / sigma1.square().clamp_min(torch.finfo(sigma1.dtype).tiny),
+        torch.full_like(sigma1, float("nan")),
+    )

@@ -17,7 +17,8 @@ from spectral_monitor.metrics._common import (
 def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, Tensor]:
     """Token similarity and rank of residual-stream states ``x`` (..., n, d).
 
-    ``token_mask`` (..., n) bool, True = real token; padded tokens are left out. Keys (shape ``x.shape[:-2]``):
+    ``token_mask`` (..., n) bool, True = real token; padded tokens are left out. Keys (each of shape
+    ``x.shape[:-2]``):
     ``cosine_similarity`` (mean over pairs i ≠ j of cos(xᵢ, xⱼ), Noci et al. 2022; NaN with < 2 tokens),
     ``token_residual`` (‖X − 1x̄ᵀ‖_F / ‖X‖_F, Dong et al. 2021), ``stable_rank`` (‖X‖_F²/σ₁²),
     ``effective_rank`` (Roy & Vetterli), and ``nonfinite`` (True where x had a NaN/Inf; that element's
@@ -34,14 +35,17 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     norms = states.norm(dim=2, keepdim=True)
     unit = states / torch.where(norms > 0, norms, torch.ones_like(norms))
     pairs = count * (count - 1)
-    cosine = (unit.sum(dim=1).square().sum(dim=1) - unit.square().sum(dim=(1, 2)))
+    cosine = unit.sum(dim=1).square().sum(dim=1) - unit.square().sum(dim=(1, 2))
     cosine = torch.where(pairs > 0, cosine / pairs.clamp_min(1), torch.full_like(cosine, float("nan")))
 
     mean = states.sum(dim=1) / count.clamp_min(1)[:, None]
     frobenius = states.norm(dim=(1, 2))
     residual = (states - mask[:, :, None] * mean[:, None, :]).norm(dim=(1, 2))
-    residual = torch.where(frobenius > 0, residual / frobenius.clamp_min(torch.finfo(states.dtype).tiny),
-                           torch.full_like(frobenius, float("nan")))
+    residual = torch.where(
+        frobenius > 0,
+        residual / frobenius.clamp_min(torch.finfo(states.dtype).tiny),
+        torch.full_like(frobenius, float("nan")),
+    )
 
     singular_values = torch.linalg.svdvals(states)
     metrics = {

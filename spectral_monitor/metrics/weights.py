@@ -18,7 +18,9 @@ def marchenko_pastur_edge(frobenius_squared: Tensor, rows: int, cols: int) -> Te
     return sigma_hat * (rows**0.5 + cols**0.5)
 
 
-def weight_metrics(w: Tensor, *, method: str = "auto", generator: torch.Generator | None = None) -> dict[str, Tensor]:
+def weight_metrics(
+    w: Tensor, *, method: str = "auto", generator: torch.Generator | None = None
+) -> dict[str, Tensor]:
     """Spectral summary of weights ``w`` (..., N, M).
 
     Keys (shape ``w.shape[:-2]``): ``spectral_norm`` σ₁, ``frobenius_norm``, ``stable_rank`` ‖W‖_F²/σ₁²;

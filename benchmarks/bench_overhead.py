@@ -1,0 +1,138 @@
+"""Benchmark: what the default ``SpectralMonitor`` costs a training run, against the same run without it.
+
+The demo model and task of ``configs/demo.yaml`` are trained for ``--steps`` steps in fresh processes, with
+and
+without the monitor (default arguments but the config's ``every_n_steps``), in interleaved pairs (off, on, on,
+off, ...) so drift of the machine hits both alike. Each worker reports its ``fit`` wall time, the wall time of
+every step (from one batch start to the next, so the monitor's work in any hook is inside), and its peak
+resident memory. The table gives medians over pairs and the ratios on vs off: the whole run, logging steps,
+and non-logging steps (which should cost ~nothing).
+
+    python benchmarks/bench_overhead.py --steps 150 --pairs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import describe_machine, markdown_table
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs" / "demo.yaml"
+
+
+def worker(monitor: bool, steps: int) -> dict[str, object]:
+    import pytorch_lightning as pl
+    import yaml
+
+    from spectral_monitor import SpectralMonitor
+    from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
+
+    config = yaml.safe_load(CONFIG.read_text())
+    every = config["trainer"]["callbacks"][0]["init_args"]["every_n_steps"]
+
+    class StepClock(pl.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args: object) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, *args: object) -> None:
+            self.starts.append(time.perf_counter())
+
+    clock = StepClock()
+    callbacks: list[pl.Callback] = [clock]
+    if monitor:
+        callbacks.append(SpectralMonitor(every_n_steps=every))
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        log_every_n_steps=every,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        logger=pl.loggers.TensorBoardLogger(
+            f"/tmp/spectral_monitor_bench_overhead/{'on' if monitor else 'off'}"
+        ),
+    )
+    model = DemoTransformer(**config["model"]["init_args"])
+    data = SyntheticDataModule(**config["data"]["init_args"])
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    fit_seconds = time.perf_counter() - start
+    durations = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
+    logging = [d for step, d in enumerate(durations) if step == 0 or (step + 1) % every == 0]
+    quiet = [d for step, d in enumerate(durations) if not (step == 0 or (step + 1) % every == 0)]
+    return {
+        "fit_seconds": fit_seconds,
+        "logging_step_ms": 1000 * statistics.median(logging),
+        "quiet_step_ms": 1000 * statistics.median(quiet),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def run_worker(monitor: bool, steps: int) -> dict[str, float]:
+    output = subprocess.run(
+        [sys.executable, __file__, "--worker", "on" if monitor else "off", "--steps", str(steps)],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    ).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker == "on", args.steps)))
+        return
+
+    results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for pair in range(args.pairs):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        for monitor in order:
+            results[monitor].append(run_worker(monitor, args.steps))
+            print(
+                f"pair {pair} monitor={'on' if monitor else 'off'}: {results[monitor][-1]}", file=sys.stderr
+            )
+
+    def median(monitor: bool, key: str) -> float:
+        return statistics.median(r[key] for r in results[monitor])
+
+    rows = []
+    for key, label in [
+        ("fit_seconds", "fit wall time (s)"),
+        ("logging_step_ms", "logging step (ms, median)"),
+        ("quiet_step_ms", "non-logging step (ms, median)"),
+        ("peak_rss_mb", "peak RSS (MB)"),
+    ]:
+        off, on = median(False, key), median(True, key)
+        rows.append([label, f"{off:.2f}", f"{on:.2f}", f"{on / off:.3f}"])
+    print(describe_machine())
+    print(
+        f"\ndemo model ({CONFIG.name}), {args.steps} steps, "
+        f"{args.pairs} interleaved pairs of fresh processes\n"
+    )
+    print(markdown_table(["measure", "without monitor", "with monitor", "ratio"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""The embedded demo: a tiny transformer and a synthetic recall task, trainable on a CPU in about a minute."""
+
+from spectral_monitor.demo.data import SyntheticDataModule, associative_recall_batch
+from spectral_monitor.demo.model import DemoTransformer, LengthScaledAttention, attention_logit_scale
+
+__all__ = [
+    "DemoTransformer",
+    "LengthScaledAttention",
+    "SyntheticDataModule",
+    "associative_recall_batch",
+    "attention_logit_scale",
+]
