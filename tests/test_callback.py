@@ -64,13 +64,7 @@ class TinyEncoder(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: on a shared machine, intra-op threads only wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def previous_token_batches() -> DataLoader:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing import event_accumulator
 
 from spectral_monitor.cli import main, shipped_configs
@@ -35,13 +34,7 @@ trainer:
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: on a shared machine, intra-op threads only wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def scalar_tags(run: Path) -> dict[str, list[int]]:

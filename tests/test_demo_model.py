@@ -48,15 +48,6 @@ class RecordLosses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-@pytest.fixture
-def one_thread():
-    """A model this small gains nothing from intra-op threads; on a busy machine their spinning costs more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_training_on_recall_drops_loss_below_the_no_lookup_floor(one_thread):
     """From log(vocab) to well below log(num_values): the model learns the keys *and* attends to the pairs."""

@@ -22,13 +22,7 @@ from spectral_monitor.probes.weights import AttentionWeights, WeightProbe, query
 RTOL = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These matrices are tiny: on a shared machine, intra-op threads only wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference_singular_values(matrix: torch.Tensor) -> np.ndarray:
