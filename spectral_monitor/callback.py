@@ -332,9 +332,13 @@ class SpectralMonitor(Callback):
                 progress.step, "attention", sample.layer, per_head, self.per_head
             )
             if write_histograms:
+                # "_per_head": a histogram tag equal to a scalar tag hides the scalar in TensorBoard's
+                # default (fast) loader, which keeps one data class per tag.
                 progress.distributions += [
-                    Distribution(progress.step, "attention", metric, sample.layer, values.numpy())
-                    for metric, values in per_head.items()
+                    Distribution(
+                        progress.step, "attention", f"{metric}_per_head", sample.layer, head_values.numpy()
+                    )
+                    for metric, head_values in per_head.items()
                 ]
             if progress.draw_figures and sample.probs[0, _FIGURE_HEAD].isfinite().all():
                 drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
