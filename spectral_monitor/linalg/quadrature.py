@@ -61,6 +61,7 @@ def lanczos_quadrature(
     num_probes: int = 16,
     num_steps: int = 24,
     deflate: Tensor | None = None,
+    probes: Tensor | None = None,
     until: Callable[[QuadratureNodes], Tensor] | None = None,
     check_every: int = 4,
     generator: torch.Generator | None = None,
@@ -74,6 +75,9 @@ def lanczos_quadrature(
     exact contribution of the removed eigenvalues. There is no reorthogonalisation: loss of orthogonality
     only duplicates converged Ritz values (ghosts), and the Gauss rule stays accurate (Knizhnerman 1996;
     Ubaru, Chen & Saad 2017), while storing and sweeping the basis would cost more than the products.
+
+    ``probes`` (B, n, num_probes) replaces the Rademacher draw, e.g. to give each batch element the same
+    probes whichever other elements it is batched with.
 
     Both the Gauss rule and the Gauss–Radau rule with a node at 0 are returned; for √x-like functions they
     bracket the truth, so their spread is an honest bias bound. ``until(quadrature) -> (B,) bool`` is checked
@@ -94,7 +98,11 @@ def lanczos_quadrature(
     if deflate is not None:
         op = ProjectedOperator(op, deflate.to(device=op.device, dtype=op.dtype))
 
-    probes = rademacher((batch, n, num_probes), dtype=work, device=op.device, generator=generator)
+    if probes is None:
+        probes = rademacher((batch, n, num_probes), dtype=work, device=op.device, generator=generator)
+    elif probes.shape != (batch, n, num_probes):
+        raise ValueError(f"probes must have shape {(batch, n, num_probes)}, got {tuple(probes.shape)}")
+    probes = probes.to(device=op.device, dtype=work)
     if deflate is not None:
         probes = probes - deflate.to(work) @ (deflate.to(work).transpose(1, 2) @ probes)
     probe_norm = probes.norm(dim=1)
