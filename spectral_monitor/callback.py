@@ -72,6 +72,11 @@ _FIGURE_HEAD = 0
 successive steps show that head change."""
 
 _EXAMPLE_NAMES = 8
+_NO_ATTENTION_SEEN = (
+    "the attention family is on, but the training forward made no attention-kernel call "
+    "(F.scaled_dot_product_attention, F.multi_head_attention_forward) the monitor could see; for attention "
+    "written by hand, register an extractor (spectral_monitor.probes.register_attention_extractor)"
+)
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
 
 
@@ -199,7 +204,9 @@ class SpectralMonitor(Callback):
             )
         if "tokens" in self.families:
             with self._reports.failures_of("finding the transformer blocks (tokens family)"):
-                self._residual_capture = ResidualCapture(pl_module, max_sequences=self.max_sequences)
+                self._residual_capture = ResidualCapture(
+                    pl_module, max_sequences=self.max_sequences, strict=self.strict
+                )
         if "weights" in self.families:
             self._weight_probe = WeightProbe(
                 pl_module, include=self.include, exclude=self.exclude, per_head=self.per_head
@@ -307,6 +314,8 @@ class SpectralMonitor(Callback):
             with self._reports.failures_of("disarming the attention capture"):
                 progress.attention = capture.disarm()
                 self._report_skipped("attention", progress.attention.skipped)
+                if not progress.attention.captured and not progress.attention.skipped:
+                    self._reports.once("no attention", _NO_ATTENTION_SEEN)
         residual_capture = self._residual_capture
         if residual_capture is not None and residual_capture.is_armed:
             with self._reports.failures_of("disarming the residual-stream capture"):
@@ -415,9 +424,14 @@ class SpectralMonitor(Callback):
                 if Capability.LAYOUT in sink.capabilities and tags:
                     sink.write_layout(per_layer_layout(tags))
             if Capability.FIGURES in sink.capabilities:
-                with self._reports.failures_of(f"drawing figures for {kind}"):
-                    for tag, draw in progress.figures:
-                        sink.write_figure(tag, draw(), progress.step)
+                for tag, draw in progress.figures:
+                    figure = None
+                    with self._reports.failures_of("drawing figures"):
+                        figure = draw()
+                    if figure is not None:
+                        # A full disk is one fault whichever output meets it: reported with the others.
+                        with self._reports.failures_of(f"writing to {kind}"):
+                            sink.write_figure(tag, figure, progress.step)
 
     def _selected(self, layer: str) -> bool:
         """Whether the module named ``layer`` is measured: the same rule as ``WeightProbe``'s."""

@@ -91,13 +91,20 @@ class TinyEncoder(pl.LightningModule):
     """Embedding, two ``nn.TransformerEncoderLayer`` blocks (LayerNorm inside), optional BatchNorm, a head.
 
     ``norm="batch"`` adds a ``BatchNorm1d`` over the features after the embedding, so the running statistics
-    are part of what must not change; ``optimizer`` is ``"adamw"`` or ``"sgd"`` (with momentum).
+    are part of what must not change; ``optimizer`` is ``"adamw"`` or ``"sgd"`` (with momentum). Initialised
+    from ``torch.manual_seed(seed)``, so two instances are the same model.
     """
 
     def __init__(
-        self, dropout: float = 0.0, batch_norm: bool = False, optimizer: str = "adamw", width: int = WIDTH
+        self,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
+        optimizer: str = "adamw",
+        width: int = WIDTH,
+        seed: int = 0,
     ) -> None:
         super().__init__()
+        torch.manual_seed(seed)
         self.optimizer_name = optimizer
         self.embedding = nn.Embedding(VOCAB, width)
         self.batch_norm = nn.BatchNorm1d(width) if batch_norm else None
