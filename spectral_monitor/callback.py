@@ -271,8 +271,7 @@ class SpectralMonitor(Callback):
         if self._weight_probe is not None:  # its warm vectors stay, for a checkpoint or the next fit
             self._parked_weight_state = self._weight_probe.state_dict()
         self._attention_capture = self._residual_capture = self._weight_probe = None
-        self._krylov_states.clear()
-        self._sinks = []
+        self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
 
     def state_dict(self) -> dict[str, Any]:
         weight_state = self._weight_probe.state_dict() if self._weight_probe else self._parked_weight_state
@@ -280,11 +279,20 @@ class SpectralMonitor(Callback):
             "last_logged_step": self._last_logged_step,
             "logging_steps_done": self._logging_steps_done,
             "weight_probe": weight_state,
+            "attention_krylov_vectors": {
+                layer: state.vectors.detach().clone()
+                for layer, state in self._krylov_states.items()
+                if state.vectors is not None
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_logged_step = state_dict.get("last_logged_step", -1)
         self._logging_steps_done = state_dict.get("logging_steps_done", 0)
+        self._krylov_states = {
+            layer: KrylovState(vectors.detach().clone())
+            for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
+        }
         weight_state = state_dict.get("weight_probe")
         if weight_state is None:
             return
@@ -357,13 +365,16 @@ class SpectralMonitor(Callback):
     def _attention_per_head(self, step: int, sample: AttentionSample) -> dict[str, Tensor]:
         """Each defined metric of one layer as (heads,) float64 on the CPU, averaged over the sequences."""
         heads = sample.probs.shape[1]
+        state = self._krylov_states.setdefault(sample.layer, KrylovState())
+        if state.vectors is not None and state.vectors.device != sample.probs.device:  # from a checkpoint
+            state.vectors = state.vectors.to(sample.probs.device)
         metrics = attention_metrics(
             sample.probs,
             key_mask=_per_head(sample.key_mask, heads),
             query_mask=_per_head(sample.query_mask, heads),
             causal=sample.causal,
             method=self.metric_method,
-            state=self._krylov_states.setdefault(sample.layer, KrylovState()),
+            state=state,
         )
         nonfinite = metrics["nonfinite"]
         if nonfinite.any():

@@ -172,7 +172,12 @@ def test_state_key_tells_apart_monitors_that_measure_different_things() -> None:
 def test_load_state_dict_fills_missing_keys_with_defaults() -> None:
     monitor = SpectralMonitor()
     monitor.load_state_dict({})
-    assert monitor.state_dict() == {"last_logged_step": -1, "logging_steps_done": 0, "weight_probe": None}
+    assert monitor.state_dict() == {
+        "last_logged_step": -1,
+        "logging_steps_done": 0,
+        "weight_probe": None,
+        "attention_krylov_vectors": {},
+    }
 
 
 # -- real runs ---------------------------------------------------------------------------------------------
