@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,7 +61,9 @@ def resident_mib() -> float:
 
 def live_tensors() -> int:
     gc.collect()
-    return sum(1 for item in gc.get_objects() if isinstance(item, torch.Tensor))
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        return sum(1 for item in gc.get_objects() if isinstance(item, torch.Tensor))
 
 
 def open_descriptors() -> int:

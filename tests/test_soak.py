@@ -7,6 +7,7 @@ function for 300 steps so every CI run checks it.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ SOAK_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 def load_soak():
     spec = importlib.util.spec_from_file_location("soak", SOAK_SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
