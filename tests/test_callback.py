@@ -126,30 +126,7 @@ def monitor_warnings(record: list[warnings.WarningMessage], text: str) -> list[s
 # -- constructor -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("arguments", "named"),
-    [
-        ({"every_n_steps": 0}, "every_n_steps"),
-        ({"every_n_steps": 2.5}, "every_n_steps"),
-        ({"families": ["attention", "jacobians"]}, "families"),
-        ({"families": "attention"}, "families"),
-        ({"families": []}, "families"),
-        ({"include": "blocks.*"}, "include"),
-        ({"exclude": [3]}, "exclude"),
-        ({"max_sequences": 0}, "max_sequences"),
-        ({"memory_budget_mb": 0}, "memory_budget_mb"),
-        ({"memory_budget_mb": math.nan}, "memory_budget_mb"),
-        ({"per_head": "yes"}, "per_head"),
-        ({"histograms": 1}, "histograms"),
-        ({"figures_every_n_logs": -1}, "figures_every_n_logs"),
-        ({"metric_method": "svd"}, "metric_method"),
-        ({"strict": None}, "strict"),
-        ({"log_first_step": "no"}, "log_first_step"),
-    ],
-)
-def test_bad_arguments_raise_a_value_error_naming_the_argument(arguments: dict, named: str) -> None:
-    with pytest.raises(ValueError, match=rf"\b{named}\b"):
-        SpectralMonitor(**arguments)
+# Every argument's bad values: tests/test_configuration.py.
 
 
 def test_an_unknown_family_is_reported_with_the_allowed_ones() -> None:
