@@ -72,6 +72,11 @@ _FIGURE_HEAD = 0
 successive steps show that head change."""
 
 _EXAMPLE_NAMES = 8
+_NO_ATTENTION_SEEN = (
+    "the attention family is on, but the training forward made no attention-kernel call "
+    "(F.scaled_dot_product_attention, F.multi_head_attention_forward) the monitor could see; for attention "
+    "written by hand, register an extractor (spectral_monitor.probes.register_attention_extractor)"
+)
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
 
 
@@ -199,7 +204,9 @@ class SpectralMonitor(Callback):
             )
         if "tokens" in self.families:
             with self._reports.failures_of("finding the transformer blocks (tokens family)"):
-                self._residual_capture = ResidualCapture(pl_module, max_sequences=self.max_sequences)
+                self._residual_capture = ResidualCapture(
+                    pl_module, max_sequences=self.max_sequences, strict=self.strict
+                )
         if "weights" in self.families:
             self._weight_probe = WeightProbe(
                 pl_module, include=self.include, exclude=self.exclude, per_head=self.per_head
@@ -264,8 +271,7 @@ class SpectralMonitor(Callback):
         if self._weight_probe is not None:  # its warm vectors stay, for a checkpoint or the next fit
             self._parked_weight_state = self._weight_probe.state_dict()
         self._attention_capture = self._residual_capture = self._weight_probe = None
-        self._krylov_states.clear()
-        self._sinks = []
+        self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
 
     def state_dict(self) -> dict[str, Any]:
         weight_state = self._weight_probe.state_dict() if self._weight_probe else self._parked_weight_state
@@ -273,11 +279,20 @@ class SpectralMonitor(Callback):
             "last_logged_step": self._last_logged_step,
             "logging_steps_done": self._logging_steps_done,
             "weight_probe": weight_state,
+            "attention_krylov_vectors": {
+                layer: state.vectors.detach().clone()
+                for layer, state in self._krylov_states.items()
+                if state.vectors is not None
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_logged_step = state_dict.get("last_logged_step", -1)
         self._logging_steps_done = state_dict.get("logging_steps_done", 0)
+        self._krylov_states = {
+            layer: KrylovState(vectors.detach().clone())
+            for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
+        }
         weight_state = state_dict.get("weight_probe")
         if weight_state is None:
             return
@@ -307,6 +322,8 @@ class SpectralMonitor(Callback):
             with self._reports.failures_of("disarming the attention capture"):
                 progress.attention = capture.disarm()
                 self._report_skipped("attention", progress.attention.skipped)
+                if not progress.attention.captured and not progress.attention.skipped:
+                    self._reports.once("no attention", _NO_ATTENTION_SEEN)
         residual_capture = self._residual_capture
         if residual_capture is not None and residual_capture.is_armed:
             with self._reports.failures_of("disarming the residual-stream capture"):
@@ -348,13 +365,16 @@ class SpectralMonitor(Callback):
     def _attention_per_head(self, step: int, sample: AttentionSample) -> dict[str, Tensor]:
         """Each defined metric of one layer as (heads,) float64 on the CPU, averaged over the sequences."""
         heads = sample.probs.shape[1]
+        state = self._krylov_states.setdefault(sample.layer, KrylovState())
+        if state.vectors is not None and state.vectors.device != sample.probs.device:  # from a checkpoint
+            state.vectors = state.vectors.to(sample.probs.device)
         metrics = attention_metrics(
             sample.probs,
             key_mask=_per_head(sample.key_mask, heads),
             query_mask=_per_head(sample.query_mask, heads),
             causal=sample.causal,
             method=self.metric_method,
-            state=self._krylov_states.setdefault(sample.layer, KrylovState()),
+            state=state,
         )
         nonfinite = metrics["nonfinite"]
         if nonfinite.any():
@@ -415,9 +435,14 @@ class SpectralMonitor(Callback):
                 if Capability.LAYOUT in sink.capabilities and tags:
                     sink.write_layout(per_layer_layout(tags))
             if Capability.FIGURES in sink.capabilities:
-                with self._reports.failures_of(f"drawing figures for {kind}"):
-                    for tag, draw in progress.figures:
-                        sink.write_figure(tag, draw(), progress.step)
+                for tag, draw in progress.figures:
+                    figure = None
+                    with self._reports.failures_of("drawing figures"):
+                        figure = draw()
+                    if figure is not None:
+                        # A full disk is one fault whichever output meets it: reported with the others.
+                        with self._reports.failures_of(f"writing to {kind}"):
+                            sink.write_figure(tag, figure, progress.step)
 
     def _selected(self, layer: str) -> bool:
         """Whether the module named ``layer`` is measured: the same rule as ``WeightProbe``'s."""

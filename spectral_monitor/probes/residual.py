@@ -91,7 +91,9 @@ class ResidualCapture:
 
     ``block_patterns``: ``fnmatch`` patterns over qualified module names choosing the blocks (default: found
     automatically). The first ``max_sequences`` sequences of the batch are kept; when a block runs several
-    times in one armed forward only its first output is kept.
+    times in one armed forward only its first output is kept. A block that has left the model since is listed
+    in ``recording.skipped``; so is, with ``strict=False``, a block whose output could not be read (an error
+    while copying it), and the forward goes on; ``strict=True`` raises that error into the forward.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class ResidualCapture:
         *,
         block_patterns: Sequence[str] | None = None,
         max_sequences: int = 4,
+        strict: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -113,6 +116,7 @@ class ResidualCapture:
             )
         self.model = model
         self.max_sequences = max_sequences
+        self.strict = strict
         self.blocks = tuple(find_transformer_blocks(model, block_patterns))
         if not self.blocks:
             if block_patterns is not None:
@@ -144,6 +148,11 @@ class ResidualCapture:
         modules = dict(self.model.named_modules())
         seen: set[str] = set()
         for name in self.blocks:
+            if name not in modules:
+                recording.skipped.append(
+                    SkippedCapture(name, "block no longer in the model; its series stop")
+                )
+                continue
             hook = self._output_hook(name, token_mask, recording, seen)
             self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
         self._recording = recording
@@ -179,19 +188,33 @@ class ResidualCapture:
             if name in seen:
                 return
             seen.add(name)
-            states = output if isinstance(output, Tensor) else _first_tensor(output)
-            if states is None or states.is_nested or states.dim() not in (2, 3):
-                reason = f"output is not a (batch, tokens, features) tensor but {type(output).__name__}"
-                recording.skipped.append(SkippedCapture(name, reason))
+            try:
+                sample = self._sample(name, module, kwargs, output, token_mask)
+            except Exception as error:
+                if self.strict:
+                    raise
+                recording.skipped.append(SkippedCapture(name, f"capture failed: {error!r}"))
                 return
-            with torch.no_grad():
-                states = _batch_first(states, module)[: self.max_sequences]
-                copy = states.detach().to(torch.float32, copy=True).contiguous()
-                mask = _token_mask(module, kwargs, token_mask, copy.shape[0], copy.shape[1])
-                mask = None if mask is None else mask.to(copy.device)
-            recording.states.append(ResidualSample(name, copy, mask))
+            if isinstance(sample, str):
+                recording.skipped.append(SkippedCapture(name, sample))
+            else:
+                recording.states.append(sample)
 
         return keep_output
+
+    def _sample(
+        self, name: str, module: nn.Module, kwargs: dict[str, Any], output: Any, token_mask: Tensor | None
+    ) -> ResidualSample | str:
+        """A detached copy of the block's output for the sampled sequences, or why there is none."""
+        states = output if isinstance(output, Tensor) else _first_tensor(output)
+        if states is None or states.is_nested or states.dim() not in (2, 3):
+            return f"output is not a (batch, tokens, features) tensor but {type(output).__name__}"
+        with torch.no_grad():
+            states = _batch_first(states, module)[: self.max_sequences]
+            copy = states.detach().to(torch.float32, copy=True).contiguous()
+            mask = _token_mask(module, kwargs, token_mask, copy.shape[0], copy.shape[1])
+            mask = None if mask is None else mask.to(copy.device)
+        return ResidualSample(name, copy, mask)
 
 
 def _first_tensor(output: Any) -> Tensor | None:

@@ -145,9 +145,13 @@ def query_key_spectral_norms(
     query_heads = query.reshape(num_heads, head_dim, -1).transpose(1, 2)
     key_heads_per_query = key.reshape(key_heads, head_dim, -1).transpose(1, 2)
     key_heads_per_query = key_heads_per_query.repeat_interleave(num_heads // key_heads, dim=0)
-    r_query = torch.linalg.qr(query_heads, mode="r").R
-    r_key = torch.linalg.qr(key_heads_per_query, mode="r").R
-    return torch.linalg.svdvals(r_query @ r_key.transpose(1, 2))[:, 0]
+    norms = query.new_full((num_heads,), math.nan)
+    finite = _finite_matrices(query_heads) & _finite_matrices(key_heads_per_query)  # QR raises on NaN
+    if finite.any():
+        r_query = torch.linalg.qr(query_heads[finite], mode="r").R
+        r_key = torch.linalg.qr(key_heads_per_query[finite], mode="r").R
+        norms[finite] = torch.linalg.svdvals(r_query @ r_key.transpose(1, 2))[:, 0]
+    return norms
 
 
 @dataclass
@@ -429,7 +433,7 @@ class WeightProbe:
                     )
                     per_head[("qk_spectral_norm", item.layer)] = norms
                 measurements.append(
-                    Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm_max", item.layer, max(norms))
+                    Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm_max", item.layer, float(np.max(norms)))
                 )
 
         distributions = [
@@ -458,13 +462,20 @@ class WeightProbe:
             frobenius = torch.linalg.matrix_norm(matrices).tolist()
             rows, cols = matrices.shape[1:]
             if min(rows, cols) <= _EXACT_MAX_SIZE:
-                sigma = torch.linalg.svdvals(matrices)[:, 0].tolist()
+                sigma = _largest_singular_values(matrices).tolist()
                 estimates.update(
                     (target.key, _Estimate(sigma[i], frobenius[i], 0.0)) for i, target in enumerate(group)
                 )
                 continue
-            warm = [i for i, target in enumerate(group) if self._fits(target.key, cols)]
-            cold = sorted(set(range(len(group))) - set(warm))
+            # A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN, and it restarts cold.
+            finite = _finite_matrices(matrices).tolist()
+            estimates.update(
+                (target.key, _Estimate(math.nan, frobenius[i], math.nan))
+                for i, target in enumerate(group)
+                if not finite[i]
+            )
+            warm = [i for i, target in enumerate(group) if finite[i] and self._fits(target.key, cols)]
+            cold = sorted({i for i in range(len(group)) if finite[i]} - set(warm))
             for indices, is_warm in ((warm, True), (cold, False)):
                 if not indices:
                     continue
@@ -495,7 +506,12 @@ class WeightProbe:
         targets = [_Target(layer, None, matrix) for layer, matrix in self.named_matrices()]
         spectra: dict[str, np.ndarray] = {}
         for group in _batches(targets):
-            values = torch.linalg.svdvals(_stacked_copy([target.matrix for target in group])).cpu().numpy()
+            matrices = _stacked_copy([target.matrix for target in group])
+            values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan)
+            finite = _finite_matrices(matrices)  # a non-finite weight's spectrum stays NaN: svd would raise
+            if finite.any():
+                values[finite] = torch.linalg.svdvals(matrices[finite])
+            values = values.cpu().numpy()
             spectra.update((target.layer, spectrum) for target, spectrum in zip(group, values, strict=True))
         return [
             Distribution(step, WEIGHT_FAMILY, "singular_values", target.layer, spectra[target.layer])
@@ -644,6 +660,20 @@ def _stacked_copy(matrices: list[Tensor]) -> Tensor:
     """One float32 (float64 stays float64) batch, a copy: nothing measured can reach a parameter."""
     stacked = torch.stack([matrix.detach() for matrix in matrices])
     return stacked.to(working_dtype(stacked.dtype))
+
+
+def _finite_matrices(matrices: Tensor) -> Tensor:
+    """(batch,) bool: which matrices of a (batch, rows, cols) stack hold only finite values."""
+    return matrices.isfinite().flatten(1).all(dim=1)
+
+
+def _largest_singular_values(matrices: Tensor) -> Tensor:
+    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN for one holding NaN or inf."""
+    sigma = matrices.new_full(matrices.shape[:1], math.nan)
+    finite = _finite_matrices(matrices)
+    if finite.any():
+        sigma[finite] = torch.linalg.svdvals(matrices[finite])[:, 0]
+    return sigma
 
 
 def _batches(targets: list[_Target]) -> Iterator[list[_Target]]:

@@ -1,0 +1,109 @@
+"""Configuration: every constructor argument is checked at construction, and every shipped YAML loads.
+
+Each argument of ``SpectralMonitor.__init__`` has bad values here; a bad value raises ``ValueError`` whose
+message names the argument and says what is allowed, before any training starts. A new argument without a
+case here fails ``test_every_constructor_argument_has_bad_value_cases``. Patterns that match no module warn
+once, listing module names that exist. Every ``configs/*.yaml``, present and future, instantiates through
+``LightningCLI`` (no fit).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from pathlib import Path
+
+import pytest
+from pytorch_lightning.cli import LightningCLI
+from reliability_helpers import TinyEncoder, fit, monitor_reports, tensorboard_logger
+
+from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+# argument -> (bad values, what the message must say is allowed)
+BAD_VALUES = {
+    "every_n_steps": ([0, -3, 2.5, True, "10"], "int >= 1"),
+    "families": (
+        [["attention", "jacobians"], "attention", [], None, ["weights", 3]],
+        "['attention', 'tokens', 'weights']",
+    ),
+    "include": (["blocks.*", [3], [], [""]], "fnmatch patterns"),
+    "exclude": (["blocks.*", [None], [3], [], [""]], "fnmatch patterns"),
+    "max_sequences": ([0, 1.5, False], "int >= 1"),
+    "memory_budget_mb": ([0, -1.0, math.nan, math.inf, True, "256"], "positive number of megabytes"),
+    "per_head": (["yes", 1, None], "True or False"),
+    "histograms": ([1, "no"], "True or False"),
+    "figures_every_n_logs": ([-1, 0.5, None], "int >= 0"),
+    "metric_method": (["svd", "", None], "('auto', 'exact', 'krylov')"),
+    "strict": ([None, 0, "true"], "True or False"),
+    "log_first_step": (["no", 1], "True or False"),
+}
+
+BAD_CASES = [
+    pytest.param(argument, value, allowed, id=f"{argument}={value!r}")
+    for argument, (values, allowed) in BAD_VALUES.items()
+    for value in values
+]
+
+
+def test_every_constructor_argument_has_bad_value_cases() -> None:
+    arguments = [name for name in inspect.signature(SpectralMonitor.__init__).parameters if name != "self"]
+    assert sorted(BAD_VALUES) == sorted(arguments)
+
+
+@pytest.mark.parametrize(("argument", "value", "allowed"), BAD_CASES)
+def test_a_bad_value_raises_naming_the_argument_and_what_is_allowed(
+    argument: str, value, allowed: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        SpectralMonitor(**{argument: value})
+    message = str(raised.value)
+    assert message.startswith(argument) and allowed in message, message
+
+
+def test_the_defaults_are_valid() -> None:
+    SpectralMonitor()
+
+
+@pytest.mark.slow
+def test_patterns_matching_nothing_warn_once_listing_module_names(tmp_path: Path) -> None:
+    monitor = SpectralMonitor(
+        every_n_steps=1, include=["encoder.*", "decoder.*"], exclude=["*.dropout9"], figures_every_n_logs=0
+    )
+    model = TinyEncoder()
+    with monitor_reports() as reports:
+        fit(model, [monitor], tensorboard_logger(tmp_path), 2)
+        fit(model, [monitor], tensorboard_logger(tmp_path, version=1), 3)  # the same monitor, fitted again
+
+    (report,) = [message for message in reports.messages if "match no module" in message]
+    unmatched, _, examples = report.partition("look like")
+    assert "decoder.*" in unmatched and "*.dropout9" in unmatched and "encoder.*" not in unmatched
+    assert "embedding" in examples and "encoder.layers.0" in examples
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[config.name for config in CONFIGS])
+def test_every_shipped_config_instantiates_through_lightning_cli(
+    config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a config's relative log directory lands here
+    cli = LightningCLI(
+        DemoTransformer,
+        SyntheticDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=[f"--config={config}"],
+        run=False,
+    )
+    monitors = [callback for callback in cli.trainer.callbacks if isinstance(callback, SpectralMonitor)]
+    assert monitors, f"{config.name} attaches no SpectralMonitor"
+    assert isinstance(cli.model, DemoTransformer) and isinstance(cli.datamodule, SyntheticDataModule)
+    assert cli.model.hparams.seq_len >= cli.datamodule.hparams.seq_len
+    assert cli.model.hparams.vocab_size >= cli.datamodule.hparams.vocab_size
+
+
+def test_there_are_configs_to_check() -> None:
+    assert len(CONFIGS) >= 3
