@@ -45,6 +45,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from spectral_monitor.probes.wrappers import unwrapped_named_modules
+
 __all__ = [
     "ROOT_LAYER_NAME",
     "AttentionCapture",
@@ -359,7 +361,7 @@ class _ArmedForward:
             raise
 
     def _install(self) -> None:
-        for name, module in self._capture.model.named_modules():
+        for name, module in unwrapped_named_modules(self._capture.model):
             layer = name or ROOT_LAYER_NAME
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer)))
             self._handles.append(module.register_forward_hook(self._exit_hook(layer), always_call=True))
@@ -706,7 +708,7 @@ def _module_with_fused_inference_path(model: nn.Module) -> str | None:
     if not torch.backends.mha.get_fastpath_enabled():
         return None
     grad_enabled = torch.is_grad_enabled()
-    for name, module in model.named_modules():
+    for name, module in unwrapped_named_modules(model):
         if not isinstance(module, (nn.MultiheadAttention, nn.TransformerEncoderLayer)) or module.training:
             continue
         trainable = any(parameter.requires_grad for parameter in module.parameters())
