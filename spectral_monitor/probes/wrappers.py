@@ -6,10 +6,10 @@ LightningModule as ``_forward_module``, FSDP (``FullyShardedDataParallel``) each
 ``_fsdp_wrapped_module``, ``torch.compile`` as ``_orig_mod`` and ``checkpoint_wrapper`` as
 ``_checkpoint_wrapped_module``. ``named_modules`` spells those into every qualified name
 (``_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.attention``). The probes walk a model with
-:func:`unwrapped_named_modules` instead, so a layer has one name however it is trained (``blocks.0.attention``)
-and ``include``/``exclude`` patterns written for the plain model keep matching. The wrappers themselves are
-not listed: they compute nothing of their own, and some (FSDP, torch.compile, checkpoint_wrapper) forward
-attribute lookups to the wrapped module, so they would otherwise pass for a second copy of it.
+:func:`unwrapped_named_modules` instead, so a layer has one name however it is trained
+(``blocks.0.attention``) and ``include``/``exclude`` patterns written for the plain model keep matching.
+The wrappers themselves are not listed: they compute nothing of their own, and some (FSDP, torch.compile,
+checkpoint_wrapper) forward attribute lookups to the wrapped module, so they would pass for a second copy.
 
 A ``"module"`` segment is dropped only under ``DataParallel``/``DistributedDataParallel``, where it is the
 wrapper's; a user's own submodule named ``module`` keeps its name.
@@ -91,7 +91,8 @@ def _subtree(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def _is_attention(module: nn.Module) -> bool:
-    return isinstance(module, nn.MultiheadAttention) or _ATTENTION_CLASS_NAME.search(type(module).__name__) is not None
+    named_attention = _ATTENTION_CLASS_NAME.search(type(module).__name__) is not None
+    return isinstance(module, nn.MultiheadAttention) or named_attention
 
 
 _ATTENTION_CLASS_NAME = re.compile(r"(?i)attention|attn")
