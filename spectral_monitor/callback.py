@@ -564,7 +564,7 @@ def _uncaptured_under_compile(compiled: list[str], families: Sequence[str]) -> s
         f"{' and '.join(lost) or 'attention and tokens'} are not captured: arming the capture's hooks in a "
         "compiled graph recompiles it on every logging step (about 10 s each for a 2-layer model on a CPU). "
         "Weights are measured. To see attention and tokens, compile only modules without attention "
-        "(e.g. `block.mlp.compile()` for each block) or train this run uncompiled"
+        "(e.g. `block.mlp = torch.compile(block.mlp)` for each block) or train this run uncompiled"
     )
 
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from spectral_monitor.probes.wrappers import unwrapped_named_modules
+from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
 __all__ = [
     "ROOT_LAYER_NAME",
@@ -361,7 +361,7 @@ class _ArmedForward:
             raise
 
     def _install(self) -> None:
-        for name, module in unwrapped_named_modules(self._capture.model):
+        for name, module in eager_named_modules(self._capture.model):
             layer = name or ROOT_LAYER_NAME
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer)))
             self._handles.append(module.register_forward_hook(self._exit_hook(layer), always_call=True))

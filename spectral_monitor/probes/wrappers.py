@@ -26,6 +26,7 @@ __all__ = [
     "WRAPPED_MODULE_ATTRIBUTES",
     "compiled_attention_regions",
     "compiled_module_names",
+    "eager_named_modules",
     "unwrapped_named_modules",
     "wrapped_module",
 ]
@@ -55,8 +56,19 @@ def unwrapped_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
 
     The root is named ``""``; each module once, in the same (pre-)order as ``named_modules``.
     """
-    for name, module, _ in _walk(model):
+    for name, module, _, _ in _walk(model):
         yield name, module
+
+
+def eager_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """:func:`unwrapped_named_modules` less those that run inside torch.compile graphs.
+
+    A hook on a module inside a graph is traced into it, and a new hook (each armed step installs new ones)
+    fails the graph's guards: it would recompile on every logging step.
+    """
+    for name, module, _, in_graph in _walk(model):
+        if not in_graph:
+            yield name, module
 
 
 def compiled_module_names(model: nn.Module) -> list[str]:
@@ -66,7 +78,7 @@ def compiled_module_names(model: nn.Module) -> list[str]:
     and a LightningModule Lightning compiled (``trainer.fit(torch.compile(model))`` sets its
     ``_compiler_ctx``). Everything below such a module runs inside its graphs.
     """
-    return [name for name, _, compiled in _walk(model) if compiled]
+    return [name for name, _, compiled, _ in _walk(model) if compiled]
 
 
 def compiled_attention_regions(model: nn.Module) -> list[str]:
@@ -98,24 +110,29 @@ def _is_attention(module: nn.Module) -> bool:
 _ATTENTION_CLASS_NAME = re.compile(r"(?i)attention|attn")
 
 
-def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
-    """``(name, module, compiled)`` of every non-wrapper module; ``compiled`` where a compiled call starts."""
+def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool, bool]]:
+    """``(name, module, compiled, in_graph)`` of every non-wrapper module: ``compiled`` where a compiled call
+    starts, ``in_graph`` for it and everything below it."""
     seen: set[int] = set()
 
-    def walk(prefix: str, module: nn.Module, compiled: bool) -> Iterator[tuple[str, nn.Module, bool]]:
+    def walk(
+        prefix: str, module: nn.Module, compiled: bool, in_graph: bool
+    ) -> Iterator[tuple[str, nn.Module, bool, bool]]:
         inner = wrapped_module(module)
         if inner is not None:  # the wrapper takes no name of its own: its wrapped module takes its place
-            yield from walk(prefix, inner, compiled or _is_compiled_wrapper(module))
+            yield from walk(prefix, inner, compiled or _is_compiled_wrapper(module), in_graph)
             return
         if id(module) in seen:
             return
         seen.add(id(module))
-        yield prefix, module, compiled or _is_compiled_in_place(module)
+        compiled = compiled or _is_compiled_in_place(module)
+        in_graph = in_graph or compiled
+        yield prefix, module, compiled, in_graph
         for name, child in module._modules.items():
             if child is not None:
-                yield from walk(f"{prefix}.{name}" if prefix else name, child, False)
+                yield from walk(f"{prefix}.{name}" if prefix else name, child, False, in_graph)
 
-    yield from walk("", model, False)
+    yield from walk("", model, False, False)
 
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
