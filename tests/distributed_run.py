@@ -1,9 +1,10 @@
 """Two-process CPU (gloo) runs of the monitor, as scripts run by test_scale_distributed.py.
 
 ``python tests/distributed_run.py fsdp OUTPUT_DIR``: plain ``torch.distributed.fsdp`` (no Lightning: its FSDP
-strategy needs a GPU) around the demo model; each rank saves to OUTPUT_DIR/rank<r>.pt what the probes saw
-(weights measured inside ``full_parameters``, attention and block outputs of its own batch) and what the
-collectives of ``spectral_monitor.distributed`` returned.
+strategy needs a GPU) around the demo model, FSDP per block and FSDP2 (``fully_shard``) per block; each
+rank saves to OUTPUT_DIR/rank<r>.pt what the probes saw (weights measured inside ``full_parameters``,
+attention and block outputs of its own batch) and what the collectives of ``spectral_monitor.distributed``
+returned.
 
 ``python tests/distributed_run.py STRATEGY OUTPUT_DIR MONITORS_JSON``: a Lightning ``Trainer.fit`` with
 STRATEGY ``ddp`` or ``ddp_spawn``; MONITORS_JSON a list of SpectralMonitor keyword arguments, one monitor
@@ -89,7 +90,7 @@ class PerRankLogger(Logger):
 
 
 def fsdp_rank(rank: int, output: Path) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from spectral_monitor.demo.model import Block
@@ -104,6 +105,15 @@ def fsdp_rank(rank: int, output: Path) -> None:
     probe = WeightProbe(model)
     with torch.no_grad(), full_parameters(model):
         weights = {record.tag: record.value for record in probe.measure(0)}
+    unsharded = {record.tag: record.value for record in probe.measure(0)}  # without full_parameters
+
+    model_fsdp2 = DemoTransformer(**MODEL)
+    for block in model_fsdp2.blocks:
+        fully_shard(block)
+    fully_shard(model_fsdp2)
+    with torch.no_grad(), full_parameters(model_fsdp2):
+        weights_fsdp2 = {record.tag: record.value for record in WeightProbe(model_fsdp2).measure(0)}
+
     attention, residual = AttentionCapture(model), ResidualCapture(model)
     with attention.armed() as attention_recording, residual.armed() as residual_recording:
         loss = model(rank_batches()[rank : rank + 3 : 2]).square().mean()
@@ -111,6 +121,8 @@ def fsdp_rank(rank: int, output: Path) -> None:
     torch.save(
         {
             "weights": weights,
+            "weights_outside_full_parameters": unsharded,
+            "weights_fsdp2": weights_fsdp2,
             "attention": {capture.layer: capture.probs() for capture in attention_recording.captured},
             "tokens": {sample.layer: sample.states for sample in residual_recording.states},
             "mean": mean_over_ranks_([torch.tensor([rank + 1.0]), torch.full((2, 2), 10.0 * rank)]),

@@ -131,7 +131,7 @@ def test_lightning_ddp_every_family_written_once_by_rank_zero(tmp_path: Path, st
         assert written.value != pytest.approx(rank_one, rel=1e-5)  # the check can tell the ranks apart
 
 
-def test_fsdp_probes_see_the_unsharded_model_under_plain_names(tmp_path: Path) -> None:
+def test_fsdp_and_fsdp2_probes_see_the_unsharded_model_under_plain_names(tmp_path: Path) -> None:
     run(tmp_path, "fsdp")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
@@ -139,8 +139,12 @@ def test_fsdp_probes_see_the_unsharded_model_under_plain_names(tmp_path: Path) -
     expected_weights = {record.tag: record.value for record in WeightProbe(model).measure(0)}
     for rank, saved in enumerate(ranks):
         assert saved["weights"].keys() == expected_weights.keys()  # no "_fsdp_wrapped_module." anywhere
-        for tag, value in expected_weights.items():
-            assert saved["weights"][tag] == pytest.approx(value, rel=1e-5, abs=1e-7), tag
+        for weights in (saved["weights"], saved["weights_fsdp2"]):
+            assert weights.keys() == expected_weights.keys()
+            for tag, value in expected_weights.items():
+                assert weights[tag] == pytest.approx(value, rel=1e-5, abs=1e-7), tag
+        # Outside full_parameters the shards are no matrices: skipped, not measured wrong.
+        assert not [tag for tag in saved["weights_outside_full_parameters"] if ".attention." in tag]
 
         attention, residual = AttentionCapture(model), ResidualCapture(model)
         with attention.armed() as attention_recording, residual.armed() as residual_recording:

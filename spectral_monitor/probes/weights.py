@@ -524,10 +524,16 @@ def _stored_weight(module: nn.Module, name: str) -> Tensor | None:
         or weight.numel() == 0
         or weight.is_meta
         or not weight.is_floating_point()
-        or weight.untyped_storage().size() == 0  # an FSDP shard outside ``full_parameters``: freed
+        or _is_shard(weight)
     ):
         return None
     return weight.detach()
+
+
+def _is_shard(weight: Tensor) -> bool:
+    """A sharded parameter outside ``full_parameters``: FSDP2's DTensor, or FSDP's view of a freed flat
+    parameter (no storage)."""
+    return type(weight).__name__ == "DTensor" or weight.untyped_storage().size() == 0
 
 
 def _plain_weight(module: nn.Module) -> Tensor | None:
