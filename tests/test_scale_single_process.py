@@ -8,7 +8,8 @@
   compiled module and ``torch.compile(model)``); compiling only modules without attention keeps every
   capture, with the same numbers and no recompilation on armed steps.
 - Activation checkpointing: recomputed forwards (reentrant or not) neither duplicate nor change captures,
-  armed through the backward or disarmed before it as the callback does.
+  armed through the backward or disarmed before it as the callback does; ``checkpoint_wrapper`` leaves
+  every name as the plain model's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.demo import DemoTransformer
 from spectral_monitor.metrics import attention_metrics, token_metrics
-from spectral_monitor.probes import AttentionCapture, ResidualCapture
+from spectral_monitor.probes import AttentionCapture, ResidualCapture, WeightProbe, unwrapped_named_modules
 from spectral_monitor.probes.wrappers import compiled_attention_regions, compiled_module_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -265,3 +266,29 @@ def test_callback_on_a_checkpointed_model_writes_what_the_plain_model_gives(
     assert {tag.split("/")[2] for tag in monitored if tag.startswith("attention/")} == set(LAYERS)
     for tag in monitored:
         assert [e.value for e in checkpointed.Scalars(tag)] == [e.value for e in plain.Scalars(tag)], tag
+
+
+# -- names through wrappers --------------------------------------------------------------------------------
+
+
+def test_names_are_the_plain_models_through_checkpoint_wrapper_and_a_users_own_module_named_module() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = DemoTransformer(**MODEL)
+    wrapped = DemoTransformer(**MODEL)
+    for index, block in enumerate(wrapped.blocks):
+        wrapped.blocks[index] = checkpoint_wrapper(block)
+    assert [name for name, _ in unwrapped_named_modules(wrapped)] == [
+        name for name, _ in plain.named_modules()
+    ]
+    assert ResidualCapture(wrapped).blocks == tuple(BLOCKS)
+    assert [r.tag for r in WeightProbe(wrapped).measure(0)] == [r.tag for r in WeightProbe(plain).measure(0)]
+    attention, residual = captured(wrapped, tokens())
+    assert [capture.layer for capture in attention.captured] == LAYERS
+    assert [sample.layer for sample in residual.states] == BLOCKS
+
+    holder = torch.nn.Module()
+    holder.module = torch.nn.Linear(2, 2)  # not a wrapper's: keeps its name
+    assert [name for name, _ in unwrapped_named_modules(holder)] == ["", "module"]
+    ddp_like = torch.nn.DataParallel(holder)
+    assert [name for name, _ in unwrapped_named_modules(ddp_like)] == ["", "module"]
