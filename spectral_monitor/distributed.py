@@ -17,6 +17,13 @@ waiting forever. The rules that keep that true, and that code on other branches 
   made from its own data (an alert's ``stop_on``: stop everywhere if any rank's rule fired).
 
 Collectives on NCCL need CUDA tensors: the helpers move what they reduce to the backend's device and back.
+
+For the curvature probe (another branch): run its Hessian-vector products on the unwrapped LightningModule
+(``trainer.lightning_module``), whose forward does not go through DDP, so DDP's gradient all-reduce does not
+fire inside them; then average each product with :func:`mean_over_ranks_`, passing one flattened tensor so
+an iteration costs one collective. Under FSDP a Hessian-vector product needs the sharded parameters in the
+autograd graph twice; that is not built, so the probe should refuse a sharded model in its constructor
+(an FSDP or FSDP2 module, or DTensor parameters) and name DDP as the alternative.
 """
 
 from __future__ import annotations
@@ -28,20 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["any_rank", "full_parameters", "is_distributed", "mean_over_ranks_", "rank", "world_size"]
+__all__ = ["any_rank", "full_parameters", "is_distributed", "mean_over_ranks_"]
 
 
 def is_distributed() -> bool:
     """Whether a process group with more than one rank is initialised (the collectives below do work)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
 
 
 def mean_over_ranks_(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
