@@ -194,9 +194,10 @@ class SpectralMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here rather than in `setup`: `configure_model` has built every layer and the strategy has moved it.
         self._warn_about_unmatched_patterns(pl_module)
-        compiled = compiled_attention_regions(pl_module)
+        captures = [family for family in ("attention", "tokens") if family in self.families]
+        compiled = compiled_attention_regions(pl_module) if captures else []
         if compiled:
-            self._reports.once("compiled", _uncaptured_under_compile(compiled, self.families))
+            self._reports.once("compiled", _uncaptured_under_compile(compiled, captures))
         if "attention" in self.families and not compiled:
             self._attention_capture = AttentionCapture(
                 pl_module,
@@ -555,13 +556,12 @@ def _attention_figures(step: int, heads: list[_DrawnHead]) -> list[tuple[str, Ca
     return figures
 
 
-def _uncaptured_under_compile(compiled: list[str], families: Sequence[str]) -> str:
+def _uncaptured_under_compile(compiled: list[str], lost: list[str]) -> str:
     """The one warning for a model whose attention runs inside torch.compile graphs."""
     names = ", ".join(name or "the whole model" for name in compiled)
-    lost = [family for family in ("attention", "tokens") if family in families]
     return (
         f"{names} run{'s' if len(compiled) == 1 else ''} as torch.compile graphs with attention inside, so "
-        f"{' and '.join(lost) or 'attention and tokens'} are not captured: arming the capture's hooks in a "
+        f"{' and '.join(lost)} are not captured: arming the capture's hooks in a "
         "compiled graph recompiles it on every logging step (about 10 s each for a 2-layer model on a CPU). "
         "Weights are measured. To see attention and tokens, compile only modules without attention "
         "(e.g. `block.mlp = torch.compile(block.mlp)` for each block) or train this run uncompiled"
