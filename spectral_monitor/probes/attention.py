@@ -25,7 +25,10 @@ Capture is meant for training-step forwards; when a forward could take that fast
 not installed and the recording says why, so a user's evaluation is never altered.
 
 When a module runs several times in one armed forward (a reused module, activation-checkpointing
-recomputation) only its first call is kept.
+recomputation) only its first call is kept. Layers are named without wrapper segments (DDP, FSDP,
+torch.compile, checkpoint_wrapper: :mod:`spectral_monitor.probes.wrappers`), and no hook is placed on a
+module inside a torch.compile graph (a new hook there forces a recompilation); attention inside such a
+graph is not captured.
 """
 
 from __future__ import annotations
