@@ -16,8 +16,10 @@ already advanced by ``on_train_batch_end``). Its hooks:
   runs unobserved;
 - ``on_train_batch_end``: metrics from the recordings under ``no_grad``, records written, recordings dropped.
 
-Every rank measures, so a probe whose measurement takes part in a collective is entered by all ranks;
-global rank 0 alone writes.
+Every rank measures, so a probe whose measurement takes part in a collective is entered by all ranks (the
+collectives, and the rules that keep ranks in step, are in ``spectral_monitor.distributed``); global rank 0
+alone writes. Under FSDP the weights are gathered whole for their measurement. A model whose attention runs
+inside torch.compile graphs gets one warning and no attention or token capture (see the README's "Scale").
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.probes import (
@@ -50,6 +53,7 @@ from spectral_monitor.probes import (
     SkippedCapture,
     WeightProbe,
 )
+from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import (
     Capability,
@@ -195,14 +199,18 @@ class SpectralMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here rather than in `setup`: `configure_model` has built every layer and the strategy has moved it.
         self._warn_about_unmatched_patterns(pl_module)
-        if "attention" in self.families:
+        captures = [family for family in ("attention", "tokens") if family in self.families]
+        compiled = compiled_attention_regions(pl_module) if captures else []
+        if compiled:
+            self._reports.once("compiled", _uncaptured_under_compile(compiled, captures))
+        if "attention" in self.families and not compiled:
             self._attention_capture = AttentionCapture(
                 pl_module,
                 max_sequences=self.max_sequences,
                 max_bytes=int(self.memory_budget_mb * 2**20),
                 strict=self.strict,
             )
-        if "tokens" in self.families:
+        if "tokens" in self.families and not compiled:
             with self._reports.failures_of("finding the transformer blocks (tokens family)"):
                 self._residual_capture = ResidualCapture(
                     pl_module, max_sequences=self.max_sequences, strict=self.strict
@@ -227,7 +235,12 @@ class SpectralMonitor(Callback):
         progress = _LoggingStep(step, draw_figures=costly and self._kept(Capability.FIGURES))
         self._in_progress = progress
         if self._weight_probe is not None:
-            with self._reports.failures_of("measuring the weights"), torch.no_grad():
+            # Every rank enters: gathering FSDP shards is a collective (spectral_monitor.distributed).
+            with (
+                self._reports.failures_of("measuring the weights"),
+                torch.no_grad(),
+                full_parameters(trainer.strategy.model),
+            ):
                 progress.measurements += self._checked_weights(self._weight_probe.measure(step))
                 if self.histograms and self._kept(Capability.HISTOGRAMS):
                     progress.distributions += self._weight_probe.distributions(step, full_spectrum=costly)
@@ -474,7 +487,7 @@ class SpectralMonitor(Callback):
             )
 
     def _warn_about_unmatched_patterns(self, model: nn.Module) -> None:
-        names = [name for name, _ in model.named_modules() if name]
+        names = [name for name, _ in unwrapped_named_modules(model) if name]
         patterns = [*(self.include or ()), *(self.exclude or ())]
         unmatched = [pattern for pattern in patterns if not _any_match(names, [pattern])]
         if unmatched:
@@ -566,6 +579,18 @@ def _attention_figures(step: int, heads: list[_DrawnHead]) -> list[tuple[str, Ca
             )
         )
     return figures
+
+
+def _uncaptured_under_compile(compiled: list[str], lost: list[str]) -> str:
+    """The one warning for a model whose attention runs inside torch.compile graphs."""
+    names = ", ".join(name or "the whole model" for name in compiled)
+    return (
+        f"{names} run{'s' if len(compiled) == 1 else ''} as torch.compile graphs with attention inside, so "
+        f"{' and '.join(lost)} are not captured: arming the capture's hooks in a "
+        "compiled graph recompiles it on every logging step (about 10 s each for a 2-layer model on a CPU). "
+        "Weights are measured. To see attention and tokens, compile only modules without attention "
+        "(e.g. `block.mlp = torch.compile(block.mlp)` for each block) or train this run uncompiled"
+    )
 
 
 def _layer_measurements(

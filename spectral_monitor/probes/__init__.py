@@ -28,6 +28,7 @@ from spectral_monitor.probes.weights import (
     WeightProbe,
     query_key_spectral_norms,
 )
+from spectral_monitor.probes.wrappers import unwrapped_named_modules
 
 __all__ = [
     "ROOT_LAYER_NAME",
@@ -48,4 +49,5 @@ __all__ = [
     "find_transformer_blocks",
     "query_key_spectral_norms",
     "register_attention_extractor",
+    "unwrapped_named_modules",
 ]

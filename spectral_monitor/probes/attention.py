@@ -25,7 +25,10 @@ Capture is meant for training-step forwards; when a forward could take that fast
 not installed and the recording says why, so a user's evaluation is never altered.
 
 When a module runs several times in one armed forward (a reused module, activation-checkpointing
-recomputation) only its first call is kept.
+recomputation) only its first call is kept. Layers are named without wrapper segments (DDP, FSDP,
+torch.compile, checkpoint_wrapper: :mod:`spectral_monitor.probes.wrappers`), and no hook is placed on a
+module inside a torch.compile graph (a new hook there forces a recompilation); attention inside such a
+graph is not captured.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
+
+from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
 __all__ = [
     "ROOT_LAYER_NAME",
@@ -359,7 +364,7 @@ class _ArmedForward:
             raise
 
     def _install(self) -> None:
-        for name, module in self._capture.model.named_modules():
+        for name, module in eager_named_modules(self._capture.model):
             layer = name or ROOT_LAYER_NAME
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer)))
             self._handles.append(module.register_forward_hook(self._exit_hook(layer), always_call=True))
@@ -706,7 +711,7 @@ def _module_with_fused_inference_path(model: nn.Module) -> str | None:
     if not torch.backends.mha.get_fastpath_enabled():
         return None
     grad_enabled = torch.is_grad_enabled()
-    for name, module in model.named_modules():
+    for name, module in unwrapped_named_modules(model):
         if not isinstance(module, (nn.MultiheadAttention, nn.TransformerEncoderLayer)) or module.training:
             continue
         trainable = any(parameter.requires_grad for parameter in module.parameters())

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.probes.attention import SkippedCapture
+from spectral_monitor.probes.wrappers import unwrapped_named_modules, wrapped_module
 
 __all__ = ["ResidualCapture", "ResidualRecording", "ResidualSample", "find_transformer_blocks"]
 
@@ -66,15 +67,15 @@ def find_transformer_blocks(model: nn.Module, patterns: Sequence[str] | None = N
     if patterns is not None:
         return [
             name
-            for name, _ in model.named_modules()
+            for name, _ in unwrapped_named_modules(model)
             if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
         ]
     in_block_list = set()
-    for list_name, container in model.named_modules():
+    for list_name, container in unwrapped_named_modules(model):
         if isinstance(container, nn.ModuleList) and list_name.rpartition(".")[2] in _BLOCK_LIST_NAMES:
-            in_block_list.update(id(child) for child in container.children())
+            in_block_list.update(id(_innermost(child)) for child in container.children())
     blocks = []
-    for name, module in model.named_modules():
+    for name, module in unwrapped_named_modules(model):
         known = isinstance(module, _BLOCK_TYPES) or type(module).__name__ in _BLOCK_CLASS_NAMES
         block_like = (
             id(module) in in_block_list
@@ -145,7 +146,7 @@ class ResidualCapture:
         ):
             raise ValueError("token_mask must be a (batch, tokens) bool tensor (True = real token) or None")
         recording = ResidualRecording()
-        modules = dict(self.model.named_modules())
+        modules = dict(unwrapped_named_modules(self.model))
         seen: set[str] = set()
         for name in self.blocks:
             if name not in modules:
@@ -215,6 +216,14 @@ class ResidualCapture:
             mask = _token_mask(module, kwargs, token_mask, copy.shape[0], copy.shape[1])
             mask = None if mask is None else mask.to(copy.device)
         return ResidualSample(name, copy, mask)
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    """What a stack of wrappers (FSDP, torch.compile, checkpoint_wrapper) around a block wraps."""
+    inner = wrapped_module(module)
+    while inner is not None:
+        module, inner = inner, wrapped_module(inner)
+    return module
 
 
 def _first_tensor(output: Any) -> Tensor | None:

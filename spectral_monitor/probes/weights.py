@@ -41,6 +41,11 @@ A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) g
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller); σ₁'s relative error is
 then at most about half of it. ‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
 
+Sharded models: under FSDP a weight is whole only inside ``spectral_monitor.distributed.full_parameters``
+(every rank enters it; the callback does); outside, a flat shard's freed views are skipped as unusable.
+Names are those of :func:`~spectral_monitor.probes.wrappers.unwrapped_named_modules`, without wrapper
+segments.
+
 Observing only: everything runs under ``torch.no_grad`` on detached float32 (float64 stays float64) copies,
 with a private random generator; parameters, ``.grad`` and optimizer state are never touched. A parametrized
 weight (``torch.nn.utils.parametrize``) is read as its stored ``original``, because evaluating the
@@ -64,6 +69,7 @@ from torch.nn.utils import parametrize
 from spectral_monitor.linalg import top_singular
 from spectral_monitor.linalg.operators import default_generator, working_dtype
 from spectral_monitor.probes.attention import ROOT_LAYER_NAME
+from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
 
 __all__ = [
@@ -330,7 +336,7 @@ class WeightProbe:
     # ----------------------------------------------------------------------------------------------------
 
     def _select(self, filtered: bool = True) -> _Selection:
-        modules = dict(self.model.named_modules())
+        modules = dict(unwrapped_named_modules(self.model))
         sites: dict[str, AttentionWeights] = {}
         for name, module in modules.items():
             weights = self._read_attention(name, module)
@@ -537,9 +543,16 @@ def _stored_weight(module: nn.Module, name: str) -> Tensor | None:
         or weight.numel() == 0
         or weight.is_meta
         or not weight.is_floating_point()
+        or _is_shard(weight)
     ):
         return None
     return weight.detach()
+
+
+def _is_shard(weight: Tensor) -> bool:
+    """A sharded parameter outside ``full_parameters``: FSDP2's DTensor, or FSDP's view of a freed flat
+    parameter (no storage)."""
+    return type(weight).__name__ == "DTensor" or weight.untyped_storage().size() == 0
 
 
 def _plain_weight(module: nn.Module) -> Tensor | None:

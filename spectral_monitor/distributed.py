@@ -1,0 +1,115 @@
+"""Every collective the monitor takes part in, in one place: all ranks call these, in the same order.
+
+Under DDP and FSDP each rank runs the monitor's hooks on its own batch. A collective (all-reduce, gather)
+completes only when every rank of the process group enters it, so a probe that reduces across ranks must
+be entered by every rank on the same steps with the same arguments; a rank that skips one leaves the others
+waiting forever. The rules that keep that true, and that code on other branches plugs into:
+
+- Decide *whether* to measure from things every rank agrees on (the step, the configuration, counters
+  advanced on every rank), never from a rank's data or from whether it writes (only global rank 0 writes,
+  but every rank measures).
+- Reduce through the functions below, not through ``torch.distributed`` directly, so the list of
+  collectives the monitor uses is this module. Each is a no-op (returns its input) without an initialised
+  process group or with one rank, so the same code runs in a single process.
+- Uses: :func:`full_parameters` gathers FSDP-sharded weights for the weight probe; :func:`mean_over_ranks_`
+  is what a Hessian-vector product calls to average its product over the ranks' batches (the curvature
+  probe: sharpness of the global batch); :func:`any_rank` is how ranks agree on a decision one of them
+  made from its own data (an alert's ``stop_on``: stop everywhere if any rank's rule fired).
+
+Collectives on NCCL need CUDA tensors: the helpers move what they reduce to the backend's device and back.
+
+For the curvature probe (another branch): run its Hessian-vector products on the unwrapped LightningModule
+(``trainer.lightning_module``), whose forward does not go through DDP, so DDP's gradient all-reduce does not
+fire inside them; then average each product with :func:`mean_over_ranks_`, passing one flattened tensor so
+an iteration costs one collective. Under FSDP a Hessian-vector product needs the sharded parameters in the
+autograd graph twice; that is not built, so the probe should refuse a sharded model in its constructor
+(an FSDP or FSDP2 module, or DTensor parameters) and name DDP as the alternative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["any_rank", "full_parameters", "is_distributed", "mean_over_ranks_"]
+
+
+def is_distributed() -> bool:
+    """Whether a process group with more than one rank is initialised (the collectives below do work)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def mean_over_ranks_(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
+    """Replaces each tensor by its mean over the ranks, in place; returns ``tensors``. Every rank calls it.
+
+    One all-reduce per tensor, in the order given, so every rank must pass tensors of the same shapes and
+    dtypes in the same order.
+    """
+    if not is_distributed():
+        return tensors
+    device = _collective_device()
+    for tensor in tensors:
+        reduced = tensor.to(device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        tensor.copy_(reduced.div_(dist.get_world_size()))
+    return tensors
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on at least one rank; every rank calls it and gets the same answer."""
+    if not is_distributed():
+        return bool(flag)
+    vote = torch.tensor([int(bool(flag))], device=_collective_device())
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return bool(vote.item())
+
+
+@contextmanager
+def full_parameters(model: nn.Module) -> Iterator[None]:
+    """Inside, every FSDP-sharded parameter of ``model`` is whole (read-only); every rank must enter.
+
+    For FSDP (``FullyShardedDataParallel``) it is ``summon_full_params(writeback=False)`` on the root, so
+    each parameter is its own full tensor again (FSDP's flat shards cut matrices at arbitrary element
+    offsets, not at rows: a shard alone is no matrix). For FSDP2 (``fully_shard``) every ``FSDPModule``
+    is unsharded and resharded on exit. A model without sharded parameters is left as it is, with no
+    collective. Pass the outermost module (Lightning: ``trainer.strategy.model``), so parameters owned by a
+    root wrapper are gathered too. Costs the memory of the whole unsharded model while inside.
+    """
+    fsdp_roots = _outermost_fsdp1(model)
+    fsdp2_modules = [module for module in model.modules() if _is_fsdp2(module)]
+    with ExitStack() as stack:
+        if fsdp_roots:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            for root in fsdp_roots:
+                stack.enter_context(FullyShardedDataParallel.summon_full_params(root, writeback=False))
+        if fsdp2_modules:
+            for module in fsdp2_modules:
+                module.unshard()
+            stack.callback(lambda: [module.reshard() for module in fsdp2_modules])
+        yield
+
+
+def _outermost_fsdp1(model: nn.Module) -> list[nn.Module]:
+    """The FSDP (v1) modules of ``model`` not inside another: summoning one gathers those nested in it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return [model]
+    return [module for child in model.children() for module in _outermost_fsdp1(child)]
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
