@@ -203,7 +203,8 @@ class HessianOperator(BatchedOperator):
     the cached graph, batched over the block of vectors. ``method="func"``: ``torch.func.vjp`` of
     ``torch.func.grad`` over the chosen parameters, products batched by ``vmap`` (fastest measured, see
     ``benchmarks/bench_hessian.py``); ``"autograd"``: ``torch.autograd.grad`` with ``create_graph`` and
-    ``is_grads_batched``. ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
+    ``is_grads_batched``, also taken when ``torch.func`` cannot transform the forward (``method`` then
+    says ``"autograd"``). ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
     free the graph.
     """
 
@@ -223,12 +224,19 @@ class HessianOperator(BatchedOperator):
         self.method = method
         self.products = 0
         if method == "func":
-            gradients, self._vjp = torch.func.vjp(
-                torch.func.grad(_functional_loss(module, loss_fn, space)),
-                tuple(p.detach() for p in space.parameters),
-            )
-            self.gradient = space.flatten([g.detach()[None] for g in gradients])[0]
-            return
+            try:
+                gradients, self._vjp = torch.func.vjp(
+                    torch.func.grad(_functional_loss(module, loss_fn, space)),
+                    tuple(p.detach() for p in space.parameters),
+                )
+                self.gradient = space.flatten([g.detach()[None] for g in gradients])[0]
+                return
+            except RuntimeError as error:
+                if "transform" not in str(error):
+                    raise
+                # A forward torch.func cannot transform (it mutates a captured tensor in place, as a
+                # train-mode BatchNorm does): the autograd path computes the same products.
+                self.method = "autograd"
         loss = loss_fn()
         _check_scalar(loss)
         gradients = torch.autograd.grad(loss, space.parameters, create_graph=True, allow_unused=True)
@@ -415,7 +423,8 @@ class CurvatureEstimate:
     """What one curvature event measured over one parameter space.
 
     ``eigenvalues`` (k,) descending, the top-k largest algebraic of H; ``sharpness``: λ_max(H), or for
-    Adam λ_max(P^-1/2 H P^-1/2); ``edge``: the optimizer's threshold (None without an optimizer);
+    Adam λ_max(P^-1/2 H P^-1/2) (NaN before Adam's first step: no v̂ yet);
+    ``edge``: the optimizer's threshold (None without an optimizer);
     ``min_eigenvalue``: the most negative (smallest algebraic) eigenvalue if asked; ``trace``: Hutch++;
     ``density``: quadrature nodes and weights of the spectral density; ``gradient_alignment``: |cos| of the
     top eigenvector with the gradient; ``products``: Hessian-vector products spent; ``converged``: every
@@ -504,6 +513,10 @@ def measure_curvature(
             new_warm.bottom = bottom.vectors[0].detach().clone()
         edge = edge_of_stability(optimizer, space) if optimizer is not None else None
         sharpness = float(eigenvalues[0])
+        if edge is None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            sharpness = float(
+                "nan"
+            )  # Adam's sharpness is the preconditioned one; before its first step, none
         if edge is not None and edge.preconditioner is not None:
             scaled = DiagonallyScaled(hessian, edge.preconditioner.rsqrt())
             preconditioned = hessian_eigenvalues(
