@@ -257,7 +257,7 @@ class HessianOperator(BatchedOperator):
             grads = batched_grad([g for g, _ in pairs], self.space.parameters, [v for _, v in pairs])
             products = self.space.flatten(grads)
         self.products += vectors.shape[0]
-        return products.transpose(0, 1)[None].to(x.dtype)
+        return products.detach().transpose(0, 1)[None].to(x.dtype)
 
 
 class _Closure(nn.Module):
