@@ -328,17 +328,18 @@ def hessian_eigenvalues(
 ) -> EigenResult:
     """The ``k`` largest (or smallest) algebraic eigenpairs of a Hessian operator within a product budget.
 
-    Block Lanczos of width ``block_size`` (default k + 1) plus the warm vectors ``init`` (n, r); it stops
-    at relative Ritz residual ``tol`` or when the next block would exceed ``max_products``.
+    Block Lanczos of width ``block_size`` (default k: the fewest products, measured) plus the warm
+    vectors ``init`` (n, r); it stops at relative Ritz residual ``tol`` or when the next block would
+    exceed ``max_products``.
     """
-    width = block_size if block_size is not None else k + 1
+    width = block_size if block_size is not None else k
     width = min(width + (0 if init is None else init.shape[-1]), op.cols)
     iterations = max(1, max_products // width)
     return lanczos_eigsh(
         op,
         k,
         which=which,
-        block_size=min(block_size if block_size is not None else k + 1, op.cols),
+        block_size=min(block_size if block_size is not None else k, op.cols),
         tol=tol,
         max_iters=iterations,
         init=None if init is None else init.reshape(1, op.cols, -1),
