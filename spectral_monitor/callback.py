@@ -41,6 +41,15 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from spectral_monitor.curvature_monitor import (
+    OPT_IN_FAMILIES,
+    CurvatureOptions,
+    JacobianOptions,
+    NTKOptions,
+    ProbeDataOptions,
+    SecondOrderProbes,
+    checked_options,
+)
 from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
@@ -103,14 +112,19 @@ class SpectralMonitor(Callback):
     - every ``figures_every_n_logs``-th logging step, histograms of every weight's singular values and
       figures: the singular values of the drawn head of each layer, the attention of that head in the first
       and last layer, and a layer × head map of ``effective_rank_ratio``;
-    - a Custom Scalars layout with one chart per metric and one line per layer.
+    - a Custom Scalars layout with one chart per metric and one line per layer;
+    - opt-in, each on its own cadence (``spectral_monitor.curvature_monitor``): ``curvature/<metric>/model``
+      (sharpness against the optimizer's edge of stability, top Hessian eigenvalues, trace, density figure),
+      ``jacobian/<metric>/<block>`` (block Jacobian norms), ``ntk/<metric>/model`` (empirical NTK), with
+      ``<family>/overhead_ms/model`` and ``overhead_percent`` (of the last training step).
 
     Metrics a layer does not define (``eigen_gap`` of causal attention) are not written for it.
 
     Args:
         every_n_steps: measure when ``(step + 1) % every_n_steps == 0``, Lightning's own ``log_every_n_steps``
             rule, so with equal values both land on the same steps.
-        families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure.
+        families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure, and of the opt-in
+            ``"curvature"``, ``"jacobian"``, ``"ntk"`` (each also turned on by passing its options).
         include: ``fnmatch`` patterns over qualified module names: an attention module, a block or a weight's
             module is measured if its name matches one (``"blocks.0*"``: the first block and everything in
             it). ``None``: everything.
@@ -127,6 +141,10 @@ class SpectralMonitor(Callback):
         strict: raise failures of the monitor (a probe or sink raising, non-finite measurements) instead of
             warning once per kind and going on without them.
         log_first_step: also measure step 0, the model before any update.
+        curvature: options of the loss-Hessian probe (:class:`CurvatureOptions`); giving them turns it on.
+        jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
+        ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
+        probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -147,6 +165,10 @@ class SpectralMonitor(Callback):
         metric_method: str = "auto",
         strict: bool = False,
         log_first_step: bool = True,
+        curvature: CurvatureOptions | None = None,
+        jacobian: JacobianOptions | None = None,
+        ntk: NTKOptions | None = None,
+        probe_data: ProbeDataOptions | None = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = _checked_int("every_n_steps", every_n_steps, smallest=1)
@@ -163,6 +185,15 @@ class SpectralMonitor(Callback):
         self.metric_method = metric_method
         self.strict = _checked_bool("strict", strict)
         self.log_first_step = _checked_bool("log_first_step", log_first_step)
+        given = {"curvature": curvature, "jacobian": jacobian, "ntk": ntk}
+        self.families += tuple(
+            name for name, value in given.items() if value is not None and name not in families
+        )
+        self.curvature = checked_options("curvature", curvature, CurvatureOptions)
+        self.jacobian = checked_options("jacobian", jacobian, JacobianOptions)
+        self.ntk = checked_options("ntk", ntk, NTKOptions)
+        self.probe_data = checked_options("probe_data", probe_data, ProbeDataOptions)
+        self._second_order: SecondOrderProbes | None = None
 
         self._reports = _Reports(strict)
         self._sinks: list[Sink] = []
@@ -222,12 +253,25 @@ class SpectralMonitor(Callback):
             if self._parked_weight_state is not None:
                 self._weight_probe.load_state_dict(self._parked_weight_state)
                 self._parked_weight_state = None
+        if any(family in self.families for family in OPT_IN_FAMILIES):
+            self._second_order = SecondOrderProbes(
+                self.families,
+                self.curvature,
+                self.jacobian,
+                self.ntk,
+                self.probe_data,
+                self._reports.failures_of,
+            )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._abandon_step()  # a batch whose end hook never ran (its module hook returned -1)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        if self._second_order is not None:
+            event = self._second_order.on_train_batch_start(trainer, pl_module, batch, batch_idx, step)
+            if event.measurements:
+                self._write(_LoggingStep(step, False, measurements=event.measurements, figures=event.figures))
         if not self._is_logging_step(step):
             return
         self._last_logged_step = step
@@ -283,7 +327,7 @@ class SpectralMonitor(Callback):
         self._abandon_step()
         if self._weight_probe is not None:  # its warm vectors stay, for a checkpoint or the next fit
             self._parked_weight_state = self._weight_probe.state_dict()
-        self._attention_capture = self._residual_capture = self._weight_probe = None
+        self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
 
     def state_dict(self) -> dict[str, Any]:
@@ -686,11 +730,12 @@ def _checked_budget(value: float) -> float:
 
 
 def _checked_families(families: Sequence[str]) -> tuple[str, ...]:
+    allowed = [*FAMILIES, *OPT_IN_FAMILIES]
     if isinstance(families, str) or not isinstance(families, Sequence) or not families:
-        raise ValueError(f"families must be a non-empty list drawn from {list(FAMILIES)}, got {families!r}")
-    unknown = [family for family in families if family not in FAMILIES]
+        raise ValueError(f"families must be a non-empty list drawn from {allowed}, got {families!r}")
+    unknown = [family for family in families if family not in allowed]
     if unknown:
-        raise ValueError(f"families must be drawn from {list(FAMILIES)}; {unknown} are not")
+        raise ValueError(f"families must be drawn from {allowed}; {unknown} are not")
     return tuple(dict.fromkeys(families))
 
 

@@ -41,6 +41,10 @@ BAD_VALUES = {
     "metric_method": (["svd", "", None], "('auto', 'exact', 'krylov')"),
     "strict": ([None, 0, "true"], "True or False"),
     "log_first_step": (["no", 1], "True or False"),
+    "curvature": ([{"top_k": 3}, 3, "yes"], "CurvatureOptions or None"),
+    "jacobian": ([{"every_n_logs": 2}, True], "JacobianOptions or None"),
+    "ntk": ([{"samples": 4}, 1.0], "NTKOptions or None"),
+    "probe_data": ([{"source": "current"}, "current"], "ProbeDataOptions or None"),
 }
 
 BAD_CASES = [

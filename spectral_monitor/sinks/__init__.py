@@ -8,6 +8,7 @@ from spectral_monitor.sinks.figures import (
     attention_heatmap_figure,
     layer_head_heatmap_figure,
     release_figure,
+    spectral_density_figure,
     spectrum_figure,
 )
 from spectral_monitor.sinks.layout import Layout, merged_layout, per_layer_layout, with_margin_chart
@@ -36,6 +37,7 @@ __all__ = [
     "merged_layout",
     "per_layer_layout",
     "release_figure",
+    "spectral_density_figure",
     "spectrum_figure",
     "with_margin_chart",
 ]

@@ -1,0 +1,528 @@
+"""The Lightning side of the curvature, Jacobian and NTK probes: options, probe batch, loss closure, cadence.
+
+:class:`SpectralMonitor` holds one :class:`SecondOrderProbes` when a family among ``"curvature"``,
+``"jacobian"``, ``"ntk"`` is on, and calls :meth:`SecondOrderProbes.on_train_batch_start` at every batch
+start: before the training forward, so the parameters measured are the ones this batch uses. The numbers
+come from :mod:`spectral_monitor.probes.curvature`, :mod:`~spectral_monitor.probes.jacobian` and
+:mod:`~spectral_monitor.probes.ntk`; this module only decides when, on what batch, and with which loss.
+
+The default loss is the LightningModule's own ``training_step`` on the probe batch, with ``self.log`` and
+``self.log_dict`` turned into no-ops for the call (so the probe's loss never reaches the logged metrics).
+Under DDP the probes run on the unwrapped LightningModule (DDP does not support double backward through
+its wrapper); each rank measures its own probe batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from matplotlib.figure import Figure
+from torch import Tensor, nn
+
+from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
+from spectral_monitor.probes.curvature import (
+    BLOCK_PRESETS,
+    HESSIAN_METHODS,
+    CurvatureEstimate,
+    CurvatureWarmStart,
+    HessianMethod,
+    ParameterSpace,
+    measure_curvature,
+)
+from spectral_monitor.probes.jacobian import END_TO_END, block_jacobian_norms
+from spectral_monitor.probes.ntk import MAX_EXAMPLES, empirical_ntk
+from spectral_monitor.records import Measurement
+from spectral_monitor.sinks.figures import spectral_density_figure
+
+__all__ = [
+    "OPT_IN_FAMILIES",
+    "CurvatureOptions",
+    "JacobianOptions",
+    "NTKOptions",
+    "ProbeDataOptions",
+    "SecondOrderProbes",
+    "training_step_loss",
+]
+
+OPT_IN_FAMILIES = ("curvature", "jacobian", "ntk")
+"""Families measured only when asked for: each costs several forward/backward passes per event."""
+
+Schedule = Literal["linear", "log"]
+ProbeBatch = Literal["fixed", "current", "averaged"]
+LossFn = Callable[[nn.Module, Any], Tensor]
+WHOLE_MODEL = "model"
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_int(value: object, smallest: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= smallest
+
+
+def _check_cadence(every_n_steps: int, schedule: str) -> None:
+    _check(_is_int(every_n_steps, 1), f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
+    _check(schedule in ("linear", "log"), f"schedule must be 'linear' or 'log', got {schedule!r}")
+
+
+def _is_due(step: int, every_n_steps: int, schedule: str) -> bool:
+    """``"linear"``: (step + 1) % every == 0, and step 0. ``"log"``: also every step with step + 1 a power
+    of two below ``every_n_steps`` (0, 1, 3, 7, ...): dense early, where curvature changes fastest."""
+    if step == 0 or (step + 1) % every_n_steps == 0:
+        return True
+    return schedule == "log" and step + 1 < every_n_steps and (step + 1) & step == 0
+
+
+@dataclass
+class CurvatureOptions:
+    """The loss-Hessian probe (family ``"curvature"``).
+
+    Args:
+        every_n_steps: measure at step 0 and when (step + 1) % every_n_steps == 0.
+        schedule: ``"linear"``, or ``"log"``: also at steps 1, 3, 7, ... below ``every_n_steps``.
+        top_k: largest algebraic eigenvalues written (``hessian_eigenvalue_1..k``).
+        min_eigenvalue: also the most negative eigenvalue (``hessian_min_eigenvalue``).
+        trace_products: Hessian-vector products for the Hutch++ trace (``hessian_trace``, ``_se``); 0: none.
+        density_probes: probes of the stochastic Lanczos quadrature drawn as a spectral-density figure;
+            0: none.
+        density_steps: Lanczos steps per density probe.
+        blocks: restrict the Hessian to parameter blocks as well: names of ``BLOCK_PRESETS`` (``query``,
+            ``key``, ``value``, ``attention_output``, ``mlp``, ``embeddings``, ``norms``) or a mapping of
+            block name to ``fnmatch`` patterns over parameter names. Each block is its own layer.
+        whole_model: measure the Hessian over every trainable parameter (layer ``"model"``).
+        max_products: Hessian-vector products each Lanczos run may spend per event.
+        tol: relative Ritz residual at which Lanczos stops.
+        method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
+    """
+
+    every_n_steps: int = 100
+    schedule: Schedule = "linear"
+    top_k: int = 1
+    min_eigenvalue: bool = False
+    trace_products: int = 0
+    density_probes: int = 0
+    density_steps: int = 30
+    blocks: list[str] | dict[str, list[str]] | None = None
+    whole_model: bool = True
+    max_products: int = 64
+    tol: float = 1e-3
+    method: HessianMethod = "func"
+
+    def __post_init__(self) -> None:
+        _check_cadence(self.every_n_steps, self.schedule)
+        _check(_is_int(self.top_k, 1), f"top_k must be an int >= 1, got {self.top_k!r}")
+        _check(
+            isinstance(self.min_eigenvalue, bool),
+            f"min_eigenvalue must be a bool, got {self.min_eigenvalue!r}",
+        )
+        _check(
+            self.trace_products == 0 or _is_int(self.trace_products, 6),
+            f"trace_products must be 0 (off) or an int >= 6, got {self.trace_products!r}",
+        )
+        _check(
+            self.density_probes == 0 or _is_int(self.density_probes, 2),
+            f"density_probes must be 0 (off) or an int >= 2, got {self.density_probes!r}",
+        )
+        _check(
+            _is_int(self.density_steps, 1), f"density_steps must be an int >= 1, got {self.density_steps!r}"
+        )
+        if isinstance(self.blocks, Mapping):
+            _check(
+                all(
+                    isinstance(p, list) and p and all(isinstance(s, str) for s in p)
+                    for p in self.blocks.values()
+                ),
+                f"blocks must map block names to non-empty lists of patterns, got {self.blocks!r}",
+            )
+        elif self.blocks is not None:
+            unknown = (
+                [b for b in self.blocks if b not in BLOCK_PRESETS]
+                if not isinstance(self.blocks, str)
+                else [0]
+            )
+            _check(
+                not unknown,
+                f"blocks must be names from {sorted(BLOCK_PRESETS)} or a mapping, got {self.blocks!r}",
+            )
+        _check(isinstance(self.whole_model, bool), f"whole_model must be a bool, got {self.whole_model!r}")
+        _check(self.whole_model or bool(self.blocks), "whole_model=False needs blocks to measure")
+        _check(_is_int(self.max_products, 2), f"max_products must be an int >= 2, got {self.max_products!r}")
+        _check(
+            isinstance(self.tol, float) and 0 < self.tol < 1,
+            f"tol must be a float in (0, 1), got {self.tol!r}",
+        )
+        _check(
+            self.method in HESSIAN_METHODS, f"method must be one of {HESSIAN_METHODS}, got {self.method!r}"
+        )
+
+    def spaces(self, module: nn.Module) -> dict[str, ParameterSpace]:
+        spaces = {WHOLE_MODEL: ParameterSpace.of(module)} if self.whole_model else {}
+        blocks = self.blocks or {}
+        patterns = (
+            blocks if isinstance(blocks, Mapping) else {name: list(BLOCK_PRESETS[name]) for name in blocks}
+        )
+        for name, block_patterns in patterns.items():
+            spaces[name] = ParameterSpace.of(module, block_patterns)
+        return spaces
+
+
+@dataclass
+class JacobianOptions:
+    """The block-Jacobian probe (family ``"jacobian"``).
+
+    Args:
+        every_n_steps, schedule: as in :class:`CurvatureOptions`.
+        block_patterns: ``fnmatch`` patterns naming the blocks (default: found automatically).
+        sequence: which sequence of the probe batch the Jacobians are of.
+        residual_branch: also ‖J − I‖₂ (``residual_branch_norm``).
+        end_to_end: also the norm from the first block's input to the last block's output.
+        max_iters: Lanczos iterations (of two products each way) per norm.
+        tol: relative Ritz residual of the Gram operator at which Lanczos stops.
+    """
+
+    every_n_steps: int = 100
+    schedule: Schedule = "linear"
+    block_patterns: list[str] | None = None
+    sequence: int = 0
+    residual_branch: bool = True
+    end_to_end: bool = True
+    max_iters: int = 20
+    tol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        _check_cadence(self.every_n_steps, self.schedule)
+        _check(
+            self.block_patterns is None
+            or (
+                not isinstance(self.block_patterns, str)
+                and all(isinstance(p, str) for p in self.block_patterns)
+            ),
+            f"block_patterns must be None or a list of fnmatch patterns, got {self.block_patterns!r}",
+        )
+        _check(_is_int(self.sequence, 0), f"sequence must be an int >= 0, got {self.sequence!r}")
+        _check(_is_int(self.max_iters, 1), f"max_iters must be an int >= 1, got {self.max_iters!r}")
+        _check(
+            isinstance(self.tol, float) and 0 < self.tol < 1,
+            f"tol must be a float in (0, 1), got {self.tol!r}",
+        )
+
+
+@dataclass
+class NTKOptions:
+    """The empirical-NTK probe (family ``"ntk"``).
+
+    Args:
+        every_n_steps, schedule: as in :class:`CurvatureOptions`.
+        examples: examples of the probe batch in the kernel (at most 64).
+        max_megabytes: most memory the per-example gradients may take; beyond it the kernel is built a
+            column at a time.
+        outputs_fn: ``outputs_fn(module, batch) -> (N,)`` per-example outputs; default: the loss of
+            ``training_step`` on each example of the batch alone.
+    """
+
+    every_n_steps: int = 100
+    schedule: Schedule = "linear"
+    examples: int = 16
+    max_megabytes: float = 256.0
+    outputs_fn: Callable[[nn.Module, Any], Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        _check_cadence(self.every_n_steps, self.schedule)
+        _check(
+            _is_int(self.examples, 1) and self.examples <= MAX_EXAMPLES,
+            f"examples must be an int in [1, {MAX_EXAMPLES}], got {self.examples!r}",
+        )
+        _check(
+            isinstance(self.max_megabytes, (int, float)) and self.max_megabytes > 0,
+            f"max_megabytes must be a positive number, got {self.max_megabytes!r}",
+        )
+        _check(self.outputs_fn is None or callable(self.outputs_fn), "outputs_fn must be callable or None")
+
+
+@dataclass
+class ProbeDataOptions:
+    """What the curvature, Jacobian and NTK probes compute their loss on.
+
+    Args:
+        probe_batch: ``"fixed"``: a copy of the batch of the first event, kept for the whole run (the
+            curves then follow the model, not the data); ``"current"``: the batch of each event;
+            ``"averaged"``: the mean loss over copies of the first ``probe_batches`` batches of the run.
+        probe_batches: batches averaged with ``"averaged"``.
+        loss_fn: ``loss_fn(module, batch) -> scalar`` instead of ``training_step`` (needed with manual
+            optimisation).
+        mode: the module's mode during probes: ``"eval"`` (deterministic; no dropout) or ``"train"``
+            (dropout from a forked RNG stream; batch-norm statistics restored afterwards).
+    """
+
+    probe_batch: ProbeBatch = "fixed"
+    probe_batches: int = 4
+    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None
+    mode: ProbeMode = "eval"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.probe_batch in ("fixed", "current", "averaged"),
+            f"probe_batch must be 'fixed', 'current' or 'averaged', got {self.probe_batch!r}",
+        )
+        _check(
+            _is_int(self.probe_batches, 1), f"probe_batches must be an int >= 1, got {self.probe_batches!r}"
+        )
+        _check(self.loss_fn is None or callable(self.loss_fn), "loss_fn must be callable or None")
+        _check(self.mode in PROBE_MODES, f"mode must be one of {PROBE_MODES}, got {self.mode!r}")
+
+
+def checked_options(name: str, value: object, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (or None: the defaults); a ValueError naming ``name`` otherwise."""
+    if value is None:
+        return kind()
+    _check(isinstance(value, kind), f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
+    return value
+
+
+@contextmanager
+def logging_suppressed(module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing while the probe runs ``training_step``."""
+    module.log = _ignore  # instance attributes shadow the methods
+    module.log_dict = _ignore
+    try:
+        yield
+    finally:
+        del module.log
+        del module.log_dict
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def training_step_loss(module: pl.LightningModule, batch: Any, batch_idx: int = 0) -> Tensor:
+    """The loss ``module.training_step(batch, batch_idx)`` returns, with Lightning logging suppressed."""
+    with logging_suppressed(module):
+        output = module.training_step(batch, batch_idx)
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor) or loss.ndim != 0:
+        raise ValueError(
+            "training_step returned no scalar loss for the curvature probe; "
+            "pass ProbeDataOptions(loss_fn=...)"
+        )
+    return loss
+
+
+def _copy(batch: Any) -> Any:
+    return apply_to_collection(batch, Tensor, lambda tensor: tensor.detach().clone())
+
+
+def _example(batch: Any, index: int) -> Any:
+    return apply_to_collection(batch, Tensor, lambda tensor: tensor[index : index + 1])
+
+
+def _batch_size(batch: Any) -> int:
+    sizes = []
+    apply_to_collection(batch, Tensor, lambda tensor: sizes.append(tensor.shape[0]) if tensor.ndim else None)
+    if not sizes:
+        raise ValueError("the probe batch holds no tensor with a batch dimension")
+    return min(sizes)
+
+
+@dataclass
+class _Event:
+    measurements: list[Measurement] = field(default_factory=list)
+    figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
+
+
+class SecondOrderProbes:
+    """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors."""
+
+    def __init__(
+        self,
+        families: Sequence[str],
+        curvature: CurvatureOptions,
+        jacobian: JacobianOptions,
+        ntk: NTKOptions,
+        data: ProbeDataOptions,
+        failures_of: Callable[[str], Any],
+    ) -> None:
+        self.families = [family for family in OPT_IN_FAMILIES if family in families]
+        self.curvature, self.jacobian, self.ntk, self.data = curvature, jacobian, ntk, data
+        self._failures_of = failures_of
+        self._batches: list[Any] = []
+        self._curvature_warm: dict[str, CurvatureWarmStart] = {}
+        self._jacobian_warm: dict[str, Tensor] = {}
+        self._spaces: dict[str, ParameterSpace] | None = None
+        self._last_step = -1
+        self._last_start: float | None = None
+        self._last_probe_seconds = 0.0
+        self._step_seconds: float | None = None
+        self._generator = torch.Generator().manual_seed(0)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int, step: int
+    ) -> _Event:
+        now = time.perf_counter()
+        if self._last_start is not None:
+            self._step_seconds = now - self._last_start - self._last_probe_seconds
+        self._last_start, self._last_probe_seconds = now, 0.0
+        event = _Event()
+        if step == self._last_step:  # a later micro-batch of an accumulated step
+            return event
+        self._last_step = step
+        if self.data.probe_batch == "averaged" and len(self._batches) < self.data.probe_batches:
+            self._batches.append(_copy(batch))
+        due = [family for family in self.families if _is_due(step, *self._cadence(family))]
+        if not due:
+            return event
+        if self.data.probe_batch == "fixed" and not self._batches:
+            self._batches.append(_copy(batch))
+        batches = [batch] if self.data.probe_batch == "current" else self._batches
+        for family in due:
+            started = time.perf_counter()
+            with self._failures_of(f"measuring the {family} family"):
+                getattr(self, f"_measure_{family}")(trainer, module, batches, step, event)
+            elapsed = time.perf_counter() - started
+            event.measurements.append(Measurement(step, family, "overhead_ms", WHOLE_MODEL, 1000 * elapsed))
+            if self._step_seconds:
+                percent = 100 * elapsed / self._step_seconds
+                event.measurements.append(Measurement(step, family, "overhead_percent", WHOLE_MODEL, percent))
+        self._last_probe_seconds = time.perf_counter() - now
+        return event
+
+    def _cadence(self, family: str) -> tuple[int, str]:
+        options = getattr(self, family)
+        return options.every_n_steps, options.schedule
+
+    def _loss_closure(self, module: pl.LightningModule, batches: list[Any]) -> Callable[[], Tensor]:
+        def loss() -> Tensor:
+            total = sum(self._loss(module, batch) for batch in batches)
+            return total / len(batches)
+
+        return loss
+
+    def _loss(self, module: pl.LightningModule, batch: Any) -> Tensor:
+        if self.data.loss_fn is not None:
+            return self.data.loss_fn(module, batch)
+        if not module.automatic_optimization:
+            raise ValueError(
+                "with manual optimisation the curvature probes need ProbeDataOptions(loss_fn=...)"
+            )
+        return training_step_loss(module, batch)
+
+    def _measure_curvature(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
+    ) -> None:
+        if self._spaces is None:
+            self._spaces = self.curvature.spaces(module)
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        options = self.curvature
+        for layer, space in self._spaces.items():
+            estimate = measure_curvature(
+                module,
+                self._loss_closure(module, batches),
+                space=space,
+                top_k=options.top_k,
+                min_eigenvalue=options.min_eigenvalue,
+                trace_products=options.trace_products,
+                density_probes=options.density_probes,
+                density_steps=options.density_steps,
+                optimizer=optimizer,
+                max_products=options.max_products,
+                tol=options.tol,
+                warm=self._curvature_warm.get(layer),
+                mode=self.data.mode,
+                method=options.method,
+                generator=self._generator,
+            )
+            self._curvature_warm[layer] = estimate.warm
+            event.measurements += curvature_measurements(step, layer, estimate)
+            if estimate.density is not None:
+                nodes = estimate.density.nodes[0].cpu().numpy()
+                weights = estimate.density.weights[0].cpu().numpy()
+                title = f"Hessian spectral density ({layer}), step {step}"
+                event.figures.append(
+                    (
+                        f"curvature/figures/density/{layer}",
+                        lambda n=nodes, w=weights, t=title: spectral_density_figure(n, w, t),
+                    )
+                )
+
+    def _measure_jacobian(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
+    ) -> None:
+        options = self.jacobian
+        norms = block_jacobian_norms(
+            module,
+            lambda: self._loss(module, batches[0]),
+            block_patterns=options.block_patterns,
+            sequence=min(options.sequence, _batch_size(batches[0]) - 1),
+            residual_branch=options.residual_branch,
+            end_to_end=options.end_to_end,
+            tol=options.tol,
+            max_iters=options.max_iters,
+            warm=self._jacobian_warm,
+            mode=self.data.mode,
+            generator=self._generator,
+        )
+        self._jacobian_warm = norms.warm
+        for layer, value in norms.jacobian_norm.items():
+            event.measurements.append(Measurement(step, "jacobian", "jacobian_norm", layer, value))
+        for layer, value in norms.residual_branch_norm.items():
+            event.measurements.append(Measurement(step, "jacobian", "residual_branch_norm", layer, value))
+        if norms.end_to_end_norm is not None:
+            event.measurements.append(
+                Measurement(step, "jacobian", "end_to_end_norm", END_TO_END, norms.end_to_end_norm)
+            )
+
+    def _measure_ntk(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
+    ) -> None:
+        batch = batches[0]
+        if self.ntk.outputs_fn is not None:
+            outputs_fn = lambda: self.ntk.outputs_fn(module, batch)  # noqa: E731
+        else:
+            count = min(self.ntk.examples, _batch_size(batch))
+            outputs_fn = lambda: torch.stack([self._loss(module, _example(batch, i)) for i in range(count)])  # noqa: E731
+        estimate = empirical_ntk(
+            module, outputs_fn, max_bytes=int(self.ntk.max_megabytes * 2**20), mode=self.data.mode
+        )
+        for metric, value in (
+            ("ntk_trace", estimate.trace),
+            ("ntk_max_eigenvalue", estimate.max_eigenvalue),
+            ("ntk_condition_number", estimate.condition_number),
+            ("ntk_effective_rank", estimate.effective_rank),
+        ):
+            event.measurements.append(Measurement(step, "ntk", metric, WHOLE_MODEL, value))
+
+
+def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -> list[Measurement]:
+    """The ``curvature`` records of one estimate (names agreed across the project)."""
+    records = [
+        Measurement(step, "curvature", f"hessian_eigenvalue_{k + 1}", layer, float(value))
+        for k, value in enumerate(estimate.eigenvalues.tolist())
+    ]
+    records.append(Measurement(step, "curvature", "gradient_alignment", layer, estimate.gradient_alignment))
+    edge = estimate.edge
+    records.append(Measurement(step, "curvature", "sharpness", layer, estimate.sharpness))
+    if edge is not None:
+        records.append(Measurement(step, "curvature", "sharpness_threshold", layer, edge.threshold))
+        records.append(
+            Measurement(step, "curvature", "sharpness_ratio", layer, estimate.sharpness / edge.threshold)
+        )
+    if estimate.min_eigenvalue is not None:
+        records.append(
+            Measurement(step, "curvature", "hessian_min_eigenvalue", layer, estimate.min_eigenvalue)
+        )
+    if estimate.trace is not None:
+        records.append(Measurement(step, "curvature", "hessian_trace", layer, float(estimate.trace.mean[0])))
+        records.append(
+            Measurement(step, "curvature", "hessian_trace_se", layer, float(estimate.trace.stderr[0]))
+        )
+    return [record for record in records if not math.isnan(record.value)]

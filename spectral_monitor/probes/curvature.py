@@ -1,0 +1,561 @@
+"""Curvature of the loss: Hessian eigenvalues, trace and spectral density, and the edge of stability.
+
+Everything here takes a module and a *loss closure* (no Lightning). The closure is evaluated once per event
+inside :func:`~spectral_monitor.probes._autodiff.probing`; its gradient is taken with ``create_graph`` and
+kept, so every Hessian-vector product is one backward through that cached graph, batched over a block of
+vectors (``is_grads_batched``). ``benchmarks/bench_hessian.py`` measured this against ``torch.func``
+forward-over-reverse and chose it.
+
+The Hessian is an operator of :mod:`spectral_monitor.linalg`, so the engine's block Lanczos (top-k largest
+algebraic eigenvalues, per-event product budget, warm start from the last event's Ritz vectors),
+Hutch++ and stochastic Lanczos quadrature all apply to it unchanged.
+
+Edge of stability (Cohen et al. 2021, 2022): gradient descent with step η cannot stay where λ_max(H) >
+2/η; with heavy-ball momentum β the edge is (2 + 2β)/η; Adam's is reached by the *preconditioned*
+sharpness λ_max(P^-1/2 H P^-1/2), P = diag(√v̂ + ε), at (2 + 2β₁)/((1 − β₁)η).
+:func:`edge_of_stability` reads η, β and P from a ``torch.optim`` optimizer's own state.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from spectral_monitor.linalg import (
+    BatchedOperator,
+    EigenResult,
+    QuadratureNodes,
+    TraceEstimate,
+    hutchpp_trace,
+    lanczos_eigsh,
+    lanczos_quadrature,
+)
+from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
+
+__all__ = [
+    "BLOCK_PRESETS",
+    "CurvatureEstimate",
+    "CurvatureWarmStart",
+    "DiagonallyScaled",
+    "EdgeOfStability",
+    "HessianOperator",
+    "ParameterSpace",
+    "edge_of_stability",
+    "hessian_eigenvalues",
+    "measure_curvature",
+]
+
+_PACKED_PART = re.compile(r"^(?P<pattern>.*)\[(?P<part>[qkv])\]$")
+_PACKED_INDEX = {"q": 0, "k": 1, "v": 2}
+
+BLOCK_PRESETS: dict[str, tuple[str, ...]] = {
+    "query": (
+        "*in_proj_weight[q]",
+        "*in_proj_bias[q]",
+        "*qkv.weight[q]",
+        "*qkv.bias[q]",
+        "*q_proj.*",
+        "*attention.self.query.*",
+    ),
+    "key": (
+        "*in_proj_weight[k]",
+        "*in_proj_bias[k]",
+        "*qkv.weight[k]",
+        "*qkv.bias[k]",
+        "*k_proj.*",
+        "*attention.self.key.*",
+    ),
+    "value": (
+        "*in_proj_weight[v]",
+        "*in_proj_bias[v]",
+        "*qkv.weight[v]",
+        "*qkv.bias[v]",
+        "*v_proj.*",
+        "*attention.self.value.*",
+    ),
+    "attention_output": (
+        "*self_attn.out_proj.*",
+        "*attention.output.weight",
+        "*attention.output.bias",
+        "*o_proj.*",
+        "*attn.c_proj.*",
+        "*attention.output.dense.*",
+    ),
+    "mlp": ("*linear1.*", "*linear2.*", "*mlp.*", "*mlp.c_fc.*", "*intermediate.dense.*", "*output.dense.*"),
+    "embeddings": ("*embedding*", "*embed*", "*wte.*", "*wpe.*"),
+    "norms": ("*norm*", "*ln_*", "*LayerNorm*"),
+}
+"""Parameter-name patterns of the blocks a Hessian can be restricted to (``fnmatch``; ``[q]``, ``[k]``,
+``[v]`` select the first, second or third of the rows of a packed projection such as
+``nn.MultiheadAttention.in_proj_weight``): PyTorch's own transformer layers, the demo model, and Hugging Face
+BERT/GPT-2/Llama naming. A preset that matches nothing in a model is an error when asked for."""
+
+
+@dataclass(frozen=True)
+class _Coordinates:
+    name: str
+    parameter: nn.Parameter
+    rows: slice | None  # a packed part (a third of the rows), or the whole parameter
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parameter[self.rows].shape if self.rows is not None else self.parameter.shape
+
+
+class ParameterSpace:
+    """The flat coordinate vector of chosen parameters (or packed parts of them) a Hessian acts on.
+
+    ``ParameterSpace.of(module)``: every parameter that requires grad. ``ParameterSpace.of(module,
+    patterns)``: those whose qualified names match one of the ``fnmatch`` patterns; a pattern ending in
+    ``[q]``, ``[k]`` or ``[v]`` takes that third of the rows of a packed query/key/value projection.
+    """
+
+    def __init__(self, coordinates: Sequence[_Coordinates]) -> None:
+        if not coordinates:
+            raise ValueError("a ParameterSpace needs at least one parameter")
+        self.coordinates = tuple(coordinates)
+        self.parameters = list({id(c.parameter): c.parameter for c in coordinates}.values())
+        self.sizes = [c.shape.numel() for c in self.coordinates]
+        self.size = sum(self.sizes)
+        first = self.parameters[0]
+        self.dtype, self.device = first.dtype, first.device
+
+    @classmethod
+    def of(cls, module: nn.Module, patterns: Sequence[str] | None = None) -> ParameterSpace:
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if patterns is None:
+            return cls([_Coordinates(name, p, None) for name, p in named])
+        chosen: dict[tuple[str, int | None], _Coordinates] = {}
+        for pattern in patterns:
+            packed = _PACKED_PART.match(pattern)
+            glob = packed["pattern"] if packed else pattern
+            for name, parameter in named:
+                if not fnmatch.fnmatchcase(name, glob):
+                    continue
+                if packed is None:
+                    chosen.setdefault((name, None), _Coordinates(name, parameter, None))
+                    continue
+                third, remainder = divmod(parameter.shape[0], 3)
+                if remainder:
+                    raise ValueError(
+                        f"pattern {pattern!r}: {name} has {parameter.shape[0]} rows, not 3 parts"
+                    )
+                index = _PACKED_INDEX[packed["part"]]
+                chosen.setdefault(
+                    (name, index), _Coordinates(name, parameter, slice(index * third, (index + 1) * third))
+                )
+        whole = {name for name, index in chosen if index is None}
+        kept = [c for (name, index), c in chosen.items() if index is None or name not in whole]
+        if not kept:
+            raise ValueError(f"patterns {list(patterns)} match no parameter that requires grad")
+        return cls(kept)
+
+    def names(self) -> list[str]:
+        return [
+            c.name if c.rows is None else f"{c.name}[{c.rows.start}:{c.rows.stop}]" for c in self.coordinates
+        ]
+
+    def flatten(self, per_parameter: Sequence[Tensor]) -> Tensor:
+        """(k, size) from tensors shaped (k, *parameter.shape), one per entry of ``self.parameters``."""
+        by_id = {id(p): t for p, t in zip(self.parameters, per_parameter, strict=True)}
+        parts = []
+        for c in self.coordinates:
+            tensor = by_id[id(c.parameter)]
+            if c.rows is not None:
+                tensor = tensor[:, c.rows]
+            parts.append(tensor.reshape(tensor.shape[0], -1))
+        return torch.cat(parts, dim=1)
+
+    def unflatten(self, flat: Tensor) -> list[Tensor]:
+        """Tensors shaped (k, *parameter.shape) from (k, size), zero outside the chosen coordinates."""
+        k = flat.shape[0]
+        full = {id(p): None for p in self.parameters}
+        pieces = flat.split(self.sizes, dim=1)
+        for c, piece in zip(self.coordinates, pieces, strict=True):
+            piece = piece.reshape(k, *c.shape).to(c.parameter.dtype)
+            if c.rows is None:
+                full[id(c.parameter)] = piece
+                continue
+            if full[id(c.parameter)] is None:
+                full[id(c.parameter)] = piece.new_zeros((k, *c.parameter.shape))
+            full[id(c.parameter)][:, c.rows] = piece
+        return [full[id(p)] for p in self.parameters]
+
+    def values(self) -> Tensor:
+        """The current parameter values as a (size,) vector (detached)."""
+        return self.flatten([p.detach()[None] for p in self.parameters])[0]
+
+
+HessianMethod = Literal["func", "autograd"]
+HESSIAN_METHODS = ("func", "autograd")
+
+
+class HessianOperator(BatchedOperator):
+    """The Hessian of ``loss_fn()`` over ``space``, as a symmetric operator with a batch of one.
+
+    The forward and the gradient's graph are built once and kept, so each product is one backward through
+    the cached graph, batched over the block of vectors. ``method="func"``: ``torch.func.vjp`` of
+    ``torch.func.grad`` over the chosen parameters, products batched by ``vmap`` (fastest measured, see
+    ``benchmarks/bench_hessian.py``); ``"autograd"``: ``torch.autograd.grad`` with ``create_graph`` and
+    ``is_grads_batched``, also taken when ``torch.func`` cannot transform the forward (``method`` then
+    says ``"autograd"``). ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
+    free the graph.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[], Tensor],
+        space: ParameterSpace,
+        method: HessianMethod = "func",
+        module: nn.Module | None = None,
+    ) -> None:
+        if method not in HESSIAN_METHODS:
+            raise ValueError(f"method must be one of {HESSIAN_METHODS}, got {method!r}")
+        if method == "func" and module is None:
+            raise ValueError("method='func' needs the module the loss closure uses")
+        super().__init__(1, space.size, space.size, space.dtype, space.device, symmetric=True)
+        self.space = space
+        self.method = method
+        self.products = 0
+        if method == "func":
+            try:
+                gradients, self._vjp = torch.func.vjp(
+                    torch.func.grad(_functional_loss(module, loss_fn, space)),
+                    tuple(p.detach() for p in space.parameters),
+                )
+                self.gradient = space.flatten([g.detach()[None] for g in gradients])[0]
+                return
+            except RuntimeError as error:
+                if "transform" not in str(error):
+                    raise
+                # A forward torch.func cannot transform (it mutates a captured tensor in place, as a
+                # train-mode BatchNorm does): the autograd path computes the same products.
+                self.method = "autograd"
+        loss = loss_fn()
+        _check_scalar(loss)
+        gradients = torch.autograd.grad(loss, space.parameters, create_graph=True, allow_unused=True)
+        self._gradients = [
+            torch.zeros_like(p) if g is None else g for g, p in zip(gradients, space.parameters, strict=True)
+        ]
+        self.gradient = space.flatten([g.detach()[None] for g in self._gradients])[0]
+
+    def matmat(self, x: Tensor) -> Tensor:
+        vectors = x[0].transpose(0, 1)  # (k, n)
+        cotangents = self.space.unflatten(vectors)
+        if self.method == "func":
+            products = self.space.flatten(list(torch.func.vmap(self._vjp)(tuple(cotangents))[0]))
+        elif not any(g.requires_grad for g in self._gradients):  # a loss linear in these parameters
+            products = torch.zeros_like(vectors)
+        else:
+            pairs = [(g, v) for g, v in zip(self._gradients, cotangents, strict=True) if g.requires_grad]
+            grads = batched_grad([g for g, _ in pairs], self.space.parameters, [v for _, v in pairs])
+            products = self.space.flatten(grads)
+        self.products += vectors.shape[0]
+        return products.detach().transpose(0, 1)[None].to(x.dtype)
+
+
+class _Closure(nn.Module):
+    """A module whose forward is the loss closure, so ``functional_call`` can swap the inner parameters."""
+
+    def __init__(self, inner: nn.Module, loss_fn: Callable[[], Tensor]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.loss_fn = loss_fn
+
+    def forward(self) -> Tensor:
+        return self.loss_fn()
+
+
+def _functional_loss(
+    module: nn.Module, loss_fn: Callable[[], Tensor], space: ParameterSpace
+) -> Callable[[tuple[Tensor, ...]], Tensor]:
+    names_by_id = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(parameter), []).append(f"inner.{name}")
+    missing = [p for p in space.parameters if id(p) not in names_by_id]
+    if missing:
+        raise ValueError("the parameter space holds parameters that are not the module's")
+    closure = _Closure(module, loss_fn)
+
+    def loss_of(values: tuple[Tensor, ...]) -> Tensor:
+        swapped = {
+            name: value
+            for parameter, value in zip(space.parameters, values, strict=True)
+            for name in names_by_id[id(parameter)]
+        }
+        loss = torch.func.functional_call(closure, swapped, (), strict=False, tie_weights=False)
+        _check_scalar(loss)
+        return loss
+
+    return loss_of
+
+
+def _check_scalar(loss: object) -> None:
+    if not isinstance(loss, Tensor) or loss.ndim != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"the loss closure must return a scalar tensor, got {shape}")
+
+
+class DiagonallyScaled(BatchedOperator):
+    """D M D for a symmetric M and a positive diagonal D = diag(``scaling``), e.g. P^-1/2 H P^-1/2."""
+
+    def __init__(self, op: BatchedOperator, scaling: Tensor) -> None:
+        super().__init__(op.batch, op.rows, op.cols, op.dtype, op.device, symmetric=True)
+        self.base = op
+        self.scaling = scaling.to(device=op.device)[None, :, None]
+
+    def matmat(self, x: Tensor) -> Tensor:
+        scaling = self.scaling.to(x.dtype)
+        return scaling * self.base.matmat(scaling * x)
+
+
+def hessian_eigenvalues(
+    op: BatchedOperator,
+    k: int = 1,
+    *,
+    which: str = "largest",
+    max_products: int = 64,
+    tol: float = 1e-4,
+    block_size: int | None = None,
+    init: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> EigenResult:
+    """The ``k`` largest (or smallest) algebraic eigenpairs of a Hessian operator within a product budget.
+
+    Block Lanczos of width ``block_size`` (default k: the fewest products, measured) plus the warm
+    vectors ``init`` (n, r); it stops at relative Ritz residual ``tol`` or when the next block would
+    exceed ``max_products``.
+    """
+    width = block_size if block_size is not None else k
+    width = min(width + (0 if init is None else init.shape[-1]), op.cols)
+    iterations = max(1, max_products // width)
+    return lanczos_eigsh(
+        op,
+        k,
+        which=which,
+        block_size=min(block_size if block_size is not None else k, op.cols),
+        tol=tol,
+        max_iters=iterations,
+        init=None if init is None else init.reshape(1, op.cols, -1),
+        generator=generator,
+    )
+
+
+@dataclass
+class EdgeOfStability:
+    """The threshold the sharpness is compared with, and the preconditioner that defines it.
+
+    ``kind``: ``"sgd"``, ``"momentum"``, ``"nesterov"`` or ``"adam"``; ``threshold``: 2/η, (2 + 2β)/η,
+    (2 + 2β)/((1 + 2β)η) or (2 + 2β₁)/((1 − β₁)η); ``preconditioner``: for Adam, P = √v̂ + ε over the
+    space (size,), else None (the sharpness is then λ_max(H) itself).
+    """
+
+    kind: str
+    learning_rate: float
+    threshold: float
+    preconditioner: Tensor | None = None
+
+
+def edge_of_stability(optimizer: torch.optim.Optimizer, space: ParameterSpace) -> EdgeOfStability | None:
+    """The edge of stability of ``optimizer`` over ``space``, from its hyper-parameters and state.
+
+    ``None`` when it is not defined: an optimizer other than SGD, Adam or AdamW; parameter groups with
+    different learning rates or betas over the space; Adam before its first step (no v̂ yet).
+    """
+    groups = [g for g in optimizer.param_groups if any(id(p) in _ids(space) for p in g["params"])]
+    if not groups or not all(_same_hyperparameters(groups[0], g) for g in groups[1:]):
+        return None
+    group = groups[0]
+    lr = float(group["lr"])
+    if lr <= 0:
+        return None
+    if isinstance(optimizer, torch.optim.SGD):
+        beta = float(group.get("momentum", 0.0))
+        if beta == 0:
+            return EdgeOfStability("sgd", lr, 2 / lr)
+        if group.get("nesterov", False):
+            return EdgeOfStability("nesterov", lr, (2 + 2 * beta) / ((1 + 2 * beta) * lr))
+        return EdgeOfStability("momentum", lr, (2 + 2 * beta) / lr)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        beta1, beta2 = (float(b) for b in group["betas"])
+        eps = float(group["eps"])
+        second_moments = []
+        for p in space.parameters:
+            state = optimizer.state.get(p, {})
+            key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+            if key not in state or "step" not in state:
+                return None
+            steps = float(state["step"])
+            if steps < 1:
+                return None
+            v_hat = state[key].detach() / (1 - beta2**steps)
+            second_moments.append(v_hat[None])
+        preconditioner = space.flatten(second_moments)[0].sqrt() + eps
+        return EdgeOfStability("adam", lr, (2 + 2 * beta1) / ((1 - beta1) * lr), preconditioner)
+    return None
+
+
+def _ids(space: ParameterSpace) -> set[int]:
+    return {id(p) for p in space.parameters}
+
+
+def _same_hyperparameters(first: Mapping, other: Mapping) -> bool:
+    keys = ("lr", "momentum", "nesterov", "betas", "eps")
+    return all(first.get(key) == other.get(key) for key in keys)
+
+
+@dataclass
+class CurvatureWarmStart:
+    """Ritz vectors of the last event, per quantity, to warm-start the next one (the engine guards them)."""
+
+    top: Tensor | None = None
+    bottom: Tensor | None = None
+    preconditioned: Tensor | None = None
+
+
+@dataclass
+class CurvatureEstimate:
+    """What one curvature event measured over one parameter space.
+
+    ``eigenvalues`` (k,) descending, the top-k largest algebraic of H; ``sharpness``: λ_max(H), or for
+    Adam λ_max(P^-1/2 H P^-1/2) (NaN before Adam's first step: no v̂ yet);
+    ``edge``: the optimizer's threshold (None without an optimizer);
+    ``min_eigenvalue``: the most negative (smallest algebraic) eigenvalue if asked; ``trace``: Hutch++;
+    ``density``: quadrature nodes and weights of the spectral density; ``gradient_alignment``: |cos| of the
+    top eigenvector with the gradient; ``products``: Hessian-vector products spent; ``converged``: every
+    Lanczos run met its tolerance within its budget; ``warm``: vectors for the next event.
+    """
+
+    eigenvalues: Tensor
+    sharpness: float
+    edge: EdgeOfStability | None
+    min_eigenvalue: float | None
+    trace: TraceEstimate | None
+    density: QuadratureNodes | None
+    gradient_alignment: float
+    products: int
+    converged: bool
+    warm: CurvatureWarmStart
+
+
+def measure_curvature(
+    module: nn.Module,
+    loss_fn: Callable[[], Tensor],
+    *,
+    space: ParameterSpace | None = None,
+    top_k: int = 1,
+    min_eigenvalue: bool = False,
+    trace_products: int = 0,
+    density_probes: int = 0,
+    density_steps: int = 30,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_products: int = 64,
+    tol: float = 1e-4,
+    block_size: int | None = None,
+    warm: CurvatureWarmStart | None = None,
+    mode: ProbeMode = "eval",
+    method: HessianMethod = "func",
+    generator: torch.Generator | None = None,
+) -> CurvatureEstimate:
+    """Hessian curvature of ``loss_fn()`` over ``space`` (default: every trainable parameter of ``module``).
+
+    ``loss_fn`` takes no arguments and returns a scalar computed with ``module``; it runs once, in
+    ``probing(module, mode)``: nothing of the module, its ``.grad`` or the RNG streams changes.
+    ``method``: how Hessian-vector products are formed (:class:`HessianOperator`).
+    ``max_products`` bounds each Lanczos run (top-k, most negative, preconditioned top-1);
+    ``trace_products`` > 0 (at least 6) adds the Hutch++ trace, ``density_probes`` > 1 the quadrature of
+    the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
+    (:func:`edge_of_stability`) is measured, and for Adam the preconditioned sharpness.
+    """
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    space = space if space is not None else ParameterSpace.of(module)
+    warm = warm if warm is not None else CurvatureWarmStart()
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    with probing(module, mode):
+        hessian = HessianOperator(loss_fn, space, method, module)
+        top = hessian_eigenvalues(
+            hessian,
+            min(top_k, space.size),
+            max_products=max_products,
+            tol=tol,
+            block_size=block_size,
+            init=_usable(warm.top, space),
+            generator=generator,
+        )
+        runs = [top]
+        vectors = top.vectors[0]
+        eigenvalues = top.values[0].detach()
+        gradient = hessian.gradient.to(vectors.dtype)
+        alignment = float(
+            (vectors[:, 0] @ gradient).abs() / gradient.norm().clamp_min(torch.finfo(gradient.dtype).tiny)
+        )
+        new_warm = CurvatureWarmStart(top=vectors.detach().clone())
+        bottom_value = None
+        if min_eigenvalue:
+            bottom = hessian_eigenvalues(
+                hessian,
+                1,
+                which="smallest",
+                max_products=max_products,
+                tol=tol,
+                block_size=block_size,
+                init=_usable(warm.bottom, space),
+                generator=generator,
+            )
+            runs.append(bottom)
+            bottom_value = float(bottom.values[0, 0])
+            new_warm.bottom = bottom.vectors[0].detach().clone()
+        edge = edge_of_stability(optimizer, space) if optimizer is not None else None
+        sharpness = float(eigenvalues[0])
+        if edge is None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            sharpness = float(
+                "nan"
+            )  # Adam's sharpness is the preconditioned one; before its first step, none
+        if edge is not None and edge.preconditioner is not None:
+            scaled = DiagonallyScaled(hessian, edge.preconditioner.rsqrt())
+            preconditioned = hessian_eigenvalues(
+                scaled,
+                1,
+                max_products=max_products,
+                tol=tol,
+                block_size=block_size,
+                init=_usable(warm.preconditioned, space),
+                generator=generator,
+            )
+            runs.append(preconditioned)
+            sharpness = float(preconditioned.values[0, 0])
+            new_warm.preconditioned = preconditioned.vectors[0].detach().clone()
+        trace = None
+        if trace_products:
+            trace = hutchpp_trace(hessian, num_products=trace_products, generator=generator)
+        density = None
+        if density_probes:
+            density = lanczos_quadrature(
+                hessian, num_probes=density_probes, num_steps=density_steps, generator=generator
+            )
+        products = hessian.products
+        del hessian
+    return CurvatureEstimate(
+        eigenvalues=eigenvalues,
+        sharpness=sharpness,
+        edge=edge,
+        min_eigenvalue=bottom_value,
+        trace=trace,
+        density=density,
+        gradient_alignment=alignment,
+        products=products,
+        converged=all(bool(run.info.converged.all()) for run in runs),
+        warm=new_warm,
+    )
+
+
+def _usable(vectors: Tensor | None, space: ParameterSpace) -> Tensor | None:
+    """Warm vectors of the same space only (a changed selection or model starts cold)."""
+    return vectors if vectors is not None and vectors.shape[0] == space.size else None

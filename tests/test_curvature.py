@@ -1,0 +1,250 @@
+"""Curvature, Jacobian and NTK probes on tiny float64 models, against explicitly formed matrices.
+
+Hessians from ``torch.autograd.functional.hessian`` of the loss as a function of the flat parameter vector,
+Jacobians from ``torch.autograd.functional.jacobian``, kernels from per-example gradients formed one by one;
+eigenvalues and norms from ``eigvalsh`` / ``svdvals`` of those.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from spectral_monitor.probes._autodiff import probing
+from spectral_monitor.probes.curvature import (
+    HessianOperator,
+    ParameterSpace,
+    edge_of_stability,
+    measure_curvature,
+)
+from spectral_monitor.probes.jacobian import block_jacobian_norms
+from spectral_monitor.probes.ntk import empirical_ntk
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_transformer() -> tuple[nn.Module, callable]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
+    model = nn.ModuleDict(
+        {"encoder": nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), "head": nn.Linear(4, 3)}
+    ).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    y = torch.tensor([[0, 1, 2], [2, 2, 0]])
+
+    def loss() -> Tensor:
+        logits = model["head"](model["encoder"](x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    return model, loss, x
+
+
+def explicit_hessian(model: nn.Module, loss_fn, space: ParameterSpace) -> Tensor:
+    """The Hessian over ``space``'s coordinates, from the full Hessian over every parameter."""
+    names = [name for name, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    full = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    class Swap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self) -> Tensor:
+            return loss_fn()
+
+    def loss_of(theta: Tensor) -> Tensor:
+        values, offset = {}, 0
+        for name, shape in zip(names, shapes, strict=True):
+            values[f"inner.{name}"] = theta[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return torch.func.functional_call(Swap(), values, ())
+
+    with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel has no double backward
+        hessian = torch.autograd.functional.hessian(loss_of, full)
+    starts, offset = {}, 0
+    for name, shape in zip(names, shapes, strict=True):
+        starts[name] = offset
+        offset += shape.numel()
+    index = []
+    for coordinates in space.coordinates:
+        parameter_index = torch.arange(coordinates.parameter.numel()).view(coordinates.parameter.shape)
+        if coordinates.rows is not None:
+            parameter_index = parameter_index[coordinates.rows]
+        index.append(starts[coordinates.name] + parameter_index.flatten())
+    index = torch.cat(index)
+    return hessian[index][:, index]
+
+
+@pytest.mark.parametrize("method", ["func", "autograd"])
+@pytest.mark.parametrize("patterns", [None, ["*in_proj_weight[k]", "*norm1.*"]])
+def test_hessian_vector_products_equal_the_explicit_hessian(method: str, patterns) -> None:
+    model, loss_fn, _ = tiny_transformer()
+    space = ParameterSpace.of(model, patterns)
+    hessian = explicit_hessian(model, loss_fn, space)
+    vectors = torch.randn(1, space.size, 3, dtype=torch.float64)
+    with probing(model):
+        products = HessianOperator(loss_fn, space, method, model).matmat(vectors)
+    torch.testing.assert_close(products[0], hessian @ vectors[0], rtol=1e-10, atol=1e-12)
+
+
+def test_packed_query_key_value_parts_split_the_rows_in_thirds() -> None:
+    model, _, _ = tiny_transformer()
+    space = ParameterSpace.of(model, ["encoder.layers.0.self_attn.in_proj_weight[v]"])
+    assert space.size == 16 and space.names() == ["encoder.layers.0.self_attn.in_proj_weight[8:12]"]
+    with pytest.raises(ValueError, match="match no parameter"):
+        ParameterSpace.of(model, ["nothing.*"])
+
+
+def test_top_k_and_the_most_negative_eigenvalue_match_eigvalsh() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    space = ParameterSpace.of(model)
+    exact = torch.linalg.eigvalsh(explicit_hessian(model, loss_fn, space))
+    estimate = measure_curvature(
+        model, loss_fn, top_k=3, min_eigenvalue=True, tol=1e-8, max_products=space.size
+    )
+    assert estimate.converged
+    torch.testing.assert_close(estimate.eigenvalues, exact[-3:].flip(0), rtol=1e-4, atol=0)
+    assert estimate.min_eigenvalue == pytest.approx(float(exact[0]), rel=1e-4)
+
+
+def test_an_indefinite_hessian_reports_the_largest_algebraic_not_the_largest_magnitude() -> None:
+    weights = torch.tensor([-5.0, 0.5, 2.0], dtype=torch.float64)
+    model = nn.Linear(3, 1, bias=False).double()
+
+    def loss() -> Tensor:
+        w = model.weight.flatten()
+        return 0.5 * (weights * w * w).sum() + (w**3).sum() * 0  # H = diag(-5, 0.5, 2)
+
+    estimate = measure_curvature(model, loss, top_k=2, min_eigenvalue=True, tol=1e-10)
+    torch.testing.assert_close(estimate.eigenvalues, torch.tensor([2.0, 0.5], dtype=torch.float64))
+    assert estimate.sharpness == pytest.approx(2.0)
+    assert estimate.min_eigenvalue == pytest.approx(-5.0)
+
+
+def test_the_hutchpp_trace_lies_within_its_reported_error() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    space = ParameterSpace.of(model)
+    exact = float(explicit_hessian(model, loss_fn, space).trace())
+    estimate = measure_curvature(model, loss_fn, trace_products=60)
+    stderr = float(estimate.trace.stderr[0])
+    assert 0 < stderr < abs(exact)
+    assert abs(float(estimate.trace.mean[0]) - exact) <= 4 * stderr
+
+
+def test_a_warm_start_spends_fewer_products_on_the_same_hessian() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    cold = measure_curvature(model, loss_fn, tol=1e-6, max_products=400)
+    warm = measure_curvature(model, loss_fn, tol=1e-6, max_products=400, warm=cold.warm)
+    assert warm.products < cold.products
+    assert warm.sharpness == pytest.approx(cold.sharpness, rel=1e-8)
+
+
+def test_adam_preconditioned_sharpness_matches_the_explicit_scaled_hessian() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    space = ParameterSpace.of(model)
+    steps = 3
+    v_hat = torch.cat([optimizer.state[p]["exp_avg_sq"].flatten() for p in model.parameters()]) / (
+        1 - 0.99**steps
+    )
+    scaling = (v_hat.sqrt() + 1e-6).rsqrt()
+    exact = torch.linalg.eigvalsh(scaling[:, None] * explicit_hessian(model, loss_fn, space) * scaling)
+    estimate = measure_curvature(model, loss_fn, optimizer=optimizer, tol=1e-8, max_products=space.size)
+    assert estimate.edge.kind == "adam"
+    assert estimate.edge.threshold == pytest.approx(38 / 1e-2)
+    assert estimate.sharpness == pytest.approx(float(exact[-1]), rel=1e-4)
+
+
+def test_sgd_thresholds_follow_the_step_size_and_momentum() -> None:
+    model = nn.Linear(2, 2)
+    space = ParameterSpace.of(model)
+    assert edge_of_stability(torch.optim.SGD(model.parameters(), lr=0.1), space).threshold == pytest.approx(
+        20
+    )
+    heavy_ball = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert edge_of_stability(heavy_ball, space).threshold == pytest.approx(38)
+    mixed = torch.optim.SGD([{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.2}])
+    assert edge_of_stability(mixed, space) is None
+    assert edge_of_stability(torch.optim.Adam(model.parameters()), space) is None  # no v̂ before a step
+
+
+def test_block_jacobian_norms_match_the_svd_of_the_explicit_jacobian() -> None:
+    model, loss_fn, x = tiny_transformer()
+    layers = model["encoder"].layers
+    norms = block_jacobian_norms(model, loss_fn, sequence=1, tol=1e-10, max_iters=40)
+    assert norms.converged and not norms.skipped
+    state = x[1]
+    inputs = []
+    for layer in layers:
+        inputs.append(state)
+        state = layer(state[None])[0].detach()
+
+    def jacobian(f, at: Tensor) -> Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.autograd.functional.jacobian(f, at).reshape(at.numel(), at.numel())
+
+    for name, layer, at in zip(["encoder.layers.0", "encoder.layers.1"], layers, inputs, strict=True):
+        explicit = jacobian(lambda s, layer=layer: layer(s[None])[0], at)
+        identity = torch.eye(explicit.shape[0], dtype=torch.float64)
+        assert norms.jacobian_norm[name] == pytest.approx(
+            float(torch.linalg.matrix_norm(explicit, 2)), rel=1e-6
+        )
+        assert norms.residual_branch_norm[name] == pytest.approx(
+            float(torch.linalg.matrix_norm(explicit - identity, 2)), rel=1e-6
+        )
+    composed = jacobian(lambda s: layers[1](layers[0](s[None]))[0], inputs[0])
+    assert norms.end_to_end_norm == pytest.approx(float(torch.linalg.matrix_norm(composed, 2)), rel=1e-6)
+
+
+@pytest.mark.parametrize("max_bytes", [2**30, 0])
+def test_the_empirical_ntk_equals_the_kernel_of_per_example_gradients(max_bytes: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    rows = []
+    for i in range(6):
+        grads = torch.autograd.grad(model(x[i : i + 1]).sum(), list(model.parameters()))
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    jacobian = torch.stack(rows)
+    kernel = jacobian @ jacobian.T
+    estimate = empirical_ntk(model, lambda: model(x)[:, 0], max_bytes=max_bytes)
+    assert estimate.materialised == (max_bytes > 0)
+    torch.testing.assert_close(estimate.kernel, kernel, rtol=1e-10, atol=1e-12)
+    eigenvalues = torch.linalg.eigvalsh(kernel)
+    assert estimate.trace == pytest.approx(float(kernel.trace()))
+    assert estimate.max_eigenvalue == pytest.approx(float(eigenvalues[-1]))
+    assert estimate.condition_number == pytest.approx(float(eigenvalues[-1] / eigenvalues[0]), rel=1e-6)
+    p = eigenvalues / eigenvalues.sum()
+    assert estimate.effective_rank == pytest.approx(float(torch.exp(-(p * p.log()).sum())), rel=1e-8)
+
+
+def test_probes_leave_parameters_grads_modes_buffers_and_the_rng_untouched() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2)).double()
+    model[0].eval()  # a mixed-mode module: each flag must come back as it was
+    x = torch.randn(8, 3, dtype=torch.float64)
+    loss = lambda: model(x).square().mean()  # noqa: E731
+    loss().backward()
+    before = {
+        "parameters": [p.detach().clone() for p in model.parameters()],
+        "grads": [p.grad.clone() for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "modes": [m.training for m in model.modules()],
+        "rng": torch.random.get_rng_state(),
+    }
+    for mode in ("train", "eval"):
+        measure_curvature(model, loss, top_k=2, min_eigenvalue=True, trace_products=6, mode=mode)
+        empirical_ntk(model, lambda: model(x)[:, 0], mode=mode)
+    assert all(torch.equal(a, p) for a, p in zip(before["parameters"], model.parameters(), strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
+    assert before["modes"] == [m.training for m in model.modules()]
+    assert torch.equal(before["rng"], torch.random.get_rng_state())

@@ -1,0 +1,121 @@
+"""The curvature, Jacobian and NTK families in real ``Trainer.fit`` runs, read back from the event files.
+
+The edge of stability (Cohen et al. 2021), scaled down: full-batch gradient descent on a small tanh network
+sharpens until λ_max(H) reaches 2/η and then hovers there. And the non-perturbation guarantee with every
+opt-in probe on: the trained parameters are bit-identical to a run without the monitor (dropout active).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from test_callback import TinyEncoder, fit, read_back, scalar_steps
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LEARNING_RATE = 0.55  # 2/η ≈ 3.6, above the initial sharpness (≈ 2.3) of this network on this task
+
+
+class FullBatchRegression(pl.LightningModule):
+    """A 3-layer tanh network fitting a random teacher with MSE, trained by plain gradient descent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = (self.net(x) - y).square().mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
+
+
+def teacher_data() -> DataLoader:
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    with torch.no_grad():
+        y = 3 * teacher(x)
+    return DataLoader(TensorDataset(x, y), batch_size=64)  # one batch: full-batch gradient descent
+
+
+@pytest.mark.slow
+def test_gradient_descent_sharpens_to_the_edge_of_stability_and_stays_there(tmp_path: Path) -> None:
+    monitor = SpectralMonitor(families=["curvature"], curvature=CurvatureOptions(every_n_steps=20))
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="eos", version=0)
+    fit(FullBatchRegression(), [monitor], logger, max_steps=400, data=teacher_data(), max_epochs=-1)
+
+    events = read_back(logger.log_dir)
+    ratio = [event.value for event in events.Scalars("curvature/sharpness_ratio/model")]
+    threshold = [event.value for event in events.Scalars("curvature/sharpness_threshold/model")]
+    sharpness = [event.value for event in events.Scalars("curvature/sharpness/model")]
+    assert threshold == pytest.approx([2 / LEARNING_RATE] * len(ratio))
+    assert len(ratio) == 21 and ratio[0] < 0.75  # well below the edge at initialisation
+    assert max(ratio) > 0.95  # progressive sharpening reaches it
+    late = ratio[len(ratio) // 2 :]
+    assert all(0.8 <= value <= 1.3 for value in late), late  # and it hovers there
+    assert sharpness[-1] * LEARNING_RATE / 2 == pytest.approx(ratio[-1], rel=1e-5)
+    assert scalar_steps(events, "curvature/overhead_ms/model")[:3] == [0, 19, 39]
+
+
+@pytest.mark.slow
+def test_training_with_every_curvature_probe_on_follows_the_same_trajectory(tmp_path: Path) -> None:
+    def train(callbacks: list, run: str) -> TinyEncoder:
+        torch.manual_seed(0)
+        model = TinyEncoder(dropout=0.1)
+        logger = TensorBoardLogger(save_dir=str(tmp_path), name=run, version=0)
+        fit(model, callbacks, logger, max_steps=12, log_every_n_steps=1)
+        return model
+
+    monitor = SpectralMonitor(
+        every_n_steps=4,
+        figures_every_n_logs=2,
+        curvature=CurvatureOptions(
+            every_n_steps=4,
+            top_k=2,
+            min_eigenvalue=True,
+            trace_products=6,
+            density_probes=2,
+            density_steps=4,
+            blocks=["query", "mlp"],
+            max_products=12,
+        ),
+        jacobian=JacobianOptions(every_n_steps=4, max_iters=3),
+        ntk=NTKOptions(every_n_steps=4, examples=3),
+        strict=True,
+    )
+    watched = train([monitor], "watched")
+    unwatched = train([], "unwatched")
+
+    for (name, parameter), (_, reference) in zip(
+        watched.named_parameters(), unwatched.named_parameters(), strict=True
+    ):
+        assert torch.equal(parameter, reference), name
+    events = read_back(str(tmp_path / "watched" / "version_0"))
+    for tag in (
+        "curvature/sharpness/model",  # AdamW: from the first step on, once v̂ exists
+        "curvature/sharpness_ratio/query",
+        "curvature/hessian_eigenvalue_2/mlp",
+        "curvature/hessian_min_eigenvalue/model",
+        "curvature/hessian_trace_se/model",
+        "jacobian/jacobian_norm/encoder.layers.1",
+        "jacobian/residual_branch_norm/encoder.layers.0",
+        "jacobian/end_to_end_norm/model",
+        "ntk/ntk_effective_rank/model",
+    ):
+        assert scalar_steps(events, tag)[-2:] == [7, 11], tag
+    assert scalar_steps(events, "curvature/hessian_eigenvalue_1/model") == [0, 3, 7, 11]
+    assert [event.step for event in events.Images("curvature/figures/density/model")] == [0, 3, 7, 11]
