@@ -2,8 +2,8 @@
 
 A family enters every reliability suite (non-perturbation, fault injection, resume, soak) through one line of
 ``FAMILY_CONFIGURATIONS``: the monitor arguments that turn it on alone, and the functions a fault can be
-injected into (patched to raise). Families still to come (``curvature``, ``jacobian``, ``ntk``) are added
-there once the callback knows them.
+injected into (patched to raise). The NTK is left out: its per-example
+``training_step`` calls need a model whose loss is defined on one example.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions
 
 VOCAB = 16
 WIDTH = 16
@@ -75,12 +77,28 @@ FAMILY_CONFIGURATIONS = (
             "spectral_monitor.probes.weights:WeightProbe.distributions",
         ),
     ),
+    FamilyConfiguration(
+        "curvature",
+        {"families": ["curvature"], "curvature": CurvatureOptions(every_n_steps=1, max_products=8)},
+        ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_curvature",),
+    ),
+    FamilyConfiguration(
+        "jacobian",
+        {"families": ["jacobian"], "jacobian": JacobianOptions(every_n_steps=1, max_iters=4)},
+        ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_jacobian",),
+    ),
 )
 """Every family the monitor has; a new family is one more line here."""
 
 ALL_FAMILIES = {
     "families": [configuration.family for configuration in FAMILY_CONFIGURATIONS],
     "metric_method": "krylov",
+    **{
+        name: value
+        for configuration in FAMILY_CONFIGURATIONS
+        for name, value in configuration.monitor_arguments.items()
+        if name not in ("families", "metric_method")
+    },
 }
 """Monitor arguments that turn every family on (attention on the Krylov path: it keeps warm state)."""
 

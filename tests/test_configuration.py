@@ -29,7 +29,7 @@ BAD_VALUES = {
     "every_n_steps": ([0, -3, 2.5, True, "10"], "int >= 1"),
     "families": (
         [["attention", "jacobians"], "attention", [], None, ["weights", 3]],
-        "['attention', 'tokens', 'weights']",
+        "['attention', 'tokens', 'weights', 'curvature', 'jacobian', 'ntk']",
     ),
     "include": (["blocks.*", [3], [], [""]], "fnmatch patterns"),
     "exclude": (["blocks.*", [None], [3], [], [""]], "fnmatch patterns"),

@@ -114,7 +114,9 @@ def test_each_family_alone_leaves_the_trajectory_bit_identical(
     assert_same_trajectory(watched, unwatched(RICHEST, tmp_path_factory))
     monitored = scalar_series(read_back(tmp_path / "run" / "version_0"), f"{configuration.family}/")
     assert monitored, "the family wrote nothing: the comparison would prove nothing"
-    assert all(len(series) == STEPS for series in monitored.values())
+    # Every step measured, none twice; a series may start late (Adam's edge of stability needs one step).
+    assert max(len(series) for series in monitored.values()) == STEPS
+    assert all(len(series) <= STEPS for series in monitored.values())
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[setting.id for setting in SETTINGS])
