@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import pytorch_lightning as pl
 import torch
 
 from spectral_monitor.cli import main
-from spectral_monitor.demo import DemoTransformer
+from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics.baselines import iid_logit_spectral_gap, random_attention_sigma2
 from spectral_monitor.toolbox import LengthScaledAttention
 from spectral_monitor.toolbox.sweep import LOGIT_STD, rank_collapse_sweep, sweep_figure
@@ -141,3 +142,27 @@ def test_cli_sweep_writes_the_table_and_the_figure(tmp_path, capsys):
     assert "| attention | spectral_gap | blocks.3.attention |" in table
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     assert "n=32" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cli_sweep_loads_a_checkpoint_and_refuses_lengths_beyond_its_positions(tmp_path):
+    model = DemoTransformer(seq_len=32, n_layers=1, d_model=32)
+    data = SyntheticDataModule(seq_len=32, batch_size=2, num_batches=1, num_pairs=4, num_queries=2)
+    trainer = pl.Trainer(
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(model, datamodule=data)
+    checkpoint = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(checkpoint)
+
+    assert (
+        main(["sweep", "--checkpoint", str(checkpoint), "--lengths", "8", "32", "--out", str(tmp_path)]) == 0
+    )
+    assert "| attention | entropy | blocks.0.attention |" in (tmp_path / "sweep.md").read_text()
+    with pytest.raises(SystemExit, match="seq_len=32"):
+        main(["sweep", "--checkpoint", str(checkpoint), "--lengths", "64", "--out", str(tmp_path)])
