@@ -130,7 +130,7 @@ class SpectralMonitor(Callback):
             weight: ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
             exponent of σ², WeightWatcher's convention), ``alpha_ks_distance``, ``energy_rank_90`` and
             ``energy_rank_99`` (compressible rank), and ESD-against-Marchenko–Pastur figures
-            ``weights/figures/esd/<weight>``; 0 (default): never.
+            ``weights/figures/esd/<weight>``, with the "weights" family on; 0 (default): never.
         preflight: at fit start, run :func:`spectral_monitor.toolbox.preflight.architecture_preflight` once:
             warnings through ``rank_zero_warn``, every finding in the text entry ``preflight``.
         preflight_context_length: context length of the preflight's logit-scale check (None: the model's
