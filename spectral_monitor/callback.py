@@ -74,6 +74,9 @@ from spectral_monitor.sinks import (
     per_layer_layout,
     spectrum_figure,
 )
+from spectral_monitor.toolbox.head_diversity import head_diversity_records, redundant_pairs_markdown
+from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
+from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
 
 __all__ = ["FAMILIES", "SpectralMonitor"]
 
@@ -145,6 +148,20 @@ class SpectralMonitor(Callback):
         jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
         ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
         probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
+        head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
+            ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
+            attention spectra, :mod:`spectral_monitor.metrics.heads`), ``head_diversity_min`` (the closest
+            pair) and a text entry ``attention/redundant_heads`` listing each layer's closest head pairs
+            (one ``svdvals`` per sampled head); 0: never.
+        weight_spectra_every_n_logs: on every k-th logging step, starting with the first, a full SVD of every
+            weight: ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
+            exponent of σ², WeightWatcher's convention), ``alpha_ks_distance``, ``energy_rank_90`` and
+            ``energy_rank_99`` (compressible rank), and ESD-against-Marchenko–Pastur figures
+            ``weights/figures/esd/<weight>``, with the "weights" family on; 0 (default): never.
+        preflight: at fit start, run :func:`spectral_monitor.toolbox.preflight.architecture_preflight` once:
+            warnings through ``rank_zero_warn``, every finding in the text entry ``preflight``.
+        preflight_context_length: context length of the preflight's logit-scale check (None: the model's
+            ``hparams.seq_len`` if it has one, else the check is skipped).
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -169,6 +186,10 @@ class SpectralMonitor(Callback):
         jacobian: JacobianOptions | None = None,
         ntk: NTKOptions | None = None,
         probe_data: ProbeDataOptions | None = None,
+        head_diversity_every_n_logs: int = 4,
+        weight_spectra_every_n_logs: int = 0,
+        preflight: bool = True,
+        preflight_context_length: int | None = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = _checked_int("every_n_steps", every_n_steps, smallest=1)
@@ -194,6 +215,16 @@ class SpectralMonitor(Callback):
         self.ntk = checked_options("ntk", ntk, NTKOptions)
         self.probe_data = checked_options("probe_data", probe_data, ProbeDataOptions)
         self._second_order: SecondOrderProbes | None = None
+        self.head_diversity_every_n_logs = _checked_int(
+            "head_diversity_every_n_logs", head_diversity_every_n_logs, smallest=0
+        )
+        self.weight_spectra_every_n_logs = _checked_int(
+            "weight_spectra_every_n_logs", weight_spectra_every_n_logs, smallest=0
+        )
+        self.preflight = _checked_bool("preflight", preflight)
+        if preflight_context_length is not None:
+            _checked_int("preflight_context_length", preflight_context_length, smallest=2)
+        self.preflight_context_length = preflight_context_length
 
         self._reports = _Reports(strict)
         self._sinks: list[Sink] = []
@@ -230,6 +261,9 @@ class SpectralMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here rather than in `setup`: `configure_model` has built every layer and the strategy has moved it.
         self._warn_about_unmatched_patterns(pl_module)
+        if self.preflight:
+            with self._reports.failures_of("the architecture preflight"):
+                self._run_preflight(trainer, pl_module)
         captures = [family for family in ("attention", "tokens") if family in self.families]
         compiled = compiled_attention_regions(pl_module) if captures else []
         if compiled:
@@ -288,6 +322,9 @@ class SpectralMonitor(Callback):
                 progress.measurements += self._checked_weights(self._weight_probe.measure(step))
                 if self.histograms and self._kept(Capability.HISTOGRAMS):
                     progress.distributions += self._weight_probe.distributions(step, full_spectrum=costly)
+            if _due(self.weight_spectra_every_n_logs, self._logging_steps_done):
+                with self._reports.failures_of("measuring the weight spectra"), torch.no_grad():
+                    self._measure_weight_spectra(progress, pl_module)
         if self._attention_capture is not None:
             with self._reports.failures_of("arming the attention capture"):
                 self._attention_capture.arm()
@@ -397,11 +434,13 @@ class SpectralMonitor(Callback):
         recording = progress.attention
         write_histograms = self.histograms and self._kept(Capability.HISTOGRAMS)
         drawn_heads = []
+        diversity_samples = []
         for captured in recording.captured:
             if not self._selected(captured.layer):
                 continue
             sample = captured.sample()
             per_head = self._attention_per_head(progress.step, sample)
+            diversity_samples.append(sample)
             progress.measurements += _layer_measurements(
                 progress.step, "attention", sample.layer, per_head, self.per_head
             )
@@ -418,6 +457,39 @@ class SpectralMonitor(Callback):
                 drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
         if drawn_heads:
             progress.figures += _attention_figures(progress.step, drawn_heads)
+        if _due(self.head_diversity_every_n_logs, self._logging_steps_done):
+            with self._reports.failures_of("measuring head diversity"):
+                records, pairs = head_diversity_records(progress.step, diversity_samples)
+                progress.measurements += records
+                if pairs:
+                    progress.texts.append(
+                        ("attention/redundant_heads", redundant_pairs_markdown(progress.step, pairs))
+                    )
+
+    def _measure_weight_spectra(self, progress: _LoggingStep, pl_module: pl.LightningModule) -> None:
+        spectra = weight_spectra(pl_module, include=self.include, exclude=self.exclude)
+        progress.measurements += weight_spectrum_measurements(spectra, progress.step)
+        if self._kept(Capability.FIGURES):
+            progress.figures += [
+                (f"weights/figures/esd/{spectrum.layer}", lambda spectrum=spectrum: esd_figure(spectrum))
+                for spectrum in spectra
+            ]
+
+    def _run_preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        context = self.preflight_context_length
+        if context is None:
+            seq_len = getattr(pl_module, "hparams", {}).get("seq_len")
+            context = seq_len if isinstance(seq_len, int) and seq_len >= 2 else None
+        findings = architecture_preflight(pl_module, context_length=context)
+        for finding in findings:
+            if finding.severity == "warning":
+                rank_zero_warn(
+                    f"SpectralMonitor preflight ({finding.check}, {finding.where}): {finding.message}.",
+                    category=RuntimeWarning,
+                )
+        for sink in self._sinks:
+            with self._reports.failures_of(f"writing the preflight to {type(sink).__name__}"):
+                sink.write_text("preflight", preflight_markdown(findings), trainer.global_step)
 
     def _attention_per_head(self, step: int, sample: AttentionSample) -> dict[str, Tensor]:
         """Each defined metric of one layer as (heads,) float64 on the CPU, averaged over the sequences."""
@@ -500,6 +572,9 @@ class SpectralMonitor(Callback):
                         # A full disk is one fault whichever output meets it: reported with the others.
                         with self._reports.failures_of(f"writing to {kind}"):
                             sink.write_figure(tag, figure, progress.step)
+            with self._reports.failures_of(f"writing to {kind}"):
+                for tag, markdown in progress.texts:
+                    sink.write_text(tag, markdown, progress.step)
 
     def _selected(self, layer: str) -> bool:
         """Whether the module named ``layer`` is measured: the same rule as ``WeightProbe``'s."""
@@ -554,6 +629,7 @@ class _LoggingStep:
     measurements: list[Measurement] = field(default_factory=list)
     distributions: list[Distribution] = field(default_factory=list)
     figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
+    texts: list[tuple[str, str]] = field(default_factory=list)  # (tag, markdown)
 
 
 @dataclass
@@ -687,6 +763,11 @@ class _Reports:
                 f"{what} failed with {error!r}; training goes on without it. Later failures of this kind "
                 "are not reported (strict=True raises them)",
             )
+
+
+def _due(every_n_logs: int, logging_steps_done: int) -> bool:
+    """Whether a cadence of every k-th logging step (0: never), starting with the first, falls now."""
+    return every_n_logs > 0 and logging_steps_done % every_n_logs == 0
 
 
 def _sinks_of(loggers: Sequence[pl.loggers.Logger]) -> list[Sink]:

@@ -2,8 +2,9 @@
 
 ``spectral-monitor demo`` runs a YAML config of the embedded demo (``configs/demo.yaml`` by default; see
 ``configs/`` for a run that collapses next to one that does not) through Lightning's ``LightningCLI``, logs to
-TensorBoard under ``./runs`` and prints the command that opens the result. Each subcommand is one
-``_add_<name>_command`` function that declares its arguments and the function that runs it.
+TensorBoard under ``./runs`` and prints the command that opens the result. ``spectral-monitor sweep``
+measures the demo model's (or a checkpoint's) attention and token metrics against sequence length. Each
+subcommand is one ``_add_<name>_command`` function that declares its arguments and the function that runs it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+import yaml
 from pytorch_lightning.cli import LightningCLI
 
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
@@ -32,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo_command(commands)
+    _add_sweep_command(commands)
     arguments = parser.parse_args(argv)
     return arguments.run(arguments)
 
@@ -114,6 +117,85 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     print(f"\nTensorBoard logs of this run: {cli.trainer.logger.log_dir}")
     print("See them, next to earlier runs, with:")
     print(f"tensorboard --logdir {arguments.logdir}")
+    return 0
+
+
+def _add_sweep_command(commands: argparse._SubParsersAction) -> None:
+    sweep = commands.add_parser(
+        "sweep",
+        help="attention and token metrics of the demo model (or a checkpoint) against sequence length",
+        description=(
+            "Rank-collapse sweep: run the demo model (built from a config, or loaded from a checkpoint) on "
+            "random tokens at each sequence length, print the attention and token metrics per layer against "
+            "n, and write the table (sweep.md) and a figure with the random-attention baselines (sweep.png)."
+        ),
+    )
+    source = sweep.add_mutually_exclusive_group()
+    source.add_argument(
+        "--config",
+        type=_config_file,
+        default=DEFAULT_CONFIG,
+        help="build the model of this config (file or shipped name) at initialisation, with seq_len set to "
+        "the longest length; default: %(default)s",
+    )
+    source.add_argument(
+        "--checkpoint", type=Path, default=None, help="a DemoTransformer Lightning checkpoint (.ckpt) instead"
+    )
+    sweep.add_argument(
+        "--lengths",
+        type=_positive_int,
+        nargs="+",
+        default=[64, 128, 256, 512, 1024],
+        help="sequence lengths, each >= 2 (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--sequences",
+        type=_positive_int,
+        default=2,
+        help="random sequences per length (default: %(default)s)",
+    )
+    sweep.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the random tokens")
+    sweep.add_argument(
+        "--out",
+        type=Path,
+        default=Path("sweep"),
+        help="folder for sweep.md and sweep.png (default: %(default)s)",
+    )
+    sweep.set_defaults(run=_run_sweep)
+
+
+def _run_sweep(arguments: argparse.Namespace) -> int:
+    from spectral_monitor.toolbox.sweep import rank_collapse_sweep, sweep_figure
+
+    if min(arguments.lengths) < 2:
+        raise SystemExit("spectral-monitor sweep: error: --lengths must all be >= 2")
+    longest = max(arguments.lengths)
+    if arguments.checkpoint is not None:
+        model = DemoTransformer.load_from_checkpoint(arguments.checkpoint, map_location="cpu")
+        if model.hparams.seq_len < longest:
+            raise SystemExit(
+                f"spectral-monitor sweep: error: the checkpoint's model has seq_len={model.hparams.seq_len}, "
+                f"shorter than --lengths {longest}"
+            )
+        source = str(arguments.checkpoint)
+    else:
+        with open(arguments.config) as file:
+            config = yaml.safe_load(file)
+        model_config = config.get("model", {})
+        init_args = dict(model_config.get("init_args", model_config))
+        init_args["seq_len"] = longest
+        model = DemoTransformer(**init_args)
+        source = f"{arguments.config.stem} at initialisation"
+    result = rank_collapse_sweep(
+        model, arguments.lengths, num_sequences=arguments.sequences, seed=arguments.seed
+    )
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    table = result.to_markdown()
+    (arguments.out / "sweep.md").write_text(f"Rank-collapse sweep of {source}\n\n{table}\n")
+    figure = sweep_figure(result, title=f"rank-collapse sweep: {source}")
+    figure.savefig(arguments.out / "sweep.png")
+    print(table)
+    print(f"\nTable and figure written to {arguments.out}/sweep.md and {arguments.out}/sweep.png")
     return 0
 
 

@@ -45,6 +45,10 @@ BAD_VALUES = {
     "jacobian": ([{"every_n_logs": 2}, True], "JacobianOptions or None"),
     "ntk": ([{"samples": 4}, 1.0], "NTKOptions or None"),
     "probe_data": ([{"source": "current"}, "current"], "ProbeDataOptions or None"),
+    "head_diversity_every_n_logs": ([-1, 1.5, None], "int >= 0"),
+    "weight_spectra_every_n_logs": ([-2, "4"], "int >= 0"),
+    "preflight": (["yes", 1], "True or False"),
+    "preflight_context_length": ([1, 0, 2.5], "int >= 2"),
 }
 
 BAD_CASES = [

@@ -282,6 +282,11 @@ class WeightProbe:
             else:
                 yield item
 
+    def attention_weights(self) -> list[tuple[str, AttentionWeights]]:
+        """``(qualified module name, projections)`` of each selected attention module ("" = the root)."""
+        items = self._select().items
+        return [(item.module_name, item.weights) for item in items if isinstance(item, _AttentionSite)]
+
     @torch.no_grad()
     def measure(self, step: int) -> list[Measurement]:
         """Advance every estimate by ``iterations_per_step`` (cold ones to ``tol``) and return the records."""

@@ -1,0 +1,149 @@
+"""Full weight spectra of a model: singular values per layer, Marchenko–Pastur edge and spikes, power-law α,
+compressible rank, and the empirical spectral density drawn against the MP law.
+
+Meant for a slow cadence (a full SVD of every weight). Weights and names are those of
+:class:`~spectral_monitor.probes.WeightProbe` (q, k, v split out of packed projections). Every number comes
+from :mod:`spectral_monitor.metrics`: the MP edge of :func:`~spectral_monitor.metrics.marchenko_pastur_edge`
+(σ̂(√N + √M), σ̂² = ‖W‖_F²/(NM)), α of :func:`~spectral_monitor.metrics.spectra.power_law_alpha`
+(WeightWatcher's convention), the energy ranks of :func:`~spectral_monitor.metrics.spectra.energy_rank`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from torch import nn
+
+from spectral_monitor.metrics import marchenko_pastur_edge
+from spectral_monitor.metrics.spectra import energy_rank, marchenko_pastur_density, power_law_alpha
+from spectral_monitor.probes import WEIGHT_FAMILY, WeightProbe
+from spectral_monitor.records import Measurement
+
+__all__ = [
+    "SPECTRUM_METRICS",
+    "WeightSpectrum",
+    "esd_figure",
+    "weight_spectra",
+    "weight_spectrum_measurements",
+]
+
+ENERGY_LEVELS = (0.9, 0.99)
+SPECTRUM_METRICS = ("mp_edge", "mp_spikes", "alpha", "alpha_ks_distance", "energy_rank_90", "energy_rank_99")
+"""Family "weights" metrics written from a full spectrum (``energy_rank_<p>``: rank keeping p% of ‖W‖_F²)."""
+
+
+@dataclass(frozen=True)
+class WeightSpectrum:
+    """The exact spectrum of one weight W (N×M as ``nn.Linear`` stores it) and what is read from it."""
+
+    layer: str
+    rows: int
+    cols: int
+    singular_values: np.ndarray  # float64, descending, min(N, M) of them
+    mp_edge: float
+    mp_spikes: int
+    stable_rank: float
+    alpha: float
+    alpha_xmin: float
+    alpha_ks_distance: float
+    energy_rank_90: int
+    energy_rank_99: int
+
+    @property
+    def eigenvalues(self) -> np.ndarray:
+        """λᵢ = σᵢ², the eigenvalues of WᵀW (the ESD WeightWatcher fits), descending."""
+        return self.singular_values**2
+
+
+@torch.no_grad()
+def weight_spectra(
+    model: nn.Module, *, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+) -> list[WeightSpectrum]:
+    """The :class:`WeightSpectrum` of every weight ``WeightProbe(model, include=..., exclude=...)`` measures.
+
+    One batched ``torch.linalg.svdvals`` per weight shape, in float64 on detached copies.
+    """
+    probe = WeightProbe(model, include=include, exclude=exclude, per_head=False)
+    named = list(probe.named_matrices())
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for index, (_, matrix) in enumerate(named):
+        by_shape.setdefault(tuple(matrix.shape), []).append(index)
+    singular_values: dict[int, torch.Tensor] = {}
+    for indices in by_shape.values():
+        stacked = torch.stack([named[i][1].detach().to(torch.float64) for i in indices])
+        for i, values in zip(indices, torch.linalg.svdvals(stacked), strict=True):
+            singular_values[i] = values
+    return [_spectrum(layer, *matrix.shape, singular_values[i]) for i, (layer, matrix) in enumerate(named)]
+
+
+def weight_spectrum_measurements(spectra: Sequence[WeightSpectrum], step: int) -> list[Measurement]:
+    """The ``SPECTRUM_METRICS`` records (family "weights", layer = the weight's name) of ``spectra``."""
+    records = []
+    for spectrum in spectra:
+        for metric in SPECTRUM_METRICS:
+            value = float(getattr(spectrum, metric))
+            records.append(Measurement(step, WEIGHT_FAMILY, metric, spectrum.layer, value))
+    return records
+
+
+def esd_figure(spectrum: WeightSpectrum, title: str | None = None) -> Figure:
+    """Histogram of the eigenvalues σ² of WᵀW against the MP density of an iid matrix of the same ‖W‖_F, with
+    the MP bulk edge and the fitted power-law λ_min marked; log-scaled x when the spectrum spans decades."""
+    eigenvalues = spectrum.eigenvalues
+    variance = float(np.sum(eigenvalues) / (spectrum.rows * spectrum.cols))
+    figure = Figure(figsize=(5.0, 3.2), dpi=100, layout="constrained")
+    axes = figure.subplots()
+    positive = eigenvalues[eigenvalues > 0]
+    wide = positive.size > 1 and positive.max() / positive.min() > 100
+    if wide:
+        bins = np.geomspace(positive.min(), positive.max(), 60)
+        axes.set_xscale("log")
+    else:
+        bins = np.linspace(0.0, max(float(eigenvalues.max()), spectrum.mp_edge**2) * 1.05, 60)
+    axes.hist(positive if wide else eigenvalues, bins=bins, density=True, alpha=0.6, label="ESD of WᵀW")
+    if variance > 0:
+        grid = np.geomspace(bins[0], bins[-1], 400) if wide else np.linspace(bins[0], bins[-1], 400)
+        density = marchenko_pastur_density(torch.from_numpy(grid), spectrum.rows, spectrum.cols, variance)
+        axes.plot(grid, density.numpy(), color="tab:red", label="Marchenko–Pastur (same ‖W‖_F)")
+    axes.axvline(spectrum.mp_edge**2, color="tab:red", linestyle="--", linewidth=1.0, label="MP edge")
+    if np.isfinite(spectrum.alpha_xmin):
+        axes.axvline(
+            spectrum.alpha_xmin,
+            color="tab:green",
+            linestyle=":",
+            label=f"power-law λ_min (α = {spectrum.alpha:.2f})",
+        )
+    axes.set_xlabel("eigenvalue λ = σ²")
+    axes.set_ylabel("density")
+    axes.legend(fontsize="x-small")
+    axes.set_title(
+        title or f"{spectrum.layer} ({spectrum.rows}×{spectrum.cols}), {spectrum.mp_spikes} spikes",
+        fontsize="medium",
+    )
+    return figure
+
+
+def _spectrum(layer: str, rows: int, cols: int, singular_values: torch.Tensor) -> WeightSpectrum:
+    frobenius_squared = singular_values.square().sum()
+    edge = marchenko_pastur_edge(frobenius_squared, rows, cols)
+    sigma1 = singular_values[0]
+    fit = power_law_alpha(singular_values.square())
+    ranks = {level: int(energy_rank(singular_values, level)) for level in ENERGY_LEVELS}
+    return WeightSpectrum(
+        layer=layer,
+        rows=rows,
+        cols=cols,
+        singular_values=singular_values.cpu().numpy(),
+        mp_edge=float(edge),
+        mp_spikes=int((singular_values > edge).sum()),
+        stable_rank=float(frobenius_squared / sigma1.square()) if sigma1 > 0 else float("nan"),
+        alpha=float(fit["alpha"]),
+        alpha_xmin=float(fit["xmin"]),
+        alpha_ks_distance=float(fit["ks_distance"]),
+        energy_rank_90=ranks[0.9],
+        energy_rank_99=ranks[0.99],
+    )
