@@ -39,6 +39,8 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from spectral_monitor.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
+from spectral_monitor.alerts import AlertConfig, AlertEvent
 from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.probes import (
@@ -57,8 +59,8 @@ from spectral_monitor.sinks import (
     Sink,
     TensorBoardSink,
     attention_heatmap_figure,
+    diagnosis_layout,
     layer_head_heatmap_figure,
-    per_layer_layout,
     spectrum_figure,
 )
 
@@ -94,7 +96,12 @@ class SpectralMonitor(Callback):
     - every ``figures_every_n_logs``-th logging step, histograms of every weight's singular values and
       figures: the singular values of the drawn head of each layer, the attention of that head in the first
       and last layer, and a layer × head map of ``effective_rank_ratio``;
-    - a Custom Scalars layout with one chart per metric and one line per layer.
+    - a Custom Scalars layout grouped by diagnosis (rank collapse, entropy, token collapse, signal
+      propagation, curvature, weights, alerts), one chart per metric with one line per layer;
+    - alerts (:mod:`spectral_monitor.alerts`): each rule is evaluated on every logging step's records; an
+      alert that fires or resolves is one line of the ``spectral_monitor.alerts`` logger on rank 0 and a
+      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/open``);
+      ``alerts/open/<rule>`` and ``alerts/fired/<rule>`` count them on every logging step.
 
     Metrics a layer does not define (``eigen_gap`` of causal attention) are not written for it.
 
@@ -118,6 +125,11 @@ class SpectralMonitor(Callback):
         strict: raise failures of the monitor (a probe or sink raising, non-finite measurements) instead of
             warning once per kind and going on without them.
         log_first_step: also measure step 0, the model before any update.
+        alerts: which alert rules run: ``None`` for :func:`~spectral_monitor.alerts.default_rules`, or an
+            :class:`~spectral_monitor.alerts.AlertConfig` that disables, tunes or adds rules.
+        on_alert: called on global rank 0 with each :class:`~spectral_monitor.alerts.AlertEvent`, fired
+            and resolved (``event.kind``), after its console line.
+        stop_on: names of rules whose firing stops training: every rank stops after the same step.
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -138,6 +150,9 @@ class SpectralMonitor(Callback):
         metric_method: str = "auto",
         strict: bool = False,
         log_first_step: bool = True,
+        alerts: AlertConfig | None = None,
+        on_alert: Callable[[AlertEvent], Any] | None = None,
+        stop_on: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.every_n_steps = _checked_int("every_n_steps", every_n_steps, smallest=1)
@@ -154,6 +169,7 @@ class SpectralMonitor(Callback):
         self.metric_method = metric_method
         self.strict = _checked_bool("strict", strict)
         self.log_first_step = _checked_bool("log_first_step", log_first_step)
+        self._alerting = Alerting(alerts, on_alert, stop_on)
 
         self._reports = _Reports(strict)
         self._sinks: list[Sink] = []
@@ -249,6 +265,12 @@ class SpectralMonitor(Callback):
                 with self._reports.failures_of("computing the token metrics"):
                     self._measure_tokens(progress)
         progress.attention = progress.residual = None  # the recordings are not kept past this step
+        alerts = AlertStep()
+        with self._reports.failures_of("evaluating the alerts"):
+            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
+        self._alerting.stop_if_asked(trainer, alerts.stop)  # outside: every rank must enter the collective
+        progress.measurements += alerts.records
+        progress.alert_text = alerts.text
         self._write(progress)
         self._logging_steps_done += 1
 
@@ -273,11 +295,13 @@ class SpectralMonitor(Callback):
             "last_logged_step": self._last_logged_step,
             "logging_steps_done": self._logging_steps_done,
             "weight_probe": weight_state,
+            "alerts": self._alerting.engine.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_logged_step = state_dict.get("last_logged_step", -1)
         self._logging_steps_done = state_dict.get("logging_steps_done", 0)
+        self._alerting.engine.load_state_dict(state_dict.get("alerts", {}))
         weight_state = state_dict.get("weight_probe")
         if weight_state is None:
             return
@@ -413,7 +437,9 @@ class SpectralMonitor(Callback):
                 if Capability.HISTOGRAMS in sink.capabilities:
                     sink.write_distributions(progress.distributions)
                 if Capability.LAYOUT in sink.capabilities and tags:
-                    sink.write_layout(per_layer_layout(tags))
+                    sink.write_layout(diagnosis_layout(tags))
+                if Capability.TEXT in sink.capabilities and progress.alert_text is not None:
+                    sink.write_text(ALERT_TEXT_TAG, progress.alert_text, progress.step)
             if Capability.FIGURES in sink.capabilities:
                 with self._reports.failures_of(f"drawing figures for {kind}"):
                     for tag, draw in progress.figures:
@@ -472,6 +498,7 @@ class _LoggingStep:
     measurements: list[Measurement] = field(default_factory=list)
     distributions: list[Distribution] = field(default_factory=list)
     figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
+    alert_text: str | None = None
 
 
 @dataclass
