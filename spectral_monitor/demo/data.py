@@ -121,15 +121,9 @@ class SyntheticDataModule(pl.LightningDataModule):
         super().__init__()
         if task not in get_args(Task):
             raise ValueError(f"task must be one of {get_args(Task)}, got {task!r}")
-        for name, value in (
-            ("seq_len", seq_len),
-            ("batch_size", batch_size),
-            ("num_batches", num_batches),
-            ("num_keys", num_keys),
-            ("num_values", num_values),
-            ("num_pairs", num_pairs),
-            ("num_queries", num_queries),
-        ):
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("num_batches", num_batches),
+                            ("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs),
+                            ("num_queries", num_queries)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
         if seed < 0:

@@ -28,7 +28,9 @@ IGNORE_INDEX = -100
 """Target of a position that carries no loss (the default ``ignore_index`` of ``F.cross_entropy``)."""
 
 
-def _check_logit_scaling(logit_scaling: str, log_n_gamma: float | None, train_seq_len: int | None) -> None:
+def _check_logit_scaling(
+    logit_scaling: str, log_n_gamma: float | None, train_seq_len: int | None
+) -> None:
     if logit_scaling not in get_args(LogitScaling):
         raise ValueError(f"logit_scaling must be one of {get_args(LogitScaling)}, got {logit_scaling!r}")
     if logit_scaling == "standard" and (log_n_gamma is not None or train_seq_len is not None):
@@ -202,12 +204,8 @@ class DemoTransformer(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("d_model", d_model),
-            ("n_layers", n_layers),
-            ("seq_len", seq_len),
-        ):
+        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
+                            ("seq_len", seq_len)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
         if not lr > 0:

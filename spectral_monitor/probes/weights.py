@@ -367,8 +367,7 @@ class WeightProbe:
     def _read_attention(self, name: str, module: nn.Module) -> AttentionWeights | None:
         for target, reader in self.attention_readers.items():
             matched = (
-                fnmatch.fnmatchcase(_layer_name(name), target)
-                if isinstance(target, str)
+                fnmatch.fnmatchcase(_layer_name(name), target) if isinstance(target, str)
                 else isinstance(module, target)
             )
             if matched:
@@ -417,9 +416,7 @@ class WeightProbe:
             if isinstance(item, _AttentionSite):
                 weights = item.weights
                 norms = query_key_spectral_norms(
-                    _working_copy(weights.query),
-                    _working_copy(weights.key),
-                    weights.num_heads,
+                    _working_copy(weights.query), _working_copy(weights.key), weights.num_heads,
                     weights.key_value_heads,
                 ).tolist()
                 if self.per_head:
@@ -594,8 +591,7 @@ def _read_separate_projection_attention(module: nn.Module) -> AttentionWeights |
     if query is None or key is None or query.shape[0] % head_dim or key.shape[0] % head_dim:
         return None
     replaces = tuple(
-        f"{role}_proj"
-        for role, projection in zip("qkv", projections, strict=True)
+        f"{role}_proj" for role, projection in zip("qkv", projections, strict=True)
         if isinstance(projection, nn.Linear)
     )
     return _layout_or_none(query, key, value, query.shape[0] // head_dim, key.shape[0] // head_dim, replaces)
@@ -676,11 +672,8 @@ def _check_heads(query: Tensor, key: Tensor, value: Tensor | None, heads: int, k
         )
     if heads % key_heads:
         raise ValueError(f"num_key_value_heads={key_heads} must divide num_heads={heads}")
-    for name, weight, count in (
-        ("query", query, heads),
-        ("key", key, key_heads),
-        ("value", value, key_heads),
-    ):
+    for name, weight, count in (("query", query, heads), ("key", key, key_heads),
+                                ("value", value, key_heads)):
         if weight is not None and weight.shape[0] % count:
             raise ValueError(f"{name} has {weight.shape[0]} rows, not a multiple of its {count} heads")
     if query.shape[0] // heads != key.shape[0] // key_heads:
