@@ -25,8 +25,8 @@ from spectral_monitor.records import Measurement
 
 __all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger"]
 
-ALERT_TEXT_TAG = "alerts/open"
-"""The TensorBoard text tag of the open-alerts table (shown as ``alerts/open/text_summary``)."""
+ALERT_TEXT_TAG = "alerts/table"
+"""The TensorBoard text tag of the open-alerts table (shown as ``alerts/table/text_summary``)."""
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.ERROR}
 

@@ -100,7 +100,7 @@ class SpectralMonitor(Callback):
       propagation, curvature, weights, alerts), one chart per metric with one line per layer;
     - alerts (:mod:`spectral_monitor.alerts`): each rule is evaluated on every logging step's records; an
       alert that fires or resolves is one line of the ``spectral_monitor.alerts`` logger on rank 0 and a
-      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/open``);
+      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/table``);
       ``alerts/open/<rule>`` and ``alerts/fired/<rule>`` count them on every logging step.
 
     Metrics a layer does not define (``eigen_gap`` of causal attention) are not written for it.
