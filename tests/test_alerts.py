@@ -24,6 +24,7 @@ from spectral_monitor.alerts import (
 )
 from spectral_monitor.callback import SpectralMonitor
 from spectral_monitor.records import Measurement
+from spectral_monitor.sinks import diagnosis_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -282,3 +283,37 @@ monitor:
 def test_bad_alert_arguments_are_refused_with_a_message_naming_them(make, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_the_dashboard_groups_charts_by_diagnosis_with_the_sharpness_margin() -> None:
+    tags = [
+        "attention/rank_one_residual/b0",
+        "attention/entropy/b0",
+        "attention/entropy/b0/head_1",
+        "tokens/cosine_similarity/blocks.0",
+        "jacobian/jacobian_norm/blocks.0",
+        "curvature/sharpness/model",
+        "curvature/sharpness_threshold/model",
+        "weights/spectral_norm/w",
+        "weights/qk_spectral_norm_max/w",
+        "alerts/open/rank_collapse",
+        "ntk/ntk_trace/model",
+        "toolbox/something/model",
+    ]
+    layout = diagnosis_layout(tags)
+    assert {category: set(charts) for category, charts in layout.items()} == {
+        "Rank collapse": {"attention/rank_one_residual"},
+        "Entropy": {"attention/entropy", "weights/qk_spectral_norm_max"},
+        "Token collapse": {"tokens/cosine_similarity"},
+        "Signal propagation": {"jacobian/jacobian_norm"},
+        "Curvature": {"curvature/sharpness", "curvature/sharpness_threshold", "ntk/ntk_trace",
+                      "sharpness vs its edge of stability"},
+        "Weights": {"weights/spectral_norm"},
+        "Alerts": {"alerts/open"},
+        "toolbox": {"toolbox/something"},
+    }  # fmt: skip
+    assert layout["Curvature"]["sharpness vs its edge of stability"] == (
+        "Margin",
+        ("curvature/sharpness/model", "curvature/sharpness/model", "curvature/sharpness_threshold/model"),
+    )
+    assert "sharpness vs its edge of stability" not in diagnosis_layout(tags[:6])["Curvature"]
