@@ -78,13 +78,14 @@ class RunScalars:
             ]
         return run
 
-    def alert_steps(self) -> dict[str, list[int]]:
-        """Each rule's steps at which it fired, from the increments of ``alerts/fired/<rule>``."""
+    def alert_steps(self) -> dict[str, list[tuple[int, int]]]:
+        """Each rule's (step, alerts fired at that step), from the increments of ``alerts/fired/<rule>``."""
         fired = {}
         for rule, (steps, counts) in self.series.get("alerts/fired", {}).items():
-            previous = np.concatenate([[0.0], counts[:-1]])
-            fired[rule] = [int(step) for step, count, before in zip(steps, counts, previous, strict=True)
-                           if count > before]  # fmt: skip
+            increments = np.diff(counts, prepend=0.0)
+            fired[rule] = [
+                (int(step), int(new)) for step, new in zip(steps, increments, strict=True) if new > 0
+            ]
         return fired
 
 
@@ -176,22 +177,24 @@ def _text_table(rows: Sequence[TableRow]) -> str:
     return "\n".join(lines)
 
 
-def _text_alerts(alerts: dict[str, list[int]]) -> str:
+def _text_alerts(alerts: dict[str, list[tuple[int, int]]]) -> str:
     fired = {rule: steps for rule, steps in alerts.items() if steps}
     if not alerts:
         return "alerts: none recorded (alerts off, or a run from before alerts)"
     if not fired:
         return f"alerts: none fired ({len(alerts)} rules watched)"
-    return "alerts fired:\n" + "\n".join(
-        f"  {rule}: {len(steps)} at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
-        for rule, steps in sorted(fired.items())
-    )
+    lines = ["alerts fired:"]
+    for rule, steps in sorted(fired.items()):
+        total = sum(count for _, count in steps)
+        at = ", ".join(f"{step}" if count == 1 else f"{step} (×{count})" for step, count in steps)
+        lines.append(f"  {rule}: {total} at step{'s' if len(steps) > 1 else ''} {at}")
+    return "\n".join(lines)
 
 
 def _markdown(
     path: Path,
     rows: Sequence[TableRow],
-    alerts: dict[str, list[int]],
+    alerts: dict[str, list[tuple[int, int]]],
     alert_tables: list[tuple[int, str]],
     plots: list[Path],
     folder: Path,
