@@ -41,6 +41,8 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
+from spectral_monitor.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
+from spectral_monitor.alerts import AlertConfig, AlertEvent
 from spectral_monitor.curvature_monitor import (
     OPT_IN_FAMILIES,
     CurvatureOptions,
@@ -70,8 +72,8 @@ from spectral_monitor.sinks import (
     Sink,
     TensorBoardSink,
     attention_heatmap_figure,
+    diagnosis_layout,
     layer_head_heatmap_figure,
-    per_layer_layout,
     spectrum_figure,
 )
 from spectral_monitor.toolbox.head_diversity import head_diversity_records, redundant_pairs_markdown
@@ -115,7 +117,12 @@ class SpectralMonitor(Callback):
     - every ``figures_every_n_logs``-th logging step, histograms of every weight's singular values and
       figures: the singular values of the drawn head of each layer, the attention of that head in the first
       and last layer, and a layer × head map of ``effective_rank_ratio``;
-    - a Custom Scalars layout with one chart per metric and one line per layer;
+    - a Custom Scalars layout grouped by diagnosis (rank collapse, entropy, token collapse, signal
+      propagation, curvature, weights, alerts), one chart per metric with one line per layer;
+    - alerts (:mod:`spectral_monitor.alerts`): each rule is evaluated on every logging step's records; an
+      alert that fires or resolves is one line of the ``spectral_monitor.alerts`` logger on rank 0 and a
+      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/table``);
+      ``alerts/open/<rule>`` and ``alerts/fired/<rule>`` count them on every logging step.
     - opt-in, each on its own cadence (``spectral_monitor.curvature_monitor``): ``curvature/<metric>/model``
       (sharpness against the optimizer's edge of stability, top Hessian eigenvalues, trace, density figure),
       ``jacobian/<metric>/<block>`` (block Jacobian norms), ``ntk/<metric>/model`` (empirical NTK), with
@@ -162,6 +169,11 @@ class SpectralMonitor(Callback):
             warnings through ``rank_zero_warn``, every finding in the text entry ``preflight``.
         preflight_context_length: context length of the preflight's logit-scale check (None: the model's
             ``hparams.seq_len`` if it has one, else the check is skipped).
+        alerts: which alert rules run: ``None`` for :func:`~spectral_monitor.alerts.default_rules`, or an
+            :class:`~spectral_monitor.alerts.AlertConfig` that disables, tunes or adds rules.
+        on_alert: called on global rank 0 with each :class:`~spectral_monitor.alerts.AlertEvent`, fired
+            and resolved (``event.kind``), after its console line.
+        stop_on: names of rules whose firing stops training: every rank stops after the same step.
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -190,6 +202,9 @@ class SpectralMonitor(Callback):
         weight_spectra_every_n_logs: int = 0,
         preflight: bool = True,
         preflight_context_length: int | None = None,
+        alerts: AlertConfig | None = None,
+        on_alert: Callable[[AlertEvent], Any] | None = None,
+        stop_on: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.every_n_steps = _checked_int("every_n_steps", every_n_steps, smallest=1)
@@ -225,6 +240,7 @@ class SpectralMonitor(Callback):
         if preflight_context_length is not None:
             _checked_int("preflight_context_length", preflight_context_length, smallest=2)
         self.preflight_context_length = preflight_context_length
+        self._alerting = Alerting(alerts, on_alert, stop_on)
 
         self._reports = _Reports(strict)
         self._sinks: list[Sink] = []
@@ -350,6 +366,12 @@ class SpectralMonitor(Callback):
                 with self._reports.failures_of("computing the token metrics"):
                     self._measure_tokens(progress)
         progress.attention = progress.residual = None  # the recordings are not kept past this step
+        alerts = AlertStep()
+        with self._reports.failures_of("evaluating the alerts"):
+            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
+        self._alerting.stop_if_asked(trainer, alerts.stop)  # outside: every rank must enter the collective
+        progress.measurements += alerts.records
+        progress.alert_text = alerts.text
         self._write(progress)
         self._logging_steps_done += 1
 
@@ -378,6 +400,7 @@ class SpectralMonitor(Callback):
                 for layer, state in self._krylov_states.items()
                 if state.vectors is not None
             },
+            "alerts": self._alerting.engine.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -387,6 +410,7 @@ class SpectralMonitor(Callback):
             layer: KrylovState(vectors.detach().clone())
             for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
         }
+        self._alerting.engine.load_state_dict(state_dict.get("alerts", {}))
         weight_state = state_dict.get("weight_probe")
         if weight_state is None:
             return
@@ -562,7 +586,9 @@ class SpectralMonitor(Callback):
                 if Capability.HISTOGRAMS in sink.capabilities:
                     sink.write_distributions(progress.distributions)
                 if Capability.LAYOUT in sink.capabilities and tags:
-                    sink.write_layout(per_layer_layout(tags))
+                    sink.write_layout(diagnosis_layout(tags))
+                if Capability.TEXT in sink.capabilities and progress.alert_text is not None:
+                    sink.write_text(ALERT_TEXT_TAG, progress.alert_text, progress.step)
             if Capability.FIGURES in sink.capabilities:
                 for tag, draw in progress.figures:
                     figure = None
@@ -630,6 +656,7 @@ class _LoggingStep:
     distributions: list[Distribution] = field(default_factory=list)
     figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
     texts: list[tuple[str, str]] = field(default_factory=list)  # (tag, markdown)
+    alert_text: str | None = None
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The ``spectral-monitor`` command: ``demo`` trains the embedded model with the monitor watching it.
+"""The ``spectral-monitor`` command: ``demo`` trains the embedded model with the monitor watching it;
+``report`` summarises a finished run from its event files.
 
 ``spectral-monitor demo`` runs a YAML config of the embedded demo (``configs/demo.yaml`` by default; see
 ``configs/`` for a run that collapses next to one that does not) through Lightning's ``LightningCLI``, logs to
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -35,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo_command(commands)
     _add_sweep_command(commands)
+    _add_report_command(commands)
     arguments = parser.parse_args(argv)
     return arguments.run(arguments)
 
@@ -83,6 +86,34 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         help="seed of the initialisation, the data and Lightning's RNGs (default: the config's)",
     )
     demo.set_defaults(run=_run_demo)
+
+
+def _add_report_command(commands: argparse._SubParsersAction) -> None:
+    report = commands.add_parser(
+        "report",
+        help="summarise a finished run from its TensorBoard event files: table, alerts, plots",
+        description=(
+            "Read the event files under LOGDIR (no training code), print a per-layer table of the key "
+            "metrics (latest, min, trend) and the alerts with their steps, and write PNG plots and a "
+            "Markdown summary for each run found."
+        ),
+    )
+    report.add_argument("logdir", type=Path, metavar="LOGDIR", help="a run folder, or a folder of runs")
+    report.add_argument(
+        "--out", type=Path, default=None, help="folder of the plots and report.md (default: LOGDIR/report)"
+    )
+    report.set_defaults(run=_run_report)
+
+
+def _run_report(arguments: argparse.Namespace) -> int:
+    from spectral_monitor.report import ReportError, write_report
+
+    try:
+        write_report(arguments.logdir, arguments.out)
+    except ReportError as error:
+        print(f"spectral-monitor report: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _run_demo(arguments: argparse.Namespace) -> int:

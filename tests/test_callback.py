@@ -150,12 +150,19 @@ def test_state_key_tells_apart_monitors_that_measure_different_things() -> None:
 def test_load_state_dict_fills_missing_keys_with_defaults() -> None:
     monitor = SpectralMonitor()
     monitor.load_state_dict({})
-    assert monitor.state_dict() == {
+    state = monitor.state_dict()
+    assert state.pop("alerts") == {"subjects": [], "first": {}, "recent": {}, "history": [],
+                                   "fired": dict.fromkeys(state_rules(monitor), 0)}  # fmt: skip
+    assert state == {
         "last_logged_step": -1,
         "logging_steps_done": 0,
         "weight_probe": None,
         "attention_krylov_vectors": {},
     }
+
+
+def state_rules(monitor: SpectralMonitor) -> list[str]:
+    return [rule.name for rule in monitor._alerting.engine.rules]
 
 
 # -- real runs ---------------------------------------------------------------------------------------------
@@ -268,13 +275,16 @@ def test_figures_are_drawn_on_every_second_logging_step(tiny_run: Run) -> None:
 
 
 @pytest.mark.slow
-def test_the_custom_scalars_layout_draws_one_line_per_layer(tiny_run: Run) -> None:
+def test_the_custom_scalars_layout_draws_one_line_per_layer_grouped_by_diagnosis(tiny_run: Run) -> None:
     events = tiny_run.events
     layout = layout_pb2.Layout.FromString(events.Tensors(LAYOUT_TAG)[-1].tensor_proto.string_val[0])
     charts = {(c.title, chart.title): list(chart.multiline.tag) for c in layout.category for chart in c.chart}
-    assert {"attention", "tokens", "weights"} == {category for category, _ in charts}
-    for family, metric, layers in (("attention", "entropy", LAYERS), ("tokens", "token_residual", BLOCKS)):
-        regexes = charts[family, metric]
+    assert {"Rank collapse", "Entropy", "Token collapse", "Weights", "Alerts"} == {c for c, _ in charts}
+    for category, family, metric, layers in (
+        ("Entropy", "attention", "entropy", LAYERS),
+        ("Token collapse", "tokens", "token_residual", BLOCKS),
+    ):
+        regexes = charts[category, f"{family}/{metric}"]
         drawn = {tag for tag in events.Tags()["scalars"] if any(re.match(regex, tag) for regex in regexes)}
         assert drawn == {f"{family}/{metric}/{layer}" for layer in layers}
 
@@ -447,7 +457,7 @@ def test_only_global_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.Monkey
     assert {step for step, hooks in model.hooks_by_step.items() if hooks} == {0, 1, 3}  # it still measures
     scalars = read_back(logger.log_dir).Tags()["scalars"]
     assert "train/loss" in scalars
-    assert not any(tag.startswith(("attention/", "tokens/", "weights/")) for tag in scalars)
+    assert not any(tag.startswith(("attention/", "tokens/", "weights/", "alerts/")) for tag in scalars)
 
 
 @pytest.mark.slow

@@ -49,6 +49,9 @@ BAD_VALUES = {
     "weight_spectra_every_n_logs": ([-2, "4"], "int >= 0"),
     "preflight": (["yes", 1], "True or False"),
     "preflight_context_length": ([1, 0, 2.5], "int >= 2"),
+    "alerts": ([{"disable": ["non_finite"]}, "default"], "AlertConfig"),
+    "on_alert": (["print", 3], "callable"),
+    "stop_on": (["rank_collapse", ["no_such_rule"]], "rule"),
 }
 
 BAD_CASES = [

@@ -11,7 +11,13 @@ from spectral_monitor.sinks.figures import (
     spectral_density_figure,
     spectrum_figure,
 )
-from spectral_monitor.sinks.layout import Layout, merged_layout, per_layer_layout, with_margin_chart
+from spectral_monitor.sinks.layout import (
+    Layout,
+    diagnosis_layout,
+    merged_layout,
+    per_layer_layout,
+    with_margin_chart,
+)
 from spectral_monitor.sinks.logger import (
     Capability,
     LoggerSink,
@@ -33,6 +39,7 @@ __all__ = [
     "SummaryWriterLike",
     "TensorBoardSink",
     "attention_heatmap_figure",
+    "diagnosis_layout",
     "layer_head_heatmap_figure",
     "merged_layout",
     "per_layer_layout",

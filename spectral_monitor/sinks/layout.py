@@ -14,6 +14,7 @@ tuples (the writer only indexes them) so layouts can be shared and compared with
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable
 
@@ -44,6 +45,54 @@ def per_layer_layout(scalar_tags: Iterable[str]) -> Layout:
         family, metric, _ = parts
         layout.setdefault(family, {})[metric] = (MULTILINE, (_per_layer_regex(family, metric),))
     return {family: dict(sorted(charts.items())) for family, charts in sorted(layout.items())}
+
+
+DIAGNOSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Rank collapse", ("attention/rank_one_residual*", "attention/effective_rank*", "attention/spectral_gap*",
+                       "attention/eigen_gap*", "attention/stable_rank*", "attention/threshold_rank*",
+                       "attention/sigma*", "attention/dobrushin*", "attention/head_diversity*")),
+    ("Entropy", ("attention/entropy*", "attention/self_attention*", "weights/qk_spectral_norm*")),
+    ("Token collapse", ("tokens/*",)),
+    ("Signal propagation", ("jacobian/*",)),
+    ("Curvature", ("curvature/*", "ntk/*")),
+    ("Weights", ("weights/*",)),
+    ("Alerts", ("alerts/*",)),
+)  # fmt: skip
+"""Custom Scalars categories by what they diagnose: ``family/metric`` patterns, first match wins. A metric
+matching none keeps a category named after its family."""
+
+SHARPNESS_MARGIN = ("Curvature", "sharpness vs its edge of stability", "curvature/sharpness/model",
+                    "curvature/sharpness/model", "curvature/sharpness_threshold/model")  # fmt: skip
+"""The margin chart of sharpness: the band from the sharpness up to the optimizer's edge is the margin left;
+it closes when the sharpness reaches the edge."""
+
+
+def diagnosis_layout(scalar_tags: Iterable[str]) -> Layout:
+    """``per_layer_layout`` with its charts grouped by diagnosis (:data:`DIAGNOSES`), chart titles
+    ``family/metric``, and the sharpness margin chart once sharpness and its threshold are both logged."""
+    tags = list(scalar_tags)
+    layout: Layout = {}
+    for family, charts in per_layer_layout(tags).items():
+        for metric, chart in charts.items():
+            name = f"{family}/{metric}"
+            category = next(
+                (
+                    title
+                    for title, patterns in DIAGNOSES
+                    if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+                ),
+                family,
+            )
+            layout.setdefault(category, {})[name] = chart
+    order = [title for title, _ in DIAGNOSES]
+    layout = {
+        category: dict(sorted(layout[category].items()))
+        for category in sorted(layout, key=lambda c: (order.index(c) if c in order else len(order), c))
+    }
+    category, title, value, lower, upper = SHARPNESS_MARGIN
+    if value in tags and upper in tags:
+        layout = with_margin_chart(layout, category, title, value, lower, upper)
+    return layout
 
 
 def with_margin_chart(

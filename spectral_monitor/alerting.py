@@ -1,0 +1,103 @@
+"""What ``SpectralMonitor`` does with alerts during training: console lines, the user's callable, records and
+text for the sinks, and stopping every rank together.
+
+The rules and their evaluation live in :mod:`spectral_monitor.alerts` (no Lightning); this module is the
+integration layer's part: it knows the trainer (rank, strategy, ``should_stop``) but computes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytorch_lightning as pl
+
+from spectral_monitor.alerts import (
+    AlertConfig,
+    AlertEngine,
+    AlertEvent,
+    open_alerts_markdown,
+    rules_from_config,
+)
+from spectral_monitor.records import Measurement
+
+__all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger"]
+
+ALERT_TEXT_TAG = "alerts/table"
+"""The TensorBoard text tag of the open-alerts table (shown as ``alerts/table/text_summary``)."""
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.ERROR}
+
+
+def alert_logger() -> logging.Logger:
+    """The ``spectral_monitor.alerts`` logger; given a console handler, as Lightning does for its own logger,
+    when the application configured none, so alert lines (resolved ones at INFO included) are seen."""
+    logger = logging.getLogger("spectral_monitor.alerts")
+    if not logging.getLogger().hasHandlers() and not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+@dataclass
+class AlertStep:
+    """What one logging step's alerts add to the sinks' output (rank 0), and whether a ``stop_on`` rule fired
+    on this rank."""
+
+    records: list[Measurement] = field(default_factory=list)
+    text: str | None = None
+    stop: bool = False
+
+
+class Alerting:
+    """Evaluates the alert rules on each logging step and acts on what fires or resolves.
+
+    Every rank evaluates (each measures its own batch), so a ``stop_on`` decision is taken by all ranks in
+    one collective; only global rank 0 logs, calls ``on_alert`` and returns output for the sinks.
+    """
+
+    def __init__(
+        self,
+        config: AlertConfig | None,
+        on_alert: Callable[[AlertEvent], Any] | None,
+        stop_on: Sequence[str],
+    ) -> None:
+        self.engine = AlertEngine(rules_from_config(config))
+        if on_alert is not None and not callable(on_alert):
+            raise ValueError(f"on_alert must be None or a callable taking an AlertEvent, got {on_alert!r}")
+        self.on_alert = on_alert
+        names = [rule.name for rule in self.engine.rules]
+        if isinstance(stop_on, str) or not all(isinstance(name, str) for name in stop_on):
+            raise ValueError(f"stop_on must be a list of rule names, got {stop_on!r}")
+        unknown = [name for name in stop_on if name not in names]
+        if unknown:
+            raise ValueError(f"stop_on names rules {unknown} that do not run; the rules are {names}")
+        self.stop_on = tuple(stop_on)
+
+    def evaluate(self, step: int, measurements: Sequence[Measurement], is_global_zero: bool) -> AlertStep:
+        """Advance the rules by one evaluation; log and hand over what changed (rank 0)."""
+        events = self.engine.evaluate(step, measurements)
+        stop = any(event.kind == "fired" and event.rule in self.stop_on for event in events)
+        if not is_global_zero:
+            return AlertStep(stop=stop)
+        logger = alert_logger()
+        for event in events:
+            level = _LEVELS[event.severity] if event.kind == "fired" else logging.INFO
+            logger.log(level, event.message())
+            if self.on_alert is not None:
+                self.on_alert(event)
+        text = open_alerts_markdown(self.engine.open_alerts, step) if events else None
+        return AlertStep(self.engine.counter_records(step), text, stop)
+
+    def stop_if_asked(self, trainer: pl.Trainer, wanted: bool) -> None:
+        """Stop training on every rank when any rank saw a ``stop_on`` rule fire; a collective when
+        ``stop_on`` is set, entered by every rank on every logging step."""
+        if not self.stop_on:
+            return
+        if trainer.strategy.reduce_boolean_decision(wanted, all=False):
+            if trainer.is_global_zero and not trainer.should_stop:
+                alert_logger().warning("SpectralMonitor: stopping training (stop_on=%s)", list(self.stop_on))
+            trainer.should_stop = True

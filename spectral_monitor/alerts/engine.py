@@ -1,0 +1,414 @@
+"""Evaluating alert rules on the records of each logging step: patience, hysteresis, fired and resolved.
+
+:class:`AlertEngine` is given every record of a logging step and returns what changed: an
+:class:`AlertEvent` of kind ``fired`` when a rule's condition has held for ``patience`` evaluations in a row,
+and of kind ``resolved`` when an open alert's condition no longer holds at its clear level. Between the two,
+an alert is open and nothing is reported again, however long it lasts. Its state (streaks, open alerts,
+baselines of relative conditions, history) is plain data for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from spectral_monitor.alerts.rules import MEDIAN_WINDOW, Condition, Rule
+from spectral_monitor.records import Measurement
+
+__all__ = ["HISTORY_LIMIT", "AlertEngine", "AlertEvent"]
+
+HISTORY_LIMIT = 1000
+"""Events kept in the history (the most recent ones)."""
+
+FIRED = "fired"
+RESOLVED = "resolved"
+
+
+@dataclass(frozen=True)
+class AlertEvent:
+    """An alert that fired, or one that resolved (``kind``).
+
+    ``value`` is what ``metric`` read (a ratio for a relative condition): for a layer, the value of the head
+    nearest the threshold among those that met it (fired) or the median over heads (resolved). ``level`` is
+    the threshold (fired) or the clear level (resolved). ``heads`` is "k/h" heads meeting the condition
+    (``None`` for a per-head alert or a metric without heads). ``since``: the first step of the streak.
+    """
+
+    rule: str
+    kind: str
+    step: int
+    layer: str
+    head: int | None
+    severity: str
+    metric: str
+    op: str
+    value: float
+    level: float
+    relative_to: str
+    since: int
+    heads: str | None = None
+    remedy: str = ""
+
+    @property
+    def where(self) -> str:
+        if self.head is not None:
+            return f"{self.layer} head {self.head}"
+        return self.layer if self.heads is None else f"{self.layer} ({self.heads} heads)"
+
+    @property
+    def comparison(self) -> str:
+        """``value op level`` as text: ``attention/entropy 1.000 >= 0.98``."""
+        if self.op == "nonfinite":
+            return f"{self.metric} = {self.value}"
+        unit = {"value": "", "first": "× first value ", "median": "× running median "}[self.relative_to]
+        op = self.op if self.kind == FIRED else {">=": "<", "<=": ">"}[self.op]
+        return f"{self.metric} {unit}{_number(self.value)} {op} {_number(self.level)}"
+
+    def message(self) -> str:
+        """One console line."""
+        if self.kind == RESOLVED:
+            return (
+                f"SpectralMonitor resolved {self.rule} at {self.where}, step {self.step} (open since step "
+                f"{self.since}): {self.comparison}"
+            )
+        text = f"SpectralMonitor {self.severity} {self.rule} at {self.where}, step {self.step}: "
+        text += self.comparison
+        if self.since != self.step:
+            text += f" since step {self.since}"
+        return f"{text}. Try: {self.remedy}" if self.remedy else text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AlertEvent:
+        return cls(**data)
+
+
+@dataclass
+class _Subject:
+    """One rule on one layer (or head): its streak and whether an alert is open."""
+
+    streak: int = 0
+    since: int = -1
+    open: bool = False
+
+
+@dataclass
+class _Unit:
+    """What one head (or a layer without heads) read for each condition of a rule."""
+
+    values: dict[int, tuple[str, float]] = field(default_factory=dict)  # condition index -> (metric, value)
+
+
+class AlertEngine:
+    """Evaluates ``rules`` on each logging step's records and keeps their state.
+
+    Records of families no rule reads are ignored, and a rule whose metrics are absent (curvature not
+    measured) is simply never evaluated.
+    """
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        names = [rule.name for rule in rules]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"rules must have distinct names; {duplicates} appear more than once")
+        self.rules = list(rules)
+        self._subjects: dict[tuple[str, str, int | None], _Subject] = {}
+        self._first: dict[str, float] = {}
+        self._recent: dict[str, list[float]] = {}
+        self.fired: dict[str, int] = {rule.name: 0 for rule in self.rules}
+        self.history: list[AlertEvent] = []
+
+    @property
+    def open_alerts(self) -> list[AlertEvent]:
+        """The fired event of every alert still open, oldest first."""
+        open_keys = {key for key, subject in self._subjects.items() if subject.open}
+        latest: dict[tuple[str, str, int | None], AlertEvent] = {}
+        for event in self.history:
+            key = (event.rule, event.layer, event.head)
+            if key in open_keys and event.kind == FIRED:
+                latest[key] = event
+        return sorted(latest.values(), key=lambda event: (event.step, event.rule, event.layer))
+
+    def open_counts(self) -> dict[str, int]:
+        counts = {rule.name: 0 for rule in self.rules}
+        for (rule, _, _), subject in self._subjects.items():
+            if subject.open and rule in counts:
+                counts[rule] += 1
+        return counts
+
+    def evaluate(self, step: int, records: Iterable[Measurement]) -> list[AlertEvent]:
+        """Advance every rule by one evaluation on ``records`` (one logging step); the events it caused."""
+        records = list(records)
+        relative = self._relative_values(records)
+        lengths = _attention_lengths(records)
+        events = []
+        for rule in self.rules:
+            if step < rule.start_step:
+                continue
+            for (layer, head), (units, are_heads) in _units_of(rule, records, relative).items():
+                events += self._advance(rule, step, layer, head, units, are_heads, lengths.get(layer))
+        self.history = (self.history + events)[-HISTORY_LIMIT:]
+        return events
+
+    def counter_records(self, step: int) -> list[Measurement]:
+        """``alerts/open/<rule>`` and ``alerts/fired/<rule>`` (cumulative) of every rule at ``step``."""
+        open_counts = self.open_counts()
+        return [
+            record
+            for rule in self.rules
+            for record in (
+                Measurement(step, "alerts", "open", rule.name, float(open_counts[rule.name])),
+                Measurement(step, "alerts", "fired", rule.name, float(self.fired[rule.name])),
+            )
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "subjects": [[*key, asdict(subject)] for key, subject in self._subjects.items()],
+            "first": dict(self._first),
+            "recent": {tag: list(values) for tag, values in self._recent.items()},
+            "fired": dict(self.fired),
+            "history": [asdict(event) for event in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._subjects = {
+            (rule, layer, head): _Subject(**subject)
+            for rule, layer, head, subject in state.get("subjects", [])
+        }
+        self._first = dict(state.get("first", {}))
+        self._recent = {tag: list(values) for tag, values in state.get("recent", {}).items()}
+        self.fired = {rule.name: 0 for rule in self.rules} | dict(state.get("fired", {}))
+        self.history = [AlertEvent.from_dict(event) for event in state.get("history", [])]
+
+    def _advance(
+        self,
+        rule: Rule,
+        step: int,
+        layer: str,
+        head: int | None,
+        units: list[_Unit],
+        are_heads: bool,
+        length: float | None,
+    ) -> list[AlertEvent]:
+        verdicts = [_verdict(rule, unit) for unit in units]
+        evaluated = [
+            (unit, verdict) for unit, verdict in zip(units, verdicts, strict=True) if verdict is not None
+        ]
+        if not evaluated:
+            return []
+        triggered = [unit for unit, (fires, _) in evaluated if fires]
+        holding = [unit for unit, (_, holds) in evaluated if holds]
+        needed = rule.head_fraction * len(evaluated) - 1e-9
+        subject = self._subjects.setdefault((rule.name, layer, head), _Subject())
+        if subject.open:
+            if len(holding) >= needed:
+                return []
+            subject.open, subject.streak = False, 0
+            metric, value, condition = _summary(rule, [unit for unit, _ in evaluated], median=True)
+            return [self._event(rule, RESOLVED, step, layer, head, metric, value, condition.clear_level,
+                                condition, subject.since, None, length)]  # fmt: skip
+        if len(triggered) < needed or not triggered:
+            subject.streak = 0
+            return []
+        subject.streak += 1
+        if subject.streak == 1:
+            subject.since = step
+        if subject.streak < rule.patience:
+            return []
+        subject.open = True
+        self.fired[rule.name] += 1
+        metric, value, condition = _summary(rule, triggered, median=False)
+        heads = f"{len(triggered)}/{len(evaluated)}" if are_heads else None
+        return [self._event(rule, FIRED, step, layer, head, metric, value, condition.threshold, condition,
+                            subject.since, heads, length)]  # fmt: skip
+
+    @staticmethod
+    def _event(
+        rule: Rule,
+        kind: str,
+        step: int,
+        layer: str,
+        head: int | None,
+        metric: str,
+        value: float,
+        level: float,
+        condition: Condition,
+        since: int,
+        heads: str | None,
+        length: float | None,
+    ) -> AlertEvent:
+        return AlertEvent(
+            rule=rule.name,
+            kind=kind,
+            step=step,
+            layer=layer,
+            head=head,
+            severity=rule.severity,
+            metric=metric,
+            op=condition.op,
+            value=value,
+            level=level,
+            relative_to=condition.relative_to,
+            since=since,
+            heads=heads,
+            remedy=_remedy(rule.remedy, length),
+        )
+
+    def _relative_values(self, records: list[Measurement]) -> dict[str, dict[str, float]]:
+        """Each record's value over its first value and over its running median, by tag; updates both."""
+        wanted = {
+            condition.relative_to
+            for rule in self.rules
+            for condition in rule.conditions
+            if condition.relative_to != "value"
+        }
+        ratios: dict[str, dict[str, float]] = {"first": {}, "median": {}}
+        if not wanted:
+            return ratios
+        read = [c for rule in self.rules for c in rule.conditions if c.relative_to != "value"]
+        for record in records:
+            if not math.isfinite(record.value):
+                continue
+            if not any(c.matches(f"{record.family}/{record.metric}") for c in read):
+                continue
+            tag = record.tag
+            first = self._first.setdefault(tag, record.value)
+            if first != 0:
+                ratios["first"][tag] = record.value / first
+            recent = self._recent.setdefault(tag, [])
+            if recent:
+                median = statistics.median(recent)
+                if median != 0:
+                    ratios["median"][tag] = record.value / median
+            recent.append(record.value)
+            del recent[:-MEDIAN_WINDOW]
+        return ratios
+
+
+def _units_of(
+    rule: Rule, records: list[Measurement], relative: dict[str, dict[str, float]]
+) -> dict[tuple[str, int | None], tuple[list[_Unit], bool]]:
+    """The units each subject of ``rule`` is judged on: (layer, head) -> (units, whether they are heads).
+
+    A layer that wrote no per-head records is one unit, read from its aggregates (``_worst_head_view``).
+    """
+    by_layer: dict[str, dict[int | None, _Unit]] = {}
+    for record in records:
+        if not rule.applies_to(record.layer) or (record.head is not None and not rule.read_heads):
+            continue
+        family_metric = f"{record.family}/{record.metric}"
+        for index, condition in enumerate(rule.conditions):
+            if not condition.matches(family_metric):
+                continue
+            value = record.value
+            if condition.relative_to != "value":
+                value = relative[condition.relative_to].get(record.tag, math.nan)
+            if condition.op != "nonfinite" and not math.isfinite(value):
+                continue
+            unit = by_layer.setdefault(record.layer, {}).setdefault(record.head, _Unit())
+            previous = unit.values.get(index)
+            if previous is None or (condition.holds(value) and not condition.holds(previous[1])):
+                unit.values[index] = (family_metric, value)
+    subjects: dict[tuple[str, int | None], tuple[list[_Unit], bool]] = {}
+    for layer, units in by_layer.items():
+        heads = {head: unit for head, unit in units.items() if head is not None}
+        if rule.scope == "head":
+            for head, unit in heads.items():
+                subjects[layer, head] = ([unit], False)
+        elif heads:
+            subjects[layer, None] = (list(heads.values()), True)
+        if not heads:
+            subjects[layer, None] = ([_worst_head_view(rule, units[None], records, layer)], False)
+    return subjects
+
+
+def _worst_head_view(rule: Rule, unit: _Unit, records: list[Measurement], layer: str) -> _Unit:
+    """A layer's unit with ``<metric>_max`` for ``<=`` and ``<metric>_min`` for ``>=`` where those exist:
+    the worst head decides whether every head meets a condition."""
+    aggregates = {
+        f"{record.family}/{record.metric}": record
+        for record in records
+        if record.layer == layer and record.head is None
+    }
+    view = _Unit(dict(unit.values))
+    for index, (family_metric, _) in unit.values.items():
+        condition = rule.conditions[index]
+        suffix = {">=": "_min", "<=": "_max"}.get(condition.op)
+        record = aggregates.get(family_metric + suffix) if suffix else None
+        if record is None or condition.relative_to != "value" or not math.isfinite(record.value):
+            continue
+        view.values[index] = (family_metric, record.value)
+    return view
+
+
+def _verdict(rule: Rule, unit: _Unit) -> tuple[bool, bool] | None:
+    """(meets the threshold, still meets the clear level) of one unit, or ``None`` if it cannot be judged."""
+    present = [(c, unit.values[i][1]) for i, c in enumerate(rule.conditions) if i in unit.values]
+    required_missing = any(c.required and i not in unit.values for i, c in enumerate(rule.conditions))
+    if not any(c.required for c, _ in present) or (rule.combine == "all" and required_missing):
+        return None
+    combine = any if rule.combine == "any" else all
+    return (
+        combine(c.holds(value) for c, value in present),
+        combine(c.holds(value, clearing=True) for c, value in present),
+    )
+
+
+def _summary(rule: Rule, units: list[_Unit], *, median: bool) -> tuple[str, float, Condition]:
+    """The first condition the units read, its metric and one value for them all: the median, or the value
+    nearest the threshold among those that met it."""
+    for index, condition in enumerate(rule.conditions):
+        readings = [unit.values[index] for unit in units if index in unit.values]
+        if not readings:
+            continue
+        values = [value for _, value in readings]
+        if condition.op == "nonfinite":
+            broken = [reading for reading in readings if not math.isfinite(reading[1])]
+            if not broken and not median:
+                continue
+            metric, value = (broken or readings)[0]
+            return metric, value, condition
+        if not median:
+            met = [value for value in values if condition.holds(value)]
+            if not met:
+                continue
+            value = min(met) if condition.op == ">=" else max(met)
+        else:
+            value = statistics.median(values)
+        return readings[0][0], value, condition
+    raise AssertionError(f"rule {rule.name} was judged on units that read none of its conditions")
+
+
+def _attention_lengths(records: list[Measurement]) -> dict[str, float]:
+    """Each attention layer's number of keys n = effective_rank / effective_rank_ratio (for ``{n}``)."""
+    ranks, ratios = {}, {}
+    for record in records:
+        if record.family == "attention" and record.head is None:
+            if record.metric == "effective_rank":
+                ranks[record.layer] = record.value
+            elif record.metric == "effective_rank_ratio":
+                ratios[record.layer] = record.value
+    return {
+        layer: ranks[layer] / ratios[layer]
+        for layer in ranks.keys() & ratios.keys()
+        if math.isfinite(ranks[layer]) and math.isfinite(ratios[layer]) and ratios[layer] > 0
+    }
+
+
+class _Placeholders(dict):
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _remedy(template: str, length: float | None) -> str:
+    if length is None:
+        return template.format_map(_Placeholders(n="n", log_n="log n"))
+    n = round(length)
+    return template.format_map(_Placeholders(n=n, log_n=f"{math.log(n):.2f}" if n > 1 else "0"))
+
+
+def _number(value: float) -> str:
+    return f"{value:.3g}" if abs(value) >= 1000 or (value != 0 and abs(value) < 0.001) else f"{value:.3f}"

@@ -1,0 +1,440 @@
+"""Alert rules: what to watch, in which units, for how long, and what to do about it.
+
+A rule is plain data (dataclasses of plain types), so LightningCLI builds it from YAML as well as code.
+It reads ``Measurement`` records by ``family/metric`` and knows nothing of how they were computed or where
+alerts go; :class:`~spectral_monitor.alerts.engine.AlertEngine` evaluates rules on each logging step.
+
+Thresholds are in the normalised units of DESIGN.md's catalogue (entropy / log n, effective rank / n, ...)
+so a default holds at any sequence length. The defaults and the runs that calibrated them are listed in
+:func:`default_rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "COMPARISONS",
+    "RELATIVE_TO",
+    "SCOPES",
+    "SEVERITIES",
+    "AlertConfig",
+    "Condition",
+    "Rule",
+    "default_rules",
+    "rules_from_config",
+]
+
+COMPARISONS = (">=", "<=", "nonfinite")
+"""``>=``/``<=`` compare with ``threshold``; ``nonfinite`` holds when the value is NaN or infinite."""
+RELATIVE_TO = ("value", "first", "median")
+"""What a condition compares: the value itself, the value over the first value seen for the same layer
+(and head), or the value over the running median of that layer's (and head's) previous values."""
+SCOPES = ("layer", "head")
+"""``layer``: one alert per layer, when at least ``head_fraction`` of its heads meet the condition (records
+without heads count as one head). ``head``: one alert per head (per layer when the metric has no heads)."""
+SEVERITIES = ("info", "warning", "critical")
+MEDIAN_WINDOW = 8
+"""Evaluations in the running median of ``relative_to="median"`` (older values are dropped)."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One test on one metric: ``value <op> threshold``, cleared past ``clear``.
+
+    Args:
+        metric: ``family/metric`` of the records read, an ``fnmatch`` pattern (``weights/*_norm``).
+        op: one of :data:`COMPARISONS`.
+        threshold: the level at which the condition starts to hold (unused by ``nonfinite``).
+        clear: the level the value must get back past for an open alert to close (hysteresis); on the
+            healthy side of ``threshold`` or equal to it. ``None``: ``threshold``.
+        relative_to: one of :data:`RELATIVE_TO`; ``first`` and ``median`` make ``threshold`` a ratio.
+        required: if False, a layer that does not report ``metric`` skips this condition instead of
+            not being evaluated (``eigen_gap`` is written for bidirectional attention only).
+    """
+
+    metric: str
+    op: str = ">="
+    threshold: float = 0.0
+    clear: float | None = None
+    relative_to: str = "value"
+    required: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or self.metric.count("/") < 1 or not all(self.metric.split("/")):
+            raise ValueError(f"metric must be 'family/metric' (an fnmatch pattern), got {self.metric!r}")
+        if self.op not in COMPARISONS:
+            raise ValueError(f"op of {self.metric} must be one of {COMPARISONS}, got {self.op!r}")
+        if self.relative_to not in RELATIVE_TO:
+            raise ValueError(
+                f"relative_to of {self.metric} must be one of {RELATIVE_TO}, got {self.relative_to!r}"
+            )
+        if not _is_number(self.threshold) or not math.isfinite(self.threshold):
+            raise ValueError(f"threshold of {self.metric} must be a finite number, got {self.threshold!r}")
+        if self.clear is not None:
+            if not _is_number(self.clear) or not math.isfinite(self.clear):
+                raise ValueError(
+                    f"clear of {self.metric} must be None or a finite number, got {self.clear!r}"
+                )
+            if (self.op == ">=" and self.clear > self.threshold) or (
+                self.op == "<=" and self.clear < self.threshold
+            ):
+                raise ValueError(
+                    f"clear of {self.metric} ({self.clear}) must be on the healthy side of its threshold "
+                    f"({self.op} {self.threshold}): {'<=' if self.op == '>=' else '>='} {self.threshold}"
+                )
+
+    @property
+    def clear_level(self) -> float:
+        return self.threshold if self.clear is None else self.clear
+
+    def matches(self, family_metric: str) -> bool:
+        return fnmatch.fnmatchcase(family_metric, self.metric)
+
+    def holds(self, value: float, *, clearing: bool = False) -> bool:
+        """Whether ``value`` (already relative, if the condition is) meets the condition; ``clearing``:
+        against the clear level, the test an open alert keeps passing until it closes."""
+        if self.op == "nonfinite":
+            return not math.isfinite(value)
+        level = self.clear_level if clearing else self.threshold
+        return value >= level if self.op == ">=" else value <= level
+
+    def describe(self) -> str:
+        if self.op == "nonfinite":
+            return f"{self.metric} is NaN or inf"
+        unit = {"value": "", "first": " × its first value", "median": " × its running median"}[
+            self.relative_to
+        ]
+        return f"{self.metric} {self.op} {self.threshold:g}{unit}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A named alert over metric streams.
+
+    Args:
+        name: the rule's name (``alerts/open/<name>`` in TensorBoard, ``stop_on`` entries).
+        conditions: what it tests, combined by ``combine``.
+        combine: ``any`` (one condition suffices) or ``all``.
+        scope: one of :data:`SCOPES`.
+        head_fraction: with ``scope="layer"``, the fraction of a layer's heads that must meet the conditions
+            (1.0: every head). Per-head records are used when written; without them (``per_head=False``)
+            a layer-wide condition is tested on the ``<metric>_max`` (``<=``) or ``<metric>_min`` (``>=``)
+            aggregate, which is exact for ``head_fraction=1`` and a single condition.
+        patience: consecutive evaluations a condition must hold before the alert fires.
+        start_step: evaluations at earlier steps are ignored (the untrained model at step 0 can look
+            collapsed without being broken).
+        severity: one of :data:`SEVERITIES`.
+        remedy: what to try, shown with the alert; ``{n}`` is replaced by the layer's attention length
+            (effective_rank / effective_rank_ratio) when the records give it.
+        layers: ``fnmatch`` patterns of the layers the rule applies to; ``None``: all.
+        read_heads: read per-head records where they exist; False: the layer's own records only (a whole
+            weight's norm rather than its heads' rows).
+    """
+
+    name: str
+    conditions: list[Condition]
+    combine: str = "any"
+    scope: str = "layer"
+    head_fraction: float = 1.0
+    patience: int = 1
+    start_step: int = 0
+    severity: str = "warning"
+    remedy: str = ""
+    layers: list[str] | None = None
+    read_heads: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
+        conditions = self.conditions
+        if isinstance(conditions, Condition) or not isinstance(conditions, Sequence) or not conditions:
+            raise ValueError(f"conditions of rule {self.name} must be a non-empty list, got {conditions!r}")
+        converted = [Condition(**c) if isinstance(c, dict) else c for c in conditions]
+        if not all(isinstance(c, Condition) for c in converted):
+            raise ValueError(f"conditions of rule {self.name} must be Condition objects, got {conditions!r}")
+        object.__setattr__(self, "conditions", converted)
+        if not any(c.required for c in converted):
+            raise ValueError(f"rule {self.name} needs at least one condition with required=True")
+        if self.combine not in ("any", "all"):
+            raise ValueError(f"combine of rule {self.name} must be 'any' or 'all', got {self.combine!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope of rule {self.name} must be one of {SCOPES}, got {self.scope!r}")
+        if not _is_number(self.head_fraction) or not 0 < self.head_fraction <= 1:
+            raise ValueError(
+                f"head_fraction of rule {self.name} must be in (0, 1], got {self.head_fraction!r}"
+            )
+        for name, smallest in (("patience", 1), ("start_step", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
+                raise ValueError(f"{name} of rule {self.name} must be an int >= {smallest}, got {value!r}")
+        if self.severity not in SEVERITIES:
+            raise ValueError(
+                f"severity of rule {self.name} must be one of {SEVERITIES}, got {self.severity!r}"
+            )
+        if not isinstance(self.remedy, str):
+            raise ValueError(f"remedy of rule {self.name} must be a string, got {self.remedy!r}")
+        if not isinstance(self.read_heads, bool):
+            raise ValueError(f"read_heads of rule {self.name} must be True or False, got {self.read_heads!r}")
+        if self.layers is not None and (
+            isinstance(self.layers, str) or not all(isinstance(p, str) and p for p in self.layers)
+        ):
+            raise ValueError(
+                f"layers of rule {self.name} must be None or a list of patterns, got {self.layers!r}"
+            )
+
+    @property
+    def families(self) -> set[str]:
+        return {condition.metric.split("/", 1)[0] for condition in self.conditions}
+
+    def applies_to(self, layer: str) -> bool:
+        return self.layers is None or any(fnmatch.fnmatchcase(layer, pattern) for pattern in self.layers)
+
+    def describe(self) -> str:
+        joined = f" {'or' if self.combine == 'any' else 'and'} ".join(c.describe() for c in self.conditions)
+        if self.scope == "head":
+            where = "per head"
+        else:
+            where = _heads_phrase(self.head_fraction) if self.read_heads else "per layer"
+        return f"{joined} ({where}; {self.patience} evaluation{'s' if self.patience > 1 else ''} in a row)"
+
+    def tuned(self, changes: dict[str, Any]) -> Rule:
+        """A copy with ``changes``: fields of this class, or ``family/metric`` of a condition -> its new
+        threshold (its clear level moves with it, keeping its distance)."""
+        fields = {f.name for f in dataclasses.fields(self)} - {"name", "conditions"}
+        conditions = list(self.conditions)
+        plain = {}
+        for key, value in changes.items():
+            if key in fields:
+                plain[key] = value
+                continue
+            index = next((i for i, c in enumerate(conditions) if c.metric == key), None)
+            if index is None:
+                raise ValueError(
+                    f"alerts.tune[{self.name!r}] key {key!r} is neither a rule field ({sorted(fields)}) nor "
+                    f"a condition metric of the rule ({[c.metric for c in conditions]})"
+                )
+            if not _is_number(value):
+                raise ValueError(f"alerts.tune[{self.name!r}][{key!r}] must be a number, got {value!r}")
+            old = conditions[index]
+            clear = None if old.clear is None else old.clear + (value - old.threshold)
+            conditions[index] = dataclasses.replace(old, threshold=float(value), clear=clear)
+        return dataclasses.replace(self, conditions=conditions, **plain)
+
+
+@dataclass
+class AlertConfig:
+    """Which rules run: the defaults, tuned, some disabled, plus the user's own (the ``alerts`` argument
+    of ``SpectralMonitor``). In YAML::
+
+        alerts:
+          disable: [token_collapse]
+          tune:
+            rank_collapse: {patience: 5, attention/rank_one_residual: 0.02}
+          rules:
+            - name: qk_growth
+              conditions: [{metric: weights/qk_spectral_norm, op: ">=", threshold: 20, relative_to: first}]
+              patience: 2
+
+    Args:
+        defaults: start from :func:`default_rules` (False: only ``rules``).
+        disable: names of rules (``fnmatch`` patterns) not to run.
+        tune: rule name -> changes (see :meth:`Rule.tuned`).
+        rules: rules of your own; one named like a default replaces it.
+    """
+
+    defaults: bool = True
+    disable: list[str] = field(default_factory=list)
+    tune: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rules: list[Rule] = field(default_factory=list)
+
+
+def rules_from_config(config: AlertConfig | None) -> list[Rule]:
+    """The rules ``config`` asks for (``None``: the defaults); ``ValueError`` names what does not exist."""
+    config = AlertConfig() if config is None else config
+    if not isinstance(config, AlertConfig):
+        raise ValueError(f"alerts must be an AlertConfig or None, got {type(config).__name__}")
+    own = [Rule(**rule) if isinstance(rule, dict) else rule for rule in config.rules]
+    if not all(isinstance(rule, Rule) for rule in own):
+        raise ValueError(f"alerts.rules must be a list of Rule, got {config.rules!r}")
+    by_name = {rule.name: rule for rule in default_rules()} if config.defaults else {}
+    for rule in own:
+        by_name[rule.name] = rule
+    for name, changes in config.tune.items():
+        if name not in by_name:
+            raise ValueError(f"alerts.tune names rule {name!r}; the rules are {sorted(by_name)}")
+        by_name[name] = by_name[name].tuned(changes)
+    for pattern in config.disable:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in by_name):
+            raise ValueError(
+                f"alerts.disable entry {pattern!r} matches no rule; the rules are {sorted(by_name)}"
+            )
+    return [
+        rule
+        for name, rule in by_name.items()
+        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in config.disable)
+    ]
+
+
+def default_rules() -> list[Rule]:
+    """The default rules; each says why it reads what it reads and which runs set its levels."""
+    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, TOKEN_COLLAPSE, EDGE_OF_STABILITY,
+            JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
+
+
+def _heads_phrase(fraction: float) -> str:
+    if fraction == 1:
+        return "per layer, every head"
+    return "per layer, any head" if fraction <= 0.01 else f"per layer, ≥ {fraction:.0%} of its heads"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+LONG_CONTEXT_REMEDY = (
+    "scale the attention logits by γ·log n (n={n}, log n={log_n}; logit_scaling='log_n' in the demo), or "
+    "initialise W_Q and W_K larger: rows this flat over n keys give every query the same average"
+)
+
+RANK_COLLAPSE = Rule(
+    name="rank_collapse",
+    conditions=[
+        Condition("attention/rank_one_residual", "<=", 0.05, clear=0.1),
+        Condition("attention/effective_rank_ratio", "<=", 0.01, clear=0.02),
+    ],
+    patience=2,
+    start_step=1,
+    remedy=LONG_CONTEXT_REMEDY,
+)
+"""Every head of a layer rank one: all queries attend the same way (Dong et al. 2021).
+
+Per layer, not per head: an attention-sink head or a fixed positional head is rank one by design in healthy
+models (DESIGN.md). Skips step 0 and needs 2 evaluations in a row: an untrained bidirectional model with
+small initial logits looks exactly like this (long_context_collapse.yaml and its healthy twin alike have
+flat rows at step 0 until the logits grow). Calibrated on configs/long_context_collapse.yaml (rank-one
+residual 0.024–0.044 in every head, effective rank / n 0.003–0.004, steps 0–74), against
+configs/long_context_logn.yaml (rank-one residual >= 0.64, effective rank / n >= 0.18, steps 0–49) and
+configs/demo.yaml (causal: rank-one residual ≈ 0.77, effective rank / n ≈ 0.33)."""
+
+UNIFORM_ATTENTION = Rule(
+    name="uniform_attention",
+    conditions=[
+        Condition("attention/entropy", ">=", 0.98, clear=0.95),
+        Condition("attention/eigen_gap", ">=", 0.95, clear=0.9),
+    ],
+    combine="all",
+    patience=2,
+    start_step=1,
+    remedy=LONG_CONTEXT_REMEDY,
+)
+"""Every head of a bidirectional layer uniform: entropy / log n >= 0.98 and 1 − |λ₂| >= 0.95 (rank one).
+
+Bidirectional only: ``eigen_gap`` is written for bidirectional attention alone, so a causal layer is never
+judged. Causal uniform attention is a full-rank prefix mean (spectral gap ≈ 0.37 at n = 64, ≈ 0.3 at 512),
+not a collapse, and it is how the healthy configs/demo.yaml starts: entropy >= 0.99 in every head of every
+layer for its first 100 steps. An entropy-alone rule would fire on that healthy run. The gap is read as
+``eigen_gap`` rather than the spectral gap because both go to 1 on uniform bidirectional attention but
+only the eigen gap tells causal layers apart. Calibrated on configs/long_context_collapse.yaml (entropy
+1.000, eigen gap >= 0.98 in every head, steps 0–74) and its γ·log n twin (entropy <= 0.957, eigen gap
+<= 0.89, steps 0–49)."""
+
+ENTROPY_COLLAPSE = Rule(
+    name="entropy_collapse",
+    conditions=[
+        Condition("attention/entropy", "<=", 0.05, clear=0.1),
+        Condition("attention/entropy", "<=", 0.3, clear=0.5, relative_to="median"),
+    ],
+    patience=2,
+    remedy="QK-norm (normalise q and k before their dot product) or σReparam on W_Q, W_K (Zhai et al. 2023); "
+    "a lower learning rate or a longer warm-up",
+)
+"""Every head of a layer puts almost all its mass on one key per query, or lost 70% of its entropy against
+its own running median: the entropy collapse that precedes loss spikes (Zhai et al. 2023). Per layer:
+single heads with near-zero entropy (previous-token heads, sinks) are normal. In the healthy
+configs/demo.yaml (300 steps, every 25) every head stays >= 0.59 and never falls below 0.60 × its running
+median."""
+
+TOKEN_COLLAPSE = Rule(
+    name="token_collapse",
+    conditions=[
+        Condition("tokens/cosine_similarity", ">=", 0.95, clear=0.9),
+        Condition("tokens/token_residual", "<=", 0.05, clear=0.1),
+    ],
+    patience=2,
+    start_step=1,
+    remedy="the tokens leaving this block are nearly identical (rank collapse of the residual stream, "
+    "Noci et al. 2022): check the rank_collapse alerts of earlier layers; pre-LN, residual branches "
+    "scaled by 1/√depth, or γ·log n logit scaling",
+)
+"""The residual stream of a block has (nearly) one direction: mean pairwise cosine >= 0.95 or token
+residual <= 0.05 (Dong et al. 2021; Noci et al. 2022). In every run we measured (demo, both long-context
+configs) cosine stays <= 0.26 and the residual >= 0.85: the residual connection keeps tokens apart even when
+attention is rank one, so this rule fires only on a collapse deeper than attention's."""
+
+EDGE_OF_STABILITY = Rule(
+    name="edge_of_stability",
+    conditions=[Condition("curvature/sharpness_ratio", ">=", 1.5, clear=1.2)],
+    patience=3,
+    remedy="lower the learning rate (sharpness is past the optimizer's edge: 2/η for SGD, "
+    "(2+2β₁)/((1−β₁)η) for Adam), or warm up longer",
+)
+"""Sharpness sustained at 1.5× the optimizer's edge of stability. Training at the edge (ratio ≈ 1) is the
+normal regime of full-batch GD and Adam (Cohen et al. 2021, 2022); staying well above it for 3 evaluations
+means the step size no longer fits the curvature. Reads the curvature family when it is measured; not yet
+calibrated on a run with curvature on this branch."""
+
+JACOBIAN_EXPLOSION = Rule(
+    name="jacobian_explosion",
+    conditions=[
+        Condition("jacobian/jacobian_norm", ">=", 10.0, clear=5.0, relative_to="first"),
+        Condition("jacobian/end_to_end_norm", ">=", 10.0, clear=5.0, relative_to="first"),
+    ],
+    patience=2,
+    remedy="signal is exploding through this block: pre-LN, residual branches scaled down, a lower "
+    "learning rate, or gradient clipping",
+)
+"""A block's (or the whole model's) input-output Jacobian norm 10× its first measured value, twice in a
+row: the forward signal (and the backward gradient) amplifies. Reads the jacobian family when measured;
+not yet calibrated on a run with Jacobians on this branch."""
+
+WEIGHT_RUNAWAY = Rule(
+    name="weight_runaway",
+    conditions=[Condition("weights/spectral_norm", ">=", 20.0, clear=15.0, relative_to="first")],
+    patience=2,
+    read_heads=False,
+    remedy="this weight's largest singular value keeps growing: more weight decay, a lower learning rate, or "
+    "σReparam / spectral normalisation of it",
+)
+"""A whole weight's spectral norm 20× its first measured value, twice in a row. Small initialisations
+grow several-fold in healthy training: in configs/demo.yaml (300 steps, GPT-2 init 0.02) the output head
+grew 9.4×, the MLP output projections up to 8.5×, attention projections up to 7.3×; 20× is twice the
+largest healthy growth measured. A weight whose first norm is 0 (zero-initialised) is never judged."""
+
+NON_FINITE = Rule(
+    name="non_finite",
+    conditions=[
+        Condition(metric, "nonfinite", required=True)
+        for metric in (
+            "weights/spectral_norm",
+            "weights/frobenius_norm",
+            "attention/sigma1",
+            "attention/entropy",
+            "tokens/token_residual",
+            "curvature/sharpness",
+            "jacobian/jacobian_norm",
+            "jacobian/end_to_end_norm",
+        )
+    ],
+    head_fraction=0.01,
+    severity="critical",
+    remedy="a weight or activation is NaN/inf: lower the learning rate, clip gradients, or train in bf16 "
+    "rather than fp16; the first layer reported is where it started",
+)
+"""Any NaN or inf in what the monitor saw (norms and entropies, which are finite for every finite input):
+fires on the first evaluation (patience 1), critical. ``head_fraction=0.01``: one broken head is enough."""

@@ -1,0 +1,289 @@
+"""``spectral-monitor report``: a summary of a finished run read from its TensorBoard event files alone.
+
+No training code is imported: the scalars the monitor wrote (``family/metric/layer[/head_h]``) and its alert
+counters and tables are read back with TensorBoard's ``EventAccumulator``. Per run: a per-layer table of the
+key metrics (latest, min, trend), the alerts with their steps, PNG plots (each metric by layer over steps;
+a layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tensorboard.backend.event_processing import event_accumulator
+
+__all__ = ["KEY_METRICS", "ReportError", "RunScalars", "TableRow", "find_runs", "layer_table", "write_report"]
+
+KEY_METRICS = (
+    "attention/entropy",
+    "attention/effective_rank_ratio",
+    "attention/rank_one_residual",
+    "attention/spectral_gap",
+    "tokens/cosine_similarity",
+    "tokens/token_residual",
+    "weights/spectral_norm",
+    "jacobian/jacobian_norm",
+    "curvature/sharpness_ratio",
+)
+"""The metrics of the per-layer table, where the run logged them."""
+HEATMAP_METRIC = "attention/effective_rank_ratio"
+ALERT_TEXT_TAG = "alerts/table/text_summary"
+MONITOR_FAMILIES = ("attention", "tokens", "weights", "jacobian", "curvature", "ntk", "alerts")
+
+_PER_HEAD = re.compile(r"/head_\d+$")
+_AGGREGATE = re.compile(r"_(min|max)$")
+_DPI = 100
+
+
+class ReportError(ValueError):
+    """The log directory cannot be reported on (missing, no event files, no monitor scalars)."""
+
+
+@dataclass
+class RunScalars:
+    """The per-layer scalars of one run: (family/metric) -> layer -> (steps, values); alerts text by step."""
+
+    path: Path
+    series: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    alert_tables: list[tuple[int, str]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> RunScalars:
+        accumulator = event_accumulator.EventAccumulator(
+            str(path), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+        )
+        accumulator.Reload()
+        run = cls(path)
+        tags = accumulator.Tags()
+        for tag in tags.get("scalars", []):
+            parts = tag.split("/", 2)
+            if len(parts) != 3 or parts[0] not in MONITOR_FAMILIES or _PER_HEAD.search(tag):
+                continue
+            events = accumulator.Scalars(tag)
+            steps = np.array([event.step for event in events], dtype=np.int64)
+            values = np.array([event.value for event in events], dtype=np.float64)
+            run.series.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = (steps, values)
+        if ALERT_TEXT_TAG in tags.get("tensors", []):
+            run.alert_tables = [
+                (event.step, event.tensor_proto.string_val[0].decode())
+                for event in accumulator.Tensors(ALERT_TEXT_TAG)
+            ]
+        return run
+
+    def alert_steps(self) -> dict[str, list[tuple[int, int]]]:
+        """Each rule's (step, alerts fired at that step), from the increments of ``alerts/fired/<rule>``."""
+        fired = {}
+        for rule, (steps, counts) in self.series.get("alerts/fired", {}).items():
+            increments = np.diff(counts, prepend=0.0)
+            fired[rule] = [
+                (int(step), int(new)) for step, new in zip(steps, increments, strict=True) if new > 0
+            ]
+        return fired
+
+
+@dataclass(frozen=True)
+class TableRow:
+    layer: str
+    metric: str
+    latest: float
+    minimum: float
+    first: float
+    latest_step: int
+
+    @property
+    def trend(self) -> float:
+        """Latest minus first value."""
+        return self.latest - self.first
+
+
+def find_runs(logdir: Path) -> list[Path]:
+    """The directories under ``logdir`` (itself included) that hold TensorBoard event files."""
+    logdir = Path(logdir)
+    if not logdir.exists():
+        raise ReportError(f"LOGDIR {logdir} does not exist")
+    if not logdir.is_dir():
+        raise ReportError(f"LOGDIR {logdir} is not a directory")
+    runs = sorted({path.parent for path in logdir.rglob("events.out.tfevents*") if path.is_file()})
+    if not runs:
+        raise ReportError(f"no TensorBoard event files (events.out.tfevents*) under {logdir}")
+    return runs
+
+
+def layer_table(run: RunScalars) -> list[TableRow]:
+    """Latest, min and first value of each key metric of each layer, in layer then metric order."""
+    rows = []
+    for metric in KEY_METRICS:
+        for layer, (steps, values) in run.series.get(metric, {}).items():
+            finite = values[np.isfinite(values)]
+            rows.append(
+                TableRow(
+                    layer=layer,
+                    metric=metric,
+                    latest=float(values[-1]),
+                    minimum=float(finite.min()) if finite.size else math.nan,
+                    first=float(values[0]),
+                    latest_step=int(steps[-1]),
+                )
+            )
+    return sorted(rows, key=lambda row: (row.layer, KEY_METRICS.index(row.metric)))
+
+
+def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
+    """Read every run under ``logdir``, print its summary, write plots and ``report.md`` under ``out``
+    (default ``<logdir>/report``, one folder per run); returns the Markdown files written."""
+    logdir = Path(logdir)
+    runs = find_runs(logdir)
+    out = logdir / "report" if out is None else Path(out)
+    written = []
+    for path in runs:
+        run = RunScalars.load(path)
+        if not any(not metric.startswith("alerts/") for metric in run.series):
+            print(f"{path}: no spectral-monitor scalars, skipped")
+            continue
+        name = path.relative_to(logdir).as_posix() if path != logdir else "."
+        folder = out / name if name != "." else out
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = layer_table(run)
+        alerts = run.alert_steps()
+        print(f"\n== {path}")
+        print(_text_table(rows))
+        print(_text_alerts(alerts))
+        plots = _write_plots(run, folder)
+        markdown = folder / "report.md"
+        markdown.write_text(_markdown(path, rows, alerts, run.alert_tables, plots, folder))
+        print(f"report: {markdown} ({len(plots)} plots)")
+        written.append(markdown)
+    if not written:
+        raise ReportError(f"the event files under {logdir} hold no spectral-monitor scalars")
+    return written
+
+
+def _text_table(rows: Sequence[TableRow]) -> str:
+    header = f"{'layer':<28} {'metric':<32} {'latest':>10} {'min':>10} {'trend':>10}  step"
+    lines = [header, "-" * len(header)]
+    lines += [
+        f"{row.layer:<28} {row.metric:<32} {_fmt(row.latest):>10} {_fmt(row.minimum):>10} "
+        f"{_signed(row.trend):>10}  {row.latest_step}"
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def _text_alerts(alerts: dict[str, list[tuple[int, int]]]) -> str:
+    fired = {rule: steps for rule, steps in alerts.items() if steps}
+    if not alerts:
+        return "alerts: none recorded (alerts off, or a run from before alerts)"
+    if not fired:
+        return f"alerts: none fired ({len(alerts)} rules watched)"
+    lines = ["alerts fired:"]
+    for rule, steps in sorted(fired.items()):
+        total = sum(count for _, count in steps)
+        at = ", ".join(f"{step}" if count == 1 else f"{step} (×{count})" for step, count in steps)
+        lines.append(f"  {rule}: {total} at step{'s' if len(steps) > 1 else ''} {at}")
+    return "\n".join(lines)
+
+
+def _markdown(
+    path: Path,
+    rows: Sequence[TableRow],
+    alerts: dict[str, list[tuple[int, int]]],
+    alert_tables: list[tuple[int, str]],
+    plots: list[Path],
+    folder: Path,
+) -> str:
+    lines = [f"# spectral-monitor report: `{path}`", "", "## Per-layer summary", ""]
+    lines += [
+        "| layer | metric | latest | min | trend (latest − first) | step |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row.layer} | {row.metric} | {_fmt(row.latest)} | {_fmt(row.minimum)} | {_signed(row.trend)} | "
+        f"{row.latest_step} |"
+        for row in rows
+    ]
+    lines += ["", "## Alerts", "", _text_alerts(alerts).replace("\n  ", "\n- ")]
+    if alert_tables:
+        step, table = alert_tables[-1]
+        lines += ["", f"Last alert table written (step {step}):", "", table]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{plot.stem}]({plot.relative_to(folder).as_posix()})" for plot in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _write_plots(run: RunScalars, folder: Path) -> list[Path]:
+    plots_folder = folder / "plots"
+    plots_folder.mkdir(exist_ok=True)
+    plots = []
+    heatmap = run.series.get(HEATMAP_METRIC)
+    if heatmap:
+        plots.append(
+            _save(_layer_step_heatmap(HEATMAP_METRIC, heatmap), plots_folder / "heatmap_effective_rank.png")
+        )
+    for metric, by_layer in sorted(run.series.items()):
+        if _AGGREGATE.search(metric):
+            continue
+        plots.append(
+            _save(_metric_by_layer(metric, by_layer), plots_folder / f"{metric.replace('/', '__')}.png")
+        )
+    return plots
+
+
+def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
+    figure = Figure(figsize=(6.4, 3.6), dpi=_DPI, layout="constrained")
+    axes = figure.subplots()
+    colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
+    for (layer, (steps, values)), color in zip(sorted(by_layer.items()), colors, strict=True):
+        axes.plot(steps, values, marker=".", color=color, label=layer)
+    axes.set_xlabel("step")
+    axes.set_title(metric)
+    axes.grid(True, alpha=0.3)
+    if len(by_layer) <= 12:
+        axes.legend(fontsize="x-small")
+    return figure
+
+
+def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
+    layers = sorted(by_layer)
+    steps = sorted({int(step) for steps, _ in by_layer.values() for step in steps})
+    column = {step: index for index, step in enumerate(steps)}
+    grid = np.full((len(layers), len(steps)), np.nan)
+    for row, layer in enumerate(layers):
+        layer_steps, values = by_layer[layer]
+        for step, value in zip(layer_steps, values, strict=True):
+            grid[row, column[int(step)]] = value
+    figure = Figure(figsize=(7.2, 0.5 * len(layers) + 2.0), dpi=_DPI, layout="constrained")
+    axes = figure.subplots()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    image = axes.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
+                        interpolation="nearest")  # fmt: skip
+    ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int))
+    axes.set_xticks(ticks, [str(steps[index]) for index in ticks])
+    axes.set_yticks(range(len(layers)), layers)
+    axes.set_xlabel("step")
+    axes.set_title(f"{metric} (layer × step)")
+    figure.colorbar(image, ax=axes)
+    return figure
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    FigureCanvasAgg(figure).print_png(str(path))
+    figure.clear()
+    return path
+
+
+def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.3g}" if abs(value) >= 1000 or (value != 0 and abs(value) < 0.001) else f"{value:.3f}"
+
+
+def _signed(value: float) -> str:
+    return _fmt(value) if not math.isfinite(value) or value < 0 else "+" + _fmt(value)
