@@ -131,7 +131,7 @@ def test_single_vector_lanczos_stops_on_the_eigenvalue_error_with_fewer_products
         assert float((run.values[0] - top).abs().max()) <= tol * 10.0
     # The residual bounds the error but is about its square root: stopping on it over-solves.
     assert runs["eigenvalue"].info.products < runs["residual"].info.products
-    with pytest.raises(ValueError, match="block_size \\* max_iters"):
+    with pytest.raises(ValueError, match="max_iters must be >= k=3"):
         lanczos_eigsh(matrix[None], 3, block_size=1, max_iters=2)
 
 
@@ -167,6 +167,18 @@ def test_a_warm_start_spends_fewer_products_on_the_same_hessian() -> None:
     assert warm.sharpness == pytest.approx(cold.sharpness, rel=1e-8)
     with pytest.raises(ValueError, match="max_products must be >= k=3"):
         measure_curvature(model, loss_fn, top_k=3, max_products=2)
+
+
+def test_warm_vectors_of_a_moved_hessian_cost_one_block_over_a_cold_start_and_change_nothing() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    stale = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400).warm
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.3)
+    cold = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400)
+    warm = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400, warm=stale)
+    assert warm.products == cold.products + 3  # the two stale vectors and one random one, then cold
+    torch.testing.assert_close(warm.eigenvalues, cold.eigenvalues, rtol=0, atol=0)
 
 
 def test_adam_preconditioned_sharpness_matches_the_explicit_scaled_hessian() -> None:

@@ -141,8 +141,12 @@ def lanczos_eigsh(
     width = min(block_size if block_size is not None else max(2 * k, 4), n)
     if width < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if width * max_iters < k:
-        raise ValueError(f"block_size * max_iters must be >= k={k}, got {width} * {max_iters}")
+    warm_width = 0 if init is None else init.shape[-1]
+    if (width + warm_width) * max_iters < k:
+        raise ValueError(
+            f"(block_size + warm vectors) * max_iters must be >= k={k}, "
+            f"got ({width} + {warm_width}) * {max_iters}"
+        )
 
     start = gaussian((batch, n, width), dtype=work, device=op.device, generator=generator)
     if init is not None:
