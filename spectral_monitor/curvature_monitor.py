@@ -101,7 +101,7 @@ class CurvatureOptions:
             block name to ``fnmatch`` patterns over parameter names. Each block is its own layer.
         whole_model: measure the Hessian over every trainable parameter (layer ``"model"``).
         max_products: Hessian-vector products each Lanczos run may spend per event.
-        tol: relative Ritz residual at which Lanczos stops.
+        tol: estimated eigenvalue error, relative to the largest |eigenvalue|, at which Lanczos stops.
         method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
     """
 
@@ -157,6 +157,10 @@ class CurvatureOptions:
         _check(isinstance(self.whole_model, bool), f"whole_model must be a bool, got {self.whole_model!r}")
         _check(self.whole_model or bool(self.blocks), "whole_model=False needs blocks to measure")
         _check(_is_int(self.max_products, 2), f"max_products must be an int >= 2, got {self.max_products!r}")
+        _check(
+            self.max_products >= self.top_k,
+            f"max_products must be >= top_k={self.top_k}, got {self.max_products!r}",
+        )
         _check(
             isinstance(self.tol, float) and 0 < self.tol < 1,
             f"tol must be a float in (0, 1), got {self.tol!r}",
