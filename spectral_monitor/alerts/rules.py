@@ -405,13 +405,13 @@ staying well above it means the step size no longer fits the curvature and the l
 Calibrated on real runs (curvature on; tests/test_alerts_runs.py). Healthy: full-batch GD at η = 0.55 on the
 tanh regression of tests/test_curvature_callback.py sharpens from ratio 0.53 to the edge and stays there
 (≤ 1.04 over 400 steps, every 20); configs/demo.yaml with AdamW (every 25, 300 steps) reads 0.07–1.06.
-Broken: the same GD run with η raised 2.5× at step 100 reads 2.2–2.4 from the next evaluation and fires
-before the loss moves (the loss then explodes and goes NaN); GD started at η = 1.7–2.0 (ratio 1.6–1.9 at
-step 0) reads 3–5 by step 3 and diverges within 20 steps. ``start_step=10``: Adam's preconditioned
-sharpness is 1.5–4.1× its edge on steps 1–4 of a healthy tiny demo run measured every step (its v̂ holds a
-handful of gradients, and the momentum EMA behind the (2+2β₁)/((1−β₁)η) edge needs ≈ 1/(1−β₁) = 10 steps
-to settle), then 0.10–0.18. The price: a GD run already diverging within its first 10 steps is left to
-``non_finite`` and the loss curve. A one-off catapult (GD at η = 1.5: ratio 2.2 at steps 4–9, then
+Broken: the same GD run with η raised 2.5× at step 100 reads 2.2–2.3 from the next evaluation (every 4
+steps) and fires at step 111 while the loss is still below its step-99 value; it explodes 9 steps later and
+goes NaN. GD started at η = 1.7–2.0 (ratio 1.6–1.9 at step 0) reads 4–10 by step 3 and overflows by
+step 23. ``start_step=10``: Adam's preconditioned sharpness is 1.5–4.1× its edge on steps 1–4 of a healthy
+tiny demo run measured every step (its v̂ holds a handful of gradients, and the momentum EMA behind the
+(2+2β₁)/((1−β₁)η) edge needs ≈ 1/(1−β₁) = 10 steps to settle), then 0.10–0.18. The price: a GD run
+already diverging within its first 10 steps is left to ``non_finite`` and the loss curve. A one-off catapult (GD at η = 1.5: ratio 2.2 at steps 4–9, then
 oscillating 1.0–1.6 while the loss converges) does not fire at every 5 steps."""
 
 JACOBIAN_EXPLOSION = Rule(
