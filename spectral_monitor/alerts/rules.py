@@ -411,8 +411,9 @@ goes NaN. GD started at η = 1.7–2.0 (ratio 1.6–1.9 at step 0) reads 4–10 
 step 23. ``start_step=10``: Adam's preconditioned sharpness is 1.5–4.1× its edge on steps 1–4 of a healthy
 tiny demo run measured every step (its v̂ holds a handful of gradients, and the momentum EMA behind the
 (2+2β₁)/((1−β₁)η) edge needs ≈ 1/(1−β₁) = 10 steps to settle), then 0.10–0.18. The price: a GD run
-already diverging within its first 10 steps is left to ``non_finite`` and the loss curve. A one-off catapult (GD at η = 1.5: ratio 2.2 at steps 4–9, then
-oscillating 1.0–1.6 while the loss converges) does not fire at every 5 steps."""
+already diverging within its first 10 steps is left to ``non_finite`` and the loss curve. A one-off
+catapult (GD at η = 1.5: ratio 2.2 at steps 4–9, then oscillating 1.0–1.6 while the loss converges) does
+not fire at every 5 steps."""
 
 JACOBIAN_EXPLOSION = Rule(
     name="jacobian_explosion",
