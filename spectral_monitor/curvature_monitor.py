@@ -419,8 +419,10 @@ class SecondOrderProbes:
     def _measure_curvature(
         self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
     ) -> None:
-        if self._spaces is None:
+        if self._spaces is None or not _spaces_still_current(self._spaces, module):
+            # First use, or the model changed (a block removed, a weight replaced): measure it as it now is.
             self._spaces = self.curvature.spaces(module)
+            self._curvature_warm.clear()
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         options = self.curvature
         for layer, space in self._spaces.items():
@@ -500,6 +502,15 @@ class SecondOrderProbes:
             ("ntk_effective_rank", estimate.effective_rank),
         ):
             event.measurements.append(Measurement(step, "ntk", metric, WHOLE_MODEL, value))
+
+
+def _spaces_still_current(spaces: dict[str, ParameterSpace], module: nn.Module) -> bool:
+    shapes = {id(parameter): parameter.shape for parameter in module.parameters()}
+    return all(
+        shapes.get(id(parameter)) == parameter.shape
+        for space in spaces.values()
+        for parameter in space.parameters
+    )
 
 
 def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -> list[Measurement]:

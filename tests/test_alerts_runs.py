@@ -151,9 +151,13 @@ def test_non_finite_fires_on_the_step_a_nan_is_injected(tmp_path: Path, stop: bo
     assert {(event.rule, event.kind, event.severity) for event in at_injection} == {
         ("non_finite", "fired", "critical")
     }
-    # The NaN in blocks.0's MLP reaches block 0's output and block 1's attention in the same forward. (The
-    # weight itself is not reported: the weight probe fails on a NaN weight instead of writing NaN.)
-    assert {event.layer for event in at_injection} == {"blocks.0", "blocks.1", "blocks.1.attention"}
+    # The NaN weight itself, and what it reaches in the same forward: block 0's output, block 1's attention.
+    assert {event.layer for event in at_injection} == {
+        "blocks.0.mlp.0",
+        "blocks.0",
+        "blocks.1",
+        "blocks.1.attention",
+    }
     assert trainer.global_step == (4 if stop else 6)
     assert trainer.callbacks[1].state_dict()["alerts"]["history"][0]["step"] == 3
 

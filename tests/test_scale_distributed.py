@@ -112,7 +112,11 @@ def test_lightning_ddp_every_family_written_once_by_rank_zero(tmp_path: Path, st
             tags = [tag for tag in scalar_tags if tag.startswith(f"{family}/")]
             assert tags, f"nothing of {family} was written"
             for tag in tags:  # each logging step once: no rank wrote a second copy
-                assert [event.step for event in accumulator.Scalars(tag)] == expected_steps, tag
+                steps = [event.step for event in accumulator.Scalars(tag)]
+                if "head_diversity" in tag:  # its own cadence: every few logging steps
+                    assert len(set(steps)) == len(steps) and set(steps) <= set(expected_steps), tag
+                    continue
+                assert steps == expected_steps, tag
     assert "weights/spectral_norm/blocks.0.attention.q" in scalar_tags
 
     # What rank 0 wrote is rank 0's measurement: its first batch holds rows 0 and 2.

@@ -173,10 +173,25 @@ class AlertEngine:
         relative = self._relative_values(records)
         lengths = _attention_lengths(records)
         events = []
+        by_metric: dict[str, list[Measurement]] = {}
+        for record in records:
+            by_metric.setdefault(f"{record.family}/{record.metric}", []).append(record)
         for rule in self.rules:
             if step < rule.start_step:
                 continue
-            for (layer, head), (units, are_heads) in _units_of(rule, records, relative).items():
+            # Only the records some condition of the rule reads (and their head _min/_max aggregates, which
+            # _worst_head_view reads): a few metrics among hundreds of tags.
+            read = [
+                record
+                for family_metric, group in by_metric.items()
+                if any(
+                    condition.matches(name)
+                    for condition in rule.conditions
+                    for name in (family_metric, family_metric.removesuffix("_min").removesuffix("_max"))
+                )
+                for record in group
+            ]
+            for (layer, head), (units, are_heads) in _units_of(rule, read, relative).items():
                 events += self._advance(rule, step, layer, head, units, are_heads, lengths.get(layer))
         self.history = (self.history + events)[-HISTORY_LIMIT:]
         return events
@@ -293,15 +308,22 @@ class AlertEngine:
         read = [c for rule in self.rules for c in rule.conditions if c.relative_to in ("first", "median")]
         across_depth = [c for rule in self.rules for c in rule.conditions if c.relative_to == "depth"]
         first_layer: dict[str, float] = {}
-        for record in records:
-            family_metric = f"{record.family}/{record.metric}"
-            if record.head is None and any(c.matches(family_metric) for c in across_depth):
-                baseline = first_layer.setdefault(family_metric, record.value)
-                ratios["depth"][record.tag] = record.value - baseline
+        if across_depth:
+            for record in records:
+                family_metric = f"{record.family}/{record.metric}"
+                if record.head is None and any(c.matches(family_metric) for c in across_depth):
+                    baseline = first_layer.setdefault(family_metric, record.value)
+                    ratios["depth"][record.tag] = record.value - baseline
+        if not read:
+            return ratios
+        is_read: dict[str, bool] = {}
         for record in records:
             if not math.isfinite(record.value):
                 continue
-            if not any(c.matches(f"{record.family}/{record.metric}") for c in read):
+            family_metric = f"{record.family}/{record.metric}"
+            if family_metric not in is_read:
+                is_read[family_metric] = any(c.matches(family_metric) for c in read)
+            if not is_read[family_metric]:
                 continue
             tag = record.tag
             first = self._first.setdefault(tag, record.value)

@@ -109,9 +109,9 @@ def lanczos_eigsh(
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
     Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair has
-    residual ≤ ``tol`` · max|θ|; the eigenvalue error is then at most that and usually its square over the
-    spectral gap. ``init`` (B, n, r) warm-starts from earlier vectors (the module docstring says why it
-    is safe).
+    residual ≤ ``tol`` · max|θ| (the eigenvalue error is then at most that and usually its square over the
+    spectral gap), or with NaN values, not converged, when a product of it is non-finite. ``init`` (B, n, r)
+    warm-starts from earlier vectors (the module docstring says why it is safe).
     ``max_iters`` caps block iterations; ``info`` says what each element reached.
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
@@ -164,6 +164,17 @@ def lanczos_eigsh(
     for iteration in range(1, max_iters + 1):
         w = apply(active_op, q)
         products += q.shape[2] * active.numel()
+        # A non-finite product (a NaN in a Hessian, a poisoned matrix) ends that element with NaN values;
+        # zeroing its block keeps the batched small eigenproblems finite for the others.
+        broken = ~torch.isfinite(w).flatten(1).all(dim=1) & ~settled
+        if bool(broken.any()):
+            w = torch.where(broken[:, None, None], torch.zeros_like(w), w)
+            done = active[broken]
+            residual[done] = float("nan")
+            iterations[done] = iteration
+            settled = settled | broken
+            if bool(settled.all()):
+                break
         scale = torch.maximum(scale, w.norm(dim=1).amax(dim=1))
         alpha = q.transpose(1, 2) @ w
         alpha = (alpha + alpha.transpose(1, 2)) / 2
