@@ -323,6 +323,7 @@ class SpectralMonitor(Callback):
     ) -> None:
         self._abandon_step()  # a batch whose end hook never ran (its module hook returned -1)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        probed = _LoggingStep(step, False)
         if self._second_order is not None:
             event = self._second_order.on_train_batch_start(trainer, pl_module, batch, batch_idx, step)
             broken = sorted(
@@ -334,13 +335,17 @@ class SpectralMonitor(Callback):
                     f"non-finite second-order measurements at step {step}: {', '.join(broken)} are NaN or "
                     "inf (the probe batch's loss or gradient is)",
                 )
-            if event.measurements:
-                self._write(_LoggingStep(step, False, measurements=event.measurements, figures=event.figures))
+            probed = _LoggingStep(step, False, measurements=event.measurements, figures=event.figures)
         if not self._is_logging_step(step):
+            if probed.measurements:  # the opt-in probes' own cadence: their alerts cannot wait
+                self._evaluate_alerts(trainer, probed)
+                self._write(probed)
             return
         self._last_logged_step = step
         costly = self._figures_due()
         progress = _LoggingStep(step, draw_figures=costly and self._kept(Capability.FIGURES))
+        progress.measurements += probed.measurements  # judged and written with the rest of this step
+        progress.figures += probed.figures
         self._in_progress = progress
         if self._weight_probe is not None:
             # Every rank enters: gathering FSDP shards is a collective (spectral_monitor.distributed).
@@ -380,12 +385,7 @@ class SpectralMonitor(Callback):
                 with self._reports.failures_of("computing the token metrics"):
                     self._measure_tokens(progress)
         progress.attention = progress.residual = None  # the recordings are not kept past this step
-        alerts = AlertStep()
-        with self._reports.failures_of("evaluating the alerts"):
-            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
-        self._alerting.stop_if_asked(trainer, alerts.stop)  # outside: every rank must enter the collective
-        progress.measurements += alerts.records
-        progress.alert_text = alerts.text
+        self._evaluate_alerts(trainer, progress)
         self._write(progress)
         self._logging_steps_done += 1
 
@@ -432,6 +432,14 @@ class SpectralMonitor(Callback):
             self._parked_weight_state = weight_state  # loaded when on_fit_start makes the probe
         else:
             self._weight_probe.load_state_dict(weight_state)
+
+    def _evaluate_alerts(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
+        alerts = AlertStep()
+        with self._reports.failures_of("evaluating the alerts"):
+            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
+        self._alerting.stop_if_asked(trainer, alerts.stop)  # outside: every rank must enter the collective
+        progress.measurements += alerts.records
+        progress.alert_text = alerts.text
 
     def _is_logging_step(self, step: int) -> bool:
         if step == self._last_logged_step:  # later micro-batches of an accumulated step
