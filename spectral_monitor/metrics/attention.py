@@ -224,7 +224,6 @@ def _one_pass_metrics(
     """The members that need a pass over A: entropy, rank-one residual, self-attention, Dobrushin, ‖A‖_F."""
     batch, n, m = matrices.shape
     work = matrices.dtype
-    nan = torch.full((batch,), float("nan"), dtype=work, device=matrices.device)
     # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
     # denormal; about twice as fast as ``xlogy`` on CPU (one temporary, updated in place).
     row_entropy = -torch.add(matrices, torch.finfo(work).tiny).log_().mul_(matrices).sum(dim=2)
@@ -235,10 +234,11 @@ def _one_pass_metrics(
     frobenius = torch.linalg.vector_norm(matrices, dim=(1, 2))
     residual = rank_one_residual(torch.linalg.vector_norm(centred, dim=(1, 2)), frobenius)
 
-    if n == m:
-        self_attention = matrices.diagonal(dim1=1, dim2=2).sum(dim=1) / valid_rows.clamp_min(1)
-    else:
-        self_attention = nan
+    self_attention = (
+        matrices.diagonal(dim1=1, dim2=2).sum(dim=1) / valid_rows.clamp_min(1)
+        if n == m
+        else torch.full((batch,), float("nan"), dtype=work, device=matrices.device)
+    )
     return {
         "entropy": entropy,
         "rank_one_residual": residual,
