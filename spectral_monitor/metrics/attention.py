@@ -285,19 +285,24 @@ def rank_one_residual(centred_norm: Tensor, frobenius: Tensor) -> Tensor:
 def _dobrushin(matrices: Tensor, queries: Tensor, *, exact: bool) -> Tensor:
     """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁."""
     if exact:
-        values = []
-        for matrix, valid in zip(matrices, queries, strict=True):
-            rows = matrix[valid]
-            values.append(
-                torch.cdist(rows[None], rows[None], p=1).amax() / 2 if rows.shape[0] else matrix.new_zeros(())
-            )
-        return torch.stack(values)
+        return exact_dobrushin(matrices, queries)
     return farthest_point_dobrushin(
         lambda anchor: torch.cdist(
             matrices, matrices[torch.arange(matrices.shape[0]), anchor][:, None, :], p=1
         ).squeeze(2),
         queries,
     )
+
+
+def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
+    """½ max over all valid row pairs of ‖Aᵢ − Aⱼ‖₁ (B,), from every pairwise distance."""
+    values = []
+    for matrix, valid in zip(matrices, queries, strict=True):
+        rows = matrix[valid]
+        values.append(
+            torch.cdist(rows[None], rows[None], p=1).amax() / 2 if rows.shape[0] else matrix.new_zeros(())
+        )
+    return torch.stack(values)
 
 
 def farthest_point_dobrushin(distances_from: Callable[[Tensor], Tensor], queries: Tensor) -> Tensor:
