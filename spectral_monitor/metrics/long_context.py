@@ -274,29 +274,38 @@ class SoftmaxAttentionOperator(BatchedOperator):
         for start in range(0, self.rows, self.block_rows):
             yield start, min(start + self.block_rows, self.rows)
 
-    def logits(self, start: int, stop: int) -> Tensor:
-        """The masked logits of rows ``start:stop``: (B, stop − start, m), ``-inf`` where not attendable."""
-        logits = torch.bmm(self.q[:, start:stop], self.k.transpose(1, 2)).mul_(self.scale)
+    def logits(self, start: int, stop: int, width: int | None = None) -> Tensor:
+        """The masked logits of rows ``start:stop`` and the first ``width`` keys (all by default):
+        (B, stop − start, width), ``-inf`` where not attendable."""
+        width = self.cols if width is None else width
+        logits = torch.bmm(self.q[:, start:stop], self.k[:, :width].transpose(1, 2)).mul_(self.scale)
         if self.bias is not None:
-            logits.add_(self.bias.rows(start, stop, self.dtype))
+            logits.add_(self.bias.rows(start, stop, self.dtype)[:, :, :width])
         if not self.all_keys:
-            logits.masked_fill_(~self.key_mask[:, None, :], -math.inf)
+            logits.masked_fill_(~self.key_mask[:, None, :width], -math.inf)
         if self.causal:
             future = (
-                torch.arange(self.cols, device=self.device)[None, :]
+                torch.arange(width, device=self.device)[None, :]
                 > torch.arange(start, stop, device=self.device)[:, None]
             )
             logits.masked_fill_(future, -math.inf)
         return logits
 
-    def probabilities(self, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` of A: (B, stop − start, m), a fresh tensor the caller may overwrite."""
-        return self.logits(start, stop).sub_(self.log_normaliser[:, start:stop, None]).exp_()
+    def probabilities(self, start: int, stop: int, width: int | None = None) -> Tensor:
+        """Rows ``start:stop`` of A (first ``width`` columns): (B, stop − start, width), a fresh tensor the
+        caller may overwrite."""
+        return self.logits(start, stop, width).sub_(self.log_normaliser[:, start:stop, None]).exp_()
+
+    def _attended_width(self, stop: int) -> int:
+        """Columns that rows before ``stop`` can attend: causal rows i < stop see keys j ≤ i only, which
+        halves the work of a causal product."""
+        return min(stop, self.cols) if self.causal else self.cols
 
     def _log_normaliser(self) -> Tensor:
         normaliser = torch.empty((self.batch, self.rows), dtype=self.dtype, device=self.device)
         for start, stop in self.blocks():
-            normaliser[:, start:stop] = torch.logsumexp(self.logits(start, stop), dim=2)
+            logits = self.logits(start, stop, self._attended_width(stop))
+            normaliser[:, start:stop] = torch.logsumexp(logits, dim=2)
         zero_rows = ~self.query_mask | torch.isneginf(normaliser)
         return normaliser.masked_fill_(zero_rows, math.inf)
 
@@ -304,7 +313,8 @@ class SoftmaxAttentionOperator(BatchedOperator):
         x = x.to(self.dtype)
         out = x.new_empty((self.batch, self.rows, x.shape[2]))
         for start, stop in self.blocks():
-            torch.bmm(self.probabilities(start, stop), x, out=out[:, start:stop])
+            width = self._attended_width(stop)
+            torch.bmm(self.probabilities(start, stop, width), x[:, :width], out=out[:, start:stop])
         return out
 
     def rmatmat(self, y: Tensor) -> Tensor:
@@ -312,7 +322,10 @@ class SoftmaxAttentionOperator(BatchedOperator):
         y = y.to(self.dtype)
         transposed = y.new_zeros((self.batch, y.shape[2], self.cols))
         for start, stop in self.blocks():
-            transposed.baddbmm_(y[:, start:stop].transpose(1, 2), self.probabilities(start, stop))
+            width = self._attended_width(stop)
+            transposed[:, :, :width].baddbmm_(
+                y[:, start:stop].transpose(1, 2), self.probabilities(start, stop, width)
+            )
         return transposed.transpose(1, 2)
 
     def gram_matmat(self, x: Tensor) -> Tensor:
@@ -320,8 +333,9 @@ class SoftmaxAttentionOperator(BatchedOperator):
         x = x.to(self.dtype)
         transposed = x.new_zeros((self.batch, x.shape[2], self.cols))
         for start, stop in self.blocks():
-            block = self.probabilities(start, stop)
-            transposed.baddbmm_(torch.bmm(block, x).transpose(1, 2), block)
+            width = self._attended_width(stop)
+            block = self.probabilities(start, stop, width)
+            transposed[:, :, :width].baddbmm_(torch.bmm(block, x[:, :width]).transpose(1, 2), block)
         return transposed.transpose(1, 2)
 
     def rows_at(self, index: Tensor) -> Tensor:
