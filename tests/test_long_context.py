@@ -289,7 +289,10 @@ FIT_PROBE = textwrap.dedent(
         peaks.append(status("VmHWM") - baseline)
 
     SpectralMonitor._measure_attention = measured
-    model = DemoTransformer(vocab_size=16, d_model=32, n_layers=1, n_heads=2, seq_len=n, causal=True)
+    # Peaked attention (init_std 0.3): near-uniform causal attention (the default init) needs all twelve
+    # quadrature rounds for its effective rank, about 100 s per head at this n on a loaded core.
+    model = DemoTransformer(vocab_size=16, d_model=32, n_layers=1, n_heads=2, seq_len=n, causal=True,
+                            init_std=0.3)
     tokens = torch.randint(16, (1, n), generator=torch.Generator().manual_seed(0))
     monitor = SpectralMonitor(every_n_steps=1, families=("attention",), max_sequences=1, strict=True,
                               memory_budget_mb=budget_mb, figures_every_n_logs=1, preflight=False)
@@ -335,7 +338,7 @@ def test_a_fit_at_4096_tokens_measures_attention_blockwise_under_the_budget(tmp_
         for metric in ("entropy", "sigma1", "spectral_gap", "effective_rank_ratio", "rank_one_residual")
     }
     assert f"attention/eigen_gap/{layer}" not in tags  # causal: undefined, not written
-    assert 0.9 < value["entropy"] <= 1.0  # a freshly initialised model attends almost uniformly
+    assert 0 < value["entropy"] <= 1.0
     assert value["sigma1"] >= 1.0
     assert 0 < value["effective_rank_ratio"] <= 1 and 0 <= value["spectral_gap"] <= 1
     assert 0 <= value["rank_one_residual"] <= 1
