@@ -59,6 +59,7 @@ from spectral_monitor.probes import (
     AttentionCapture,
     AttentionRecording,
     AttentionSample,
+    CapturedAttention,
     ResidualCapture,
     ResidualRecording,
     SkippedCapture,
@@ -146,7 +147,9 @@ class SpectralMonitor(Callback):
         exclude: patterns of module names not to measure; applied after ``include``.
         max_sequences: sequences of the batch captured (the first ones: no random numbers drawn).
         memory_budget_mb: most memory the attention capture may hold; over it fewer sequences, then heads,
-            then layers are kept, with a warning.
+            then layers are kept, with a warning. A layer whose probabilities would not fit it, or with at
+            least ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, is measured from q and k in blocks within what is
+            left of it (``attention_metrics_from_qk``), and left out of the figures and head diversity.
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
             each head's rows of W_Q, W_K, W_V (histograms show the attention heads either way).
         histograms: write histograms of per-head values and of weight singular values.
@@ -484,22 +487,29 @@ class SpectralMonitor(Callback):
         for captured in recording.captured:
             if not self._selected(captured.layer):
                 continue
-            sample = captured.sample()
-            per_head = self._attention_per_head(progress.step, sample)
-            diversity_samples.append(sample)
+            # Long or over-budget attention is measured from q and k in blocks; the figures and head
+            # diversity, which need whole matrices, leave that layer out.
+            budget = int(self.memory_budget_mb * 2**20)
+            sample = None if captured.measured_blockwise(budget) else captured.sample()
+            per_head = self._attention_per_head(
+                progress.step, captured, sample, budget - recording.nbytes(budget)
+            )
             progress.measurements += _layer_measurements(
-                progress.step, "attention", sample.layer, per_head, self.per_head
+                progress.step, "attention", captured.layer, per_head, self.per_head
             )
             if write_histograms:
                 # "_per_head": a histogram tag equal to a scalar tag hides the scalar in TensorBoard's
                 # default (fast) loader, which keeps one data class per tag.
                 progress.distributions += [
                     Distribution(
-                        progress.step, "attention", f"{metric}_per_head", sample.layer, head_values.numpy()
+                        progress.step, "attention", f"{metric}_per_head", captured.layer, head_values.numpy()
                     )
                     for metric, head_values in per_head.items()
                     if metric in HISTOGRAM_METRICS
                 ]
+            if sample is None:
+                continue
+            diversity_samples.append(sample)
             if progress.draw_figures and sample.probs[0, _FIGURE_HEAD].isfinite().all():
                 drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
         if drawn_heads:
@@ -538,26 +548,34 @@ class SpectralMonitor(Callback):
             with self._reports.failures_of(f"writing the preflight to {type(sink).__name__}"):
                 sink.write_text("preflight", preflight_markdown(findings), trainer.global_step)
 
-    def _attention_per_head(self, step: int, sample: AttentionSample) -> dict[str, Tensor]:
-        """Each defined metric of one layer as (heads,) float64 on the CPU, averaged over the sequences."""
-        heads = sample.probs.shape[1]
-        state = self._krylov_states.setdefault(sample.layer, KrylovState())
-        if state.vectors is not None and state.vectors.device != sample.probs.device:  # from a checkpoint
-            state.vectors = state.vectors.to(sample.probs.device)
-        metrics = attention_metrics(
-            sample.probs,
-            key_mask=_per_head(sample.key_mask, heads),
-            query_mask=_per_head(sample.query_mask, heads),
-            causal=sample.causal,
-            method=self.metric_method,
-            state=state,
-        )
+    def _attention_per_head(
+        self, step: int, captured: CapturedAttention, sample: AttentionSample | None, working_bytes: int
+    ) -> dict[str, Tensor]:
+        """Each defined metric of one layer as (heads,) float64 on the CPU, averaged over the sequences:
+        from the dense ``sample``, or blockwise from q and k within ``working_bytes`` when it is None."""
+        state = self._krylov_states.setdefault(captured.layer, KrylovState())
+        if state.vectors is not None and state.vectors.device != captured.q.device:  # from a checkpoint
+            state.vectors = state.vectors.to(captured.q.device)
+        if sample is None:
+            metrics = captured.blockwise_metrics(
+                method=self.metric_method, max_bytes=max(working_bytes, 2**20), state=state
+            )
+        else:
+            heads = sample.probs.shape[1]
+            metrics = attention_metrics(
+                sample.probs,
+                key_mask=_per_head(sample.key_mask, heads),
+                query_mask=_per_head(sample.query_mask, heads),
+                causal=sample.causal,
+                method=self.metric_method,
+                state=state,
+            )
         nonfinite = metrics["nonfinite"]
         if nonfinite.any():
             self._reports.problem(
                 "non-finite attention",
-                f"non-finite attention in {sample.layer} at step {step}: its probabilities hold NaN or inf, "
-                "so its metrics are written as NaN",
+                f"non-finite attention in {captured.layer} at step {step}: its probabilities hold NaN or inf "
+                "(or its q and k do), so its metrics are written as NaN",
             )
         per_head = {}
         for metric in ATTENTION_METRICS:

@@ -46,6 +46,11 @@ class BatchedOperator:
             return self.matmat(y)
         raise NotImplementedError(f"{type(self).__name__} does not implement transposed products")
 
+    def gram_matmat(self, x: Tensor) -> Tensor:
+        """``AᵀA x``: two products by default; an operator that can form both in one sweep over A (a blocked
+        attention that recomputes each block of rows) overrides it."""
+        return self.rmatmat(self.matmat(x))
+
     def restrict(self, index: Tensor) -> BatchedOperator | None:
         """The operator for the batch elements ``index`` only, or ``None`` if that is not cheaper.
 
@@ -142,7 +147,7 @@ class GramOperator(BatchedOperator):
 
     def matmat(self, x: Tensor) -> Tensor:
         if self.side == "right":
-            return self.base.rmatmat(self.base.matmat(x))
+            return self.base.gram_matmat(x)
         return self.base.matmat(self.base.rmatmat(x))
 
     def restrict(self, index: Tensor) -> GramOperator | None:

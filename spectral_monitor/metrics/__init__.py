@@ -6,6 +6,7 @@ The one definition of each metric lives here; nothing else in the package re-der
 from spectral_monitor.metrics._common import ENERGY_LEVEL, METHODS
 from spectral_monitor.metrics.attention import METRIC_NAMES as ATTENTION_METRICS
 from spectral_monitor.metrics.attention import KrylovState, attention_metrics
+from spectral_monitor.metrics.long_context import attention_metrics_from_qk
 from spectral_monitor.metrics.tokens import token_metrics
 from spectral_monitor.metrics.weights import marchenko_pastur_edge, weight_metrics
 
@@ -15,6 +16,7 @@ __all__ = [
     "METHODS",
     "KrylovState",
     "attention_metrics",
+    "attention_metrics_from_qk",
     "marchenko_pastur_edge",
     "token_metrics",
     "weight_metrics",

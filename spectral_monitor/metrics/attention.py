@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from spectral_monitor.linalg import DenseOperator, GramOperator, lanczos_quadrature, top_singular
+from spectral_monitor.linalg import (
+    BatchedOperator,
+    DenseOperator,
+    GramOperator,
+    lanczos_quadrature,
+    top_singular,
+)
 from spectral_monitor.linalg.lanczos import orthonormal_columns, reorthogonalise
 from spectral_monitor.linalg.operators import default_generator, gaussian, rademacher
 from spectral_monitor.linalg.quadrature import QuadratureNodes
@@ -149,11 +155,35 @@ def attention_metrics(
         for part in _cache_sized_parts(matrices)
     ]
     metrics = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
-    exact = method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE)
-    spectral = (_exact_spectral_metrics if exact else _krylov_spectral_metrics)(
-        matrices, queries, keys, causal, include_rank_sums, state, generator
-    )
-    metrics.update(spectral)
+    if method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE):
+        metrics.update(_exact_spectral_metrics(matrices, causal, include_rank_sums))
+    else:
+        metrics.update(
+            krylov_spectral_metrics(
+                DenseOperator(matrices),
+                queries,
+                causal,
+                include_rank_sums,
+                metrics["frobenius"].square(),
+                state,
+                generator,
+            )
+        )
+    return finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+
+
+def finished_metrics(
+    metrics: dict[str, Tensor],
+    valid_rows: Tensor,
+    valid_keys: Tensor,
+    nonfinite: Tensor,
+    batch_shape: torch.Size,
+) -> dict[str, Tensor]:
+    """The one-pass and spectral members (B,) joined into the catalogue's set, shaped ``batch_shape``.
+
+    Shared by every way of computing the members (dense probabilities, blocked products from q and k), so the
+    derived metrics have one definition.
+    """
     metrics["spectral_gap"] = 1 - metrics["sigma2"] / metrics["sigma1"]
     metrics["stable_rank"] = stable_rank(metrics.pop("frobenius").square(), metrics["sigma1"])
     metrics["effective_rank_ratio"] = metrics["effective_rank"] / torch.minimum(
@@ -196,32 +226,21 @@ def _one_pass_metrics(
     """The members that need a pass over A: entropy, rank-one residual, self-attention, Dobrushin, ‖A‖_F."""
     batch, n, m = matrices.shape
     work = matrices.dtype
-    nan = torch.full((batch,), float("nan"), dtype=work, device=matrices.device)
-    if causal:
-        allowed = torch.ones((n, m), dtype=torch.bool, device=matrices.device).tril()
-        keys_per_row = keys.to(work) @ allowed.to(work).T
-    else:
-        keys_per_row = keys.sum(dim=1, keepdim=True).to(work).expand(batch, n)
     # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
     # denormal; about twice as fast as ``xlogy`` on CPU (one temporary, updated in place).
     row_entropy = -torch.add(matrices, torch.finfo(work).tiny).log_().mul_(matrices).sum(dim=2)
-    counted = queries & (keys_per_row >= 2)
-    normalised = row_entropy / torch.where(counted, keys_per_row, torch.full_like(keys_per_row, math.e)).log()
-    rows_counted = counted.sum(dim=1)
-    entropy = torch.where(
-        rows_counted > 0, (normalised * counted).sum(dim=1) / rows_counted.clamp_min(1), nan
-    )
+    entropy = normalised_entropy(row_entropy, keys, queries, causal)
 
     mean_row = matrices.sum(dim=1) / valid_rows.clamp_min(1)[:, None]
     centred = matrices - queries[:, :, None] * mean_row[:, None, :]
     frobenius = torch.linalg.vector_norm(matrices, dim=(1, 2))
-    centred_norm = torch.linalg.vector_norm(centred, dim=(1, 2))
-    residual = torch.where(frobenius > 0, centred_norm / frobenius.clamp_min(torch.finfo(work).tiny), nan)
+    residual = rank_one_residual(torch.linalg.vector_norm(centred, dim=(1, 2)), frobenius)
 
-    if n == m:
-        self_attention = matrices.diagonal(dim1=1, dim2=2).sum(dim=1) / valid_rows.clamp_min(1)
-    else:
-        self_attention = nan.clone()
+    self_attention = (
+        matrices.diagonal(dim1=1, dim2=2).sum(dim=1) / valid_rows.clamp_min(1)
+        if n == m
+        else torch.full((batch,), float("nan"), dtype=work, device=matrices.device)
+    )
     return {
         "entropy": entropy,
         "rank_one_residual": residual,
@@ -231,38 +250,81 @@ def _one_pass_metrics(
     }
 
 
+def normalised_entropy(row_entropy: Tensor, keys: Tensor, queries: Tensor, causal: bool) -> Tensor:
+    """Mean over counted queries of Hᵢ / log(keys of row i): (B,) from the rows' entropies (B, n).
+
+    A row counts when its query is valid and it has at least two keys (j ≤ i among the valid ones when
+    ``causal``); NaN where no row counts.
+    """
+    work = row_entropy.dtype
+    n = row_entropy.shape[1]
+    valid_keys = keys.to(work)
+    if causal:
+        # Row i sees keys 0..i: the running count, clamped at the last key (rows past m see all of them).
+        running = valid_keys.cumsum(dim=1)
+        rows = torch.arange(n, device=keys.device).clamp_max(keys.shape[1] - 1)
+        keys_per_row = running[:, rows]
+    else:
+        keys_per_row = valid_keys.sum(dim=1, keepdim=True).expand(-1, n)
+    counted = queries & (keys_per_row >= 2)
+    normalised = row_entropy / torch.where(counted, keys_per_row, torch.full_like(keys_per_row, math.e)).log()
+    rows_counted = counted.sum(dim=1)
+    return torch.where(
+        rows_counted > 0,
+        (normalised * counted).sum(dim=1) / rows_counted.clamp_min(1),
+        torch.full_like(row_entropy[:, 0], float("nan")),
+    )
+
+
+def rank_one_residual(centred_norm: Tensor, frobenius: Tensor) -> Tensor:
+    """‖A − 1āᵀ‖_F / ‖A‖_F from its two norms; NaN for the zero matrix."""
+    tiny = torch.finfo(frobenius.dtype).tiny
+    return torch.where(
+        frobenius > 0, centred_norm / frobenius.clamp_min(tiny), torch.full_like(frobenius, float("nan"))
+    )
+
+
 def _dobrushin(matrices: Tensor, queries: Tensor, *, exact: bool) -> Tensor:
     """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁."""
     if exact:
-        values = []
-        for matrix, valid in zip(matrices, queries, strict=True):
-            rows = matrix[valid]
-            values.append(
-                torch.cdist(rows[None], rows[None], p=1).amax() / 2 if rows.shape[0] else matrix.new_zeros(())
-            )
-        return torch.stack(values)
-    # Farthest-point walk: the row farthest from any row r is at least half the diameter away from r.
-    best = matrices.new_zeros(matrices.shape[0])
+        return exact_dobrushin(matrices, queries)
+    return farthest_point_dobrushin(
+        lambda anchor: torch.cdist(
+            matrices, matrices[torch.arange(matrices.shape[0]), anchor][:, None, :], p=1
+        ).squeeze(2),
+        queries,
+    )
+
+
+def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
+    """½ max over all valid row pairs of ‖Aᵢ − Aⱼ‖₁ (B,), from every pairwise distance."""
+    values = []
+    for matrix, valid in zip(matrices, queries, strict=True):
+        rows = matrix[valid]
+        values.append(
+            torch.cdist(rows[None], rows[None], p=1).amax() / 2 if rows.shape[0] else matrix.new_zeros(())
+        )
+    return torch.stack(values)
+
+
+def farthest_point_dobrushin(distances_from: Callable[[Tensor], Tensor], queries: Tensor) -> Tensor:
+    """The farthest-point estimate of ½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁: (B,), at least half the true value.
+
+    The row farthest from any row r is at least half the diameter away from r; the walk starts at the first
+    valid query and moves ``DOBRUSHIN_WALK_STEPS`` times to the farthest row. ``distances_from(anchor)`` maps
+    one row index per element (B,) to the L1 distances of every row from that row (B, n).
+    """
+    best = torch.zeros(queries.shape[0], device=queries.device)
     anchor = queries.to(torch.int8).argmax(dim=1)
     for _ in range(DOBRUSHIN_WALK_STEPS):
-        anchor_rows = matrices[torch.arange(matrices.shape[0]), anchor]
-        distances_from = torch.cdist(matrices, anchor_rows[:, None, :], p=1).squeeze(2)
-        distances_from = torch.where(queries, distances_from, torch.zeros_like(distances_from))
-        farthest, anchor = distances_from.max(dim=1)
-        best = torch.maximum(best, farthest)
+        distances = distances_from(anchor)
+        distances = torch.where(queries, distances, torch.zeros_like(distances))
+        farthest, anchor = distances.max(dim=1)
+        best = torch.maximum(best.to(farthest.dtype), farthest)
     return best / 2
 
 
-def _exact_spectral_metrics(
-    matrices: Tensor,
-    queries: Tensor,
-    keys: Tensor,
-    causal: bool,
-    include_rank_sums: bool,
-    state: KrylovState | None,
-    generator: torch.Generator | None,
-) -> dict[str, Tensor]:
-    del queries, keys, state, generator
+def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: bool) -> dict[str, Tensor]:
     singular_values = torch.linalg.svdvals(matrices)
     sigma2 = (
         singular_values[:, 1] if singular_values.shape[1] > 1 else torch.zeros_like(singular_values[:, 0])
@@ -292,16 +354,20 @@ def _exact_eigen_gap(matrices: Tensor, causal: bool) -> Tensor:
     return 1 - moduli[:, 1].to(matrices.dtype)
 
 
-def _krylov_spectral_metrics(
-    matrices: Tensor,
+def krylov_spectral_metrics(
+    operator: BatchedOperator,
     queries: Tensor,
-    keys: Tensor,
     causal: bool,
     include_rank_sums: bool,
+    frobenius_squared: Tensor,
     state: KrylovState | None,
     generator: torch.Generator | None,
 ) -> dict[str, Tensor]:
-    operator = DenseOperator(matrices)
+    """σ₁, σ₂, eigen gap and (optionally) effective and threshold rank of a batch of attention operators.
+
+    ``operator`` (B, n, m) is known through products only: a dense batch, or blocked products from q and k
+    (:mod:`spectral_monitor.metrics.long_context`); ``frobenius_squared`` (B,) comes from a pass over it.
+    """
     # One generator per estimate, seeded from the caller's: how many random vectors one estimate draws (a
     # rank-one element needs filler directions) then cannot change another's draws for the other elements.
     singular_draws, arnoldi_draws, quadrature_draws = _independent_generators(generator, 3)
@@ -309,7 +375,7 @@ def _krylov_spectral_metrics(
     if (
         state is not None
         and state.vectors is not None
-        and state.vectors.shape[:2] == (matrices.shape[0], matrices.shape[2])
+        and state.vectors.shape[:2] == (operator.batch, operator.cols)
     ):
         warm = state.vectors
     top = top_singular(
@@ -319,14 +385,13 @@ def _krylov_spectral_metrics(
         state.vectors = top.right
     sigma = top.values
     metrics = {"sigma1": sigma[:, 0], "sigma2": sigma[:, 1]}
-    n, m = matrices.shape[1:]
-    if causal or n != m:
+    if causal or operator.rows != operator.cols:
         metrics["eigen_gap"] = torch.full_like(sigma[:, 0], float("nan"))
     else:
         metrics["eigen_gap"] = 1 - _second_eigenvalue_modulus(operator, queries, arnoldi_draws)
     nan = torch.full_like(sigma[:, 0], float("nan"))
     if include_rank_sums:
-        metrics.update(_rank_sums(operator, top.right, sigma, quadrature_draws))
+        metrics.update(_rank_sums(operator, top.right, sigma, frobenius_squared, quadrature_draws))
     else:
         metrics.update(effective_rank=nan, threshold_rank=nan, effective_rank_se=nan.clone())
     return metrics
@@ -339,7 +404,11 @@ def _independent_generators(generator: torch.Generator | None, count: int) -> li
 
 
 def _rank_sums(
-    operator: DenseOperator, top_vectors: Tensor, sigma: Tensor, generator: torch.Generator | None
+    operator: BatchedOperator,
+    top_vectors: Tensor,
+    sigma: Tensor,
+    frobenius_squared: Tensor,
+    generator: torch.Generator | None,
 ) -> dict[str, Tensor]:
     """Effective rank: the top pair exactly, the rest of Σσ and Σσ log σ by stochastic Lanczos quadrature.
 
@@ -403,9 +472,7 @@ def _rank_sums(
         pending = (standard_error > ERANK_TARGET_RSE * erank).nonzero().flatten()
         if pending.numel() == 0:
             break
-    threshold = _threshold_rank_if_resolved(
-        sigma, torch.linalg.vector_norm(operator.matrices, dim=(1, 2)).square()
-    )
+    threshold = _threshold_rank_if_resolved(sigma, frobenius_squared)
     rank_cap = float(min(operator.rows, operator.cols))
     return {
         "effective_rank": erank.clamp(1, rank_cap),
@@ -561,19 +628,17 @@ def _threshold_rank_if_resolved(sigma: Tensor, frobenius_squared: Tensor) -> Ten
 
 
 def _second_eigenvalue_modulus(
-    operator: DenseOperator, queries: Tensor, generator: torch.Generator
+    operator: BatchedOperator, queries: Tensor, generator: torch.Generator
 ) -> Tensor:
     """|λ₂| of row-stochastic A by block Arnoldi on the Wielandt deflation A − 1wᵀ (w = 1/n on valid rows),
     whose spectrum is A's with λ₁ = 1 replaced by 0; |λ₂| is then the outermost Ritz value's modulus."""
-    matrices = operator.matrices
-    batch, n, _ = matrices.shape
-    work = matrices.dtype
+    batch, n, work, device = operator.batch, operator.rows, operator.dtype, operator.device
     ones = queries.to(work)
     weights = ones / ones.sum(dim=1, keepdim=True).clamp_min(1)
     width = min(ARNOLDI_WIDTH, n)
     blocks = max(1, min(ARNOLDI_BLOCKS, n // width))
-    draw = gaussian((batch, n, width), dtype=work, device=matrices.device, generator=generator)
-    scale = torch.ones(batch, dtype=work, device=matrices.device)
+    draw = gaussian((batch, n, width), dtype=work, device=device, generator=generator)
+    scale = torch.ones(batch, dtype=work, device=device)
     everything, _ = orthonormal_columns(draw * ones[:, :, None], None, scale, generator)
 
     def deflated(block: Tensor) -> Tensor:

@@ -48,9 +48,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from spectral_monitor.metrics import KrylovState, attention_metrics_from_qk
+from spectral_monitor.metrics.long_context import DEFAULT_MAX_BYTES
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
 __all__ = [
+    "BLOCKWISE_MIN_TOKENS",
     "ROOT_LAYER_NAME",
     "AttentionCapture",
     "AttentionExtractor",
@@ -61,6 +64,11 @@ __all__ = [
     "SkippedCapture",
     "register_attention_extractor",
 ]
+
+BLOCKWISE_MIN_TOKENS = 4096
+"""From this many queries or keys on, a layer's metrics are computed blockwise from q and k even where its
+probabilities would fit the budget: the dense path's extras (figures, head diversity) factorise whole
+matrices, about a minute for one 4096² ``svdvals`` on a CPU core."""
 
 ROOT_LAYER_NAME = "model"
 """The layer name reported for attention computed by the captured model's own (root) forward."""
@@ -161,19 +169,69 @@ class CapturedAttention:
             self.layer, self.probs(), self.key_mask, self.query_mask, self.causal, self.scale
         )
 
-    def nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
-        """Bytes held by this capture cut to ``sequences`` x ``heads``, plus the float32 probs it implies."""
+    def probs_nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
+        """Bytes of the float32 probabilities of the first ``sequences`` x ``heads``, were they formed."""
+        sequences = self.num_sequences if sequences is None else min(sequences, self.num_sequences)
+        heads = self.num_heads if heads is None else min(heads, self.num_heads)
+        return sequences * heads * 4 * self.q.shape[2] * self.k.shape[2]
+
+    def measured_blockwise(
+        self, max_bytes: int | None = None, sequences: int | None = None, heads: int | None = None
+    ) -> bool:
+        """Whether the metrics come from q and k in blocks (:meth:`blockwise_metrics`), never forming the
+        probabilities: from ``BLOCKWISE_MIN_TOKENS`` queries or keys on, or where the float32 probabilities of
+        ``sequences`` x ``heads`` would exceed ``max_bytes``."""
+        long = max(self.q.shape[2], self.k.shape[2]) >= BLOCKWISE_MIN_TOKENS
+        return long or (max_bytes is not None and self.probs_nbytes(sequences, heads) > max_bytes)
+
+    def blockwise_metrics(
+        self,
+        *,
+        method: str = "auto",
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        include_rank_sums: bool = True,
+        state: KrylovState | None = None,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, Tensor]:
+        """:func:`~spectral_monitor.metrics.attention_metrics_from_qk` of every sequence and head: (S, H)
+        values, computed within ``max_bytes`` of working memory without forming the probabilities."""
+        return attention_metrics_from_qk(
+            self.q,
+            self.k,
+            scale=self.scale,
+            bias=self.mask,
+            key_mask=None if self.key_mask is None else self.key_mask[:, None, :],
+            query_mask=None if self.query_mask is None else self.query_mask[:, None, :],
+            causal=self.causal,
+            method=method,
+            include_rank_sums=include_rank_sums,
+            max_bytes=max_bytes,
+            state=state,
+            generator=generator,
+        )
+
+    def nbytes(
+        self, sequences: int | None = None, heads: int | None = None, max_bytes: int | None = None
+    ) -> int:
+        """Bytes held by this capture cut to ``sequences`` x ``heads``, plus the float32 probs it implies
+        unless it is measured blockwise under ``max_bytes`` (:meth:`measured_blockwise`)."""
         sequences = self.num_sequences if sequences is None else min(sequences, self.num_sequences)
         heads = self.num_heads if heads is None else min(heads, self.num_heads)
         n, m = self.q.shape[2], self.k.shape[2]
         per_sequence_head = (
-            self.q[0, 0].numel() * self.q.element_size()
-            + self.k[0, 0].numel() * self.k.element_size()
-            + 4 * n * m
+            self.q[0, 0].numel() * self.q.element_size() + self.k[0, 0].numel() * self.k.element_size()
         )
         total = sequences * heads * per_sequence_head
+        if not self.measured_blockwise(max_bytes, sequences, heads):
+            total += self.probs_nbytes(sequences, heads)
         if self.mask is not None:
-            total += min(self.mask.shape[0], sequences) * min(self.mask.shape[1], heads) * 4 * n * m
+            total += (
+                min(self.mask.shape[0], sequences)
+                * min(self.mask.shape[1], heads)
+                * self.mask.shape[2]
+                * self.mask.shape[3]
+                * self.mask.element_size()
+            )
         total += sequences * (n + m)  # the bool key and query masks, at most
         return total
 
@@ -217,9 +275,10 @@ class AttentionRecording:
         """The attention probabilities of every captured layer, computed now (float32)."""
         return [capture.sample() for capture in self.captured]
 
-    def nbytes(self) -> int:
-        """Bytes held by the captures plus the float32 probabilities they expand to."""
-        return sum(capture.nbytes() for capture in self.captured)
+    def nbytes(self, max_bytes: int | None = None) -> int:
+        """Bytes held by the captures plus the float32 probabilities of those measured densely under
+        ``max_bytes`` (:meth:`CapturedAttention.measured_blockwise`)."""
+        return sum(capture.nbytes(max_bytes=max_bytes) for capture in self.captured)
 
 
 # An OrderedDict, as torch's hook registries: RemovableHandle needs a weak reference to it.
@@ -578,9 +637,9 @@ def _captured(
         torch.broadcast_shapes(mask.shape, (sequences, heads, num_queries, num_keys))
     scale = inputs.scale if inputs.scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
-    attendable = _attendable(mask, inputs.causal, sequences, num_queries, num_keys, q.device)
-    key_mask = attendable.any(dim=(1, 2)) if attendable is not None else None
-    query_mask = attendable.any(dim=(1, 3)) if attendable is not None else None
+    key_mask, query_mask = _attendable_keys_and_queries(
+        mask, inputs.causal, sequences, num_queries, num_keys, q.device
+    )
     if padded_queries is not None:
         query_mask = _conjunction(query_mask, ~padded_queries)
     if token_mask is not None and token_mask.shape[1] == num_queries:
@@ -631,6 +690,35 @@ def _additive_mask(mask: Tensor, *, true_means_masked: bool) -> Tensor:
     return mask.to(torch.float32, copy=True).masked_fill_(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
 
 
+def _attendable_keys_and_queries(
+    mask: Tensor | None, causal: bool, sequences: int, num_queries: int, num_keys: int, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """(S, m) keys some query may attend and (S, n) queries with some attendable key; ``None`` = all.
+
+    Without a mask, or with one logit row for all queries (key padding), from O(m) per head: at long
+    context an n × m pattern would be a large part of the memory the blockwise measurement avoids.
+    """
+    if mask is not None and mask.shape[-2] > 1:
+        attendable = _attendable(mask, causal, sequences, num_queries, num_keys, device)
+        assert attendable is not None
+        return attendable.any(dim=(1, 2)), attendable.any(dim=(1, 3))
+    if mask is None and not causal:
+        return None, None
+    if mask is None:
+        open_keys = torch.ones((sequences, 1, num_keys), dtype=torch.bool, device=device)
+    else:
+        open_keys = ~torch.isneginf(mask[:, :, 0]).expand(sequences, -1, num_keys)
+    if not causal:
+        keys = open_keys.any(dim=1)
+        queries = open_keys.any(dim=2).any(dim=1, keepdim=True).expand(sequences, num_queries)
+        return keys, queries
+    # Query i attends keys j <= i: key j is reachable if open and j < n; query i if i >= the first open key.
+    keys = (open_keys & (torch.arange(num_keys, device=device) < num_queries)).any(dim=1)
+    first_open = torch.where(open_keys.any(dim=2), open_keys.to(torch.int8).argmax(dim=2), num_queries)
+    queries = (torch.arange(num_queries, device=device) >= first_open[:, :, None]).any(dim=1)
+    return keys, queries
+
+
 def _attendable(
     mask: Tensor | None, causal: bool, sequences: int, num_queries: int, num_keys: int, device: torch.device
 ) -> Tensor | None:
@@ -661,11 +749,11 @@ def _copy(tensor: Tensor) -> Tensor:
 def _fit_to_budget(recording: AttentionRecording, max_bytes: int) -> None:
     """Cuts sequences, then heads, then trailing layers until the recording fits ``max_bytes``."""
     captured = recording.captured
-    if not captured or recording.nbytes() <= max_bytes:
+    if not captured or recording.nbytes(max_bytes) <= max_bytes:
         return
 
     def total(layers: list[CapturedAttention], sequences: int, heads: int) -> int:
-        return sum(layer.nbytes(sequences, heads) for layer in layers)
+        return sum(layer.nbytes(sequences, heads, max_bytes) for layer in layers)
 
     most_sequences = max(layer.num_sequences for layer in captured)
     most_heads = max(layer.num_heads for layer in captured)
@@ -700,7 +788,8 @@ def _fit_to_budget(recording: AttentionRecording, max_bytes: int) -> None:
     for layer in captured[kept_layers:]:
         recording.skipped.append(
             SkippedCapture(
-                layer.layer, f"{budget}: not kept (one sequence and head need {layer.nbytes(1, 1)})"
+                layer.layer,
+                f"{budget}: not kept (one sequence and head need {layer.nbytes(1, 1, max_bytes)})",
             )
         )
     recording.captured[:] = kept

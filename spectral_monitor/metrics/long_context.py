@@ -1,0 +1,468 @@
+"""Attention metrics computed from q and k in blocks of rows, never holding an n × m matrix.
+
+At long context the probabilities of one head are large (n = 16384: 1 GiB in float32, per head and sequence),
+so :func:`attention_metrics_from_qk` computes the metric set of
+:func:`~spectral_monitor.metrics.attention.attention_metrics` (same keys, same definitions) from the inputs
+of the attention kernel, within a memory budget:
+
+- softmax rows are recomputed from q and k a block of rows at a time; a first pass takes every row's
+  log-sum-exp, after which each block of A is one matmul and one exp away;
+- the one-pass members (entropy, ‖A‖_F, rank-one residual, self-attention, the Dobrushin estimate) are sums
+  over those blocks;
+- the spectral members come from the same Krylov code as the dense path
+  (:func:`~spectral_monitor.metrics.attention.krylov_spectral_metrics`), run on an operator whose products
+  A·X, Aᵀ·Y and AᵀA·X sweep the blocks (AᵀA·X in one sweep: each block is formed once per product);
+- batch elements (sequences × heads) go through in chunks sized so their Krylov vectors fit the budget too.
+
+Where the dense matrices are small (``method="auto"`` up to ``EXACT_MAX_SIZE``) or ``method="exact"``, each
+chunk's probabilities are formed and measured exactly by ``attention_metrics``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from spectral_monitor.linalg import BatchedOperator
+from spectral_monitor.metrics._common import check_method, flat_mask, working_dtype_of
+from spectral_monitor.metrics.attention import (
+    DOBRUSHIN_EXACT_MAX_ROWS,
+    EXACT_MAX_SIZE,
+    KrylovState,
+    attention_metrics,
+    exact_dobrushin,
+    farthest_point_dobrushin,
+    finished_metrics,
+    krylov_spectral_metrics,
+    normalised_entropy,
+    rank_one_residual,
+)
+
+DEFAULT_MAX_BYTES = 256 * 2**20
+"""Default budget of :func:`attention_metrics_from_qk`: memory it may use beyond its inputs and outputs."""
+KRYLOV_COLUMNS = 320
+"""Length-n vectors one batch element's Krylov work holds at most: the block Lanczos basis for σ₁, σ₂ (up to
+60 iterations of width 4), or the Arnoldi basis and its images for |λ₂| (2 × 6 blocks of 16), or the
+quadrature's probes and three-term vectors, with room for their temporaries."""
+BLOCK_TEMPORARIES = 3
+"""Blocks of rows alive at once: the block itself, and a temporary of its size in a pass (log, |Aᵢ − a|, the
+logsumexp's shifted copy)."""
+EXACT_TEMPORARIES = 6
+"""Copies of a dense matrix the exact path holds at once (the probabilities, masked copy, one-pass
+temporaries, ``svdvals`` and ``eigvals`` workspaces)."""
+
+
+def attention_metrics_from_qk(
+    q: Tensor,
+    k: Tensor,
+    *,
+    scale: float | None = None,
+    bias: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    query_mask: Tensor | None = None,
+    causal: bool = False,
+    method: str = "auto",
+    include_rank_sums: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    block_rows: int | None = None,
+    state: KrylovState | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """The metrics of ``attention_metrics`` for A = softmax(scale · q kᵀ + bias), without forming A whole.
+
+    ``q`` (..., n, d) and ``k`` (..., m, d) with the same leading dims (one per sequence × head; repeat
+    grouped keys per query head first). ``scale`` multiplies q·k (``None``: 1/√d). ``bias``: an additive
+    float logit bias broadcastable to (..., n, m), ``-inf`` where a key may not be attended (used a block of
+    rows at a time, never expanded). ``key_mask`` (..., m) bool, True = attendable key: masked keys take no
+    part in the softmax, as a key padding mask. ``query_mask`` (..., n) bool, True = real query; padded
+    queries' rows are zero. ``causal``: query i attends keys j ≤ i. A row with no attendable key is zero.
+    Metrics are those of ``attention_metrics(A, key_mask=..., query_mask=..., causal=...)``: the same keys,
+    each of shape ``q.shape[:-2]``.
+
+    ``method``: "exact" forms each matrix and factorises it (as ``attention_metrics``' exact path; the memory
+    is then n·m per matrix whatever the budget), "krylov" the blocked products, "auto" exact up to
+    ``EXACT_MAX_SIZE`` keys or queries. ``max_bytes`` bounds the memory used beyond the inputs and outputs
+    (by construction: row blocks and batch chunks are sized from it; one batch element's Krylov vectors,
+    about ``KRYLOV_COLUMNS`` · max(n, m) floats, are the floor). ``block_rows`` overrides the row-block size.
+    ``state`` and ``generator`` as in ``attention_metrics``.
+    """
+    q, k = _checked_qk(q, k)
+    method = check_method(method)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
+        raise ValueError(f"max_bytes must be a positive int (bytes), got {max_bytes!r}")
+    if block_rows is not None and (
+        not isinstance(block_rows, int) or isinstance(block_rows, bool) or block_rows < 1
+    ):
+        raise ValueError(f"block_rows must be a positive int or None, got {block_rows!r}")
+    batch_shape, (n, d), m = q.shape[:-2], q.shape[-2:], k.shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    work = working_dtype_of(q)
+    keys = flat_mask(key_mask, "key_mask", batch_shape, m, q.device)
+    queries = flat_mask(query_mask, "query_mask", batch_shape, n, q.device)
+    logit_bias = _LogitBias.of(bias, batch_shape, n, m, q.device)
+    flat_q, flat_k = q.reshape(-1, n, d), k.reshape(-1, m, d)
+    nonfinite = ~(flat_q.isfinite().all(dim=(1, 2)) & flat_k.isfinite().all(dim=(1, 2)))
+    if logit_bias is not None:
+        nonfinite |= logit_bias.nonfinite_elements()
+
+    itemsize = torch.finfo(work).bits // 8
+    exact = method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE)
+    per_element = n * m * EXACT_TEMPORARIES if exact else max(n, m) * KRYLOV_COLUMNS
+    chunk = max(1, max_bytes // (2 * per_element * itemsize))
+    rows = block_rows or max(1, max_bytes // (2 * chunk * m * itemsize * BLOCK_TEMPORARIES))
+    warm = state if state is not None and _fits(state, flat_q.shape[0], m) else None
+    pieces, next_vectors = [], []
+    for part in _parts(flat_q.shape[0], chunk):
+        operator = SoftmaxAttentionOperator(
+            _sanitised(flat_q[part], nonfinite[part], work),
+            _sanitised(flat_k[part], nonfinite[part], work),
+            scale=float(scale),
+            bias=None if logit_bias is None else logit_bias.restrict(part),
+            key_mask=keys[part],
+            query_mask=queries[part],
+            causal=causal,
+            block_rows=min(rows, n),
+        )
+        if exact:
+            dense = operator.probabilities(0, n)
+            pieces.append(
+                attention_metrics(
+                    dense,
+                    key_mask=keys[part],
+                    query_mask=queries[part],
+                    causal=causal,
+                    method="exact",
+                    include_rank_sums=include_rank_sums,
+                )
+            )
+            continue
+        part_state = KrylovState(None if warm is None else warm.vectors[part])
+        pieces.append(
+            _blocked_members(
+                operator, keys[part], queries[part], causal, include_rank_sums, part_state, generator
+            )
+        )
+        next_vectors.append(part_state.vectors)
+    if state is not None and next_vectors and all(vectors is not None for vectors in next_vectors):
+        state.vectors = torch.cat(next_vectors)
+    metrics = {name: torch.cat([piece[name].reshape(-1) for piece in pieces]) for name in pieces[0]}
+    if exact:
+        for name, value in metrics.items():
+            if name != "nonfinite":
+                value[nonfinite] = float("nan")
+        metrics["nonfinite"] = metrics["nonfinite"] | nonfinite
+        return {name: value.reshape(batch_shape) for name, value in metrics.items()}
+    valid_rows, valid_keys = queries.sum(dim=1).to(work), keys.sum(dim=1).to(work)
+    return finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+
+
+def _blocked_members(
+    operator: SoftmaxAttentionOperator,
+    keys: Tensor,
+    queries: Tensor,
+    causal: bool,
+    include_rank_sums: bool,
+    state: KrylovState,
+    generator: torch.Generator | None,
+) -> dict[str, Tensor]:
+    members = _blocked_one_pass(operator, keys, queries, causal)
+    members.update(
+        krylov_spectral_metrics(
+            operator,
+            queries,
+            causal,
+            include_rank_sums,
+            members["frobenius"].square(),
+            state,
+            generator,
+        )
+    )
+    return members
+
+
+def _blocked_one_pass(
+    operator: SoftmaxAttentionOperator, keys: Tensor, queries: Tensor, causal: bool
+) -> dict[str, Tensor]:
+    """Entropy, ‖A‖_F, rank-one residual, self-attention and Dobrushin in passes over blocks of rows.
+
+    Norms and sums across blocks accumulate in float64, so the hundreds of partial sums of a long matrix add
+    no more rounding than one pass over the dense matrix would.
+    """
+    batch, n, m = operator.batch, operator.rows, operator.cols
+    work = operator.dtype
+    tiny = torch.finfo(work).tiny
+    row_entropy = torch.empty((batch, n), dtype=work, device=operator.device)
+    squared_norm = torch.zeros(batch, dtype=torch.float64, device=operator.device)
+    column_sums = torch.zeros((batch, m), dtype=torch.float64, device=operator.device)
+    trace = torch.zeros(batch, dtype=torch.float64, device=operator.device)
+    for start, stop in operator.blocks():
+        block = operator.probabilities(start, stop)
+        squared_norm += torch.linalg.vector_norm(block, dim=(1, 2)).double().square()
+        column_sums += block.sum(dim=1, dtype=torch.float64)
+        if n == m:
+            trace += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1, dtype=torch.float64)
+        # As the dense path: −Σ a log(a + tiny), 0 log 0 = 0.
+        row_entropy[:, start:stop] = -torch.add(block, tiny).log_().mul_(block).sum(dim=2)
+
+    valid_rows = queries.sum(dim=1)
+    mean_row = (column_sums / valid_rows.clamp_min(1)[:, None]).to(work)
+    centred_squared_norm = torch.zeros_like(squared_norm)
+    for start, stop in operator.blocks():
+        block = operator.probabilities(start, stop)
+        block.addcmul_(queries[:, start:stop, None].to(work), mean_row[:, None, :], value=-1)
+        centred_squared_norm += torch.linalg.vector_norm(block, dim=(1, 2)).double().square()
+
+    frobenius = squared_norm.sqrt().to(work)
+    if n <= DOBRUSHIN_EXACT_MAX_ROWS:  # the dense path's rule: exact below this many rows
+        dobrushin = exact_dobrushin(operator.probabilities(0, n), queries)
+    else:
+        dobrushin = farthest_point_dobrushin(operator.distances_from_rows, queries)
+    return {
+        "entropy": normalised_entropy(row_entropy, keys, queries, causal),
+        "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
+        "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
+        if n == m
+        else torch.full((batch,), float("nan"), dtype=work, device=operator.device),
+        "dobrushin": dobrushin.to(work),
+        "frobenius": frobenius,
+    }
+
+
+class SoftmaxAttentionOperator(BatchedOperator):
+    """A batch of attention matrices A = softmax(scale · q kᵀ + bias) (B, n, m), masked, known by products.
+
+    Never holds A: every product recomputes A ``block_rows`` rows at a time from q (B, n, d) and k (B, m, d),
+    using the rows' log-sum-exp taken once at construction. Rows of padded queries and rows with no
+    attendable key are zero, as in the dense probabilities that ``attention_metrics`` measures.
+    """
+
+    def __init__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        scale: float,
+        bias: _LogitBias | None,
+        key_mask: Tensor,
+        query_mask: Tensor,
+        causal: bool,
+        block_rows: int,
+        log_normaliser: Tensor | None = None,
+    ) -> None:
+        super().__init__(q.shape[0], q.shape[1], k.shape[1], q.dtype, q.device)
+        self.q, self.k = q, k
+        self.scale = scale
+        self.bias = bias
+        self.key_mask = key_mask
+        self.all_keys = bool(key_mask.all())
+        self.query_mask = query_mask
+        self.causal = causal
+        self.block_rows = block_rows
+        self.log_normaliser = (
+            self._log_normaliser() if log_normaliser is None else log_normaliser
+        )  # (B, n): +inf where the row is zero, so exp(logit − it) = 0 there
+
+    def blocks(self) -> Iterator[tuple[int, int]]:
+        for start in range(0, self.rows, self.block_rows):
+            yield start, min(start + self.block_rows, self.rows)
+
+    def logits(self, start: int, stop: int, width: int | None = None) -> Tensor:
+        """The masked logits of rows ``start:stop`` and the first ``width`` keys (all by default):
+        (B, stop − start, width), ``-inf`` where not attendable."""
+        width = self.cols if width is None else width
+        logits = torch.bmm(self.q[:, start:stop], self.k[:, :width].transpose(1, 2)).mul_(self.scale)
+        if self.bias is not None:
+            logits.add_(self.bias.rows(start, stop, self.dtype)[:, :, :width])
+        if not self.all_keys:
+            logits.masked_fill_(~self.key_mask[:, None, :width], -math.inf)
+        if self.causal:
+            future = (
+                torch.arange(width, device=self.device)[None, :]
+                > torch.arange(start, stop, device=self.device)[:, None]
+            )
+            logits.masked_fill_(future, -math.inf)
+        return logits
+
+    def probabilities(self, start: int, stop: int, width: int | None = None) -> Tensor:
+        """Rows ``start:stop`` of A (first ``width`` columns): (B, stop − start, width), a fresh tensor the
+        caller may overwrite."""
+        return self.logits(start, stop, width).sub_(self.log_normaliser[:, start:stop, None]).exp_()
+
+    def _attended_width(self, stop: int) -> int:
+        """Columns that rows before ``stop`` can attend: causal rows i < stop see keys j ≤ i only, which
+        halves the work of a causal product."""
+        return min(stop, self.cols) if self.causal else self.cols
+
+    def _log_normaliser(self) -> Tensor:
+        normaliser = torch.empty((self.batch, self.rows), dtype=self.dtype, device=self.device)
+        for start, stop in self.blocks():
+            logits = self.logits(start, stop, self._attended_width(stop))
+            normaliser[:, start:stop] = torch.logsumexp(logits, dim=2)
+        zero_rows = ~self.query_mask | torch.isneginf(normaliser)
+        return normaliser.masked_fill_(zero_rows, math.inf)
+
+    def matmat(self, x: Tensor) -> Tensor:
+        x = x.to(self.dtype)
+        out = x.new_empty((self.batch, self.rows, x.shape[2]))
+        for start, stop in self.blocks():
+            width = self._attended_width(stop)
+            torch.bmm(self.probabilities(start, stop, width), x[:, :width], out=out[:, start:stop])
+        return out
+
+    def rmatmat(self, y: Tensor) -> Tensor:
+        # Accumulated as (yᵀA)ᵀ, reading each block row by row as it was made (DenseOperator says why).
+        y = y.to(self.dtype)
+        transposed = y.new_zeros((self.batch, y.shape[2], self.cols))
+        for start, stop in self.blocks():
+            width = self._attended_width(stop)
+            transposed[:, :, :width].baddbmm_(
+                y[:, start:stop].transpose(1, 2), self.probabilities(start, stop, width)
+            )
+        return transposed.transpose(1, 2)
+
+    def gram_matmat(self, x: Tensor) -> Tensor:
+        """AᵀA x in one sweep: Σ over blocks of A_bᵀ (A_b x), each block formed once."""
+        x = x.to(self.dtype)
+        transposed = x.new_zeros((self.batch, x.shape[2], self.cols))
+        for start, stop in self.blocks():
+            width = self._attended_width(stop)
+            block = self.probabilities(start, stop, width)
+            transposed[:, :, :width].baddbmm_(torch.bmm(block, x[:, :width]).transpose(1, 2), block)
+        return transposed.transpose(1, 2)
+
+    def rows_at(self, index: Tensor) -> Tensor:
+        """Row ``index[b]`` of each element's A: (B, m)."""
+        elements = torch.arange(self.batch, device=self.device)
+        logits = torch.bmm(self.q[elements, index][:, None, :], self.k.transpose(1, 2))[:, 0].mul_(self.scale)
+        if self.bias is not None:
+            logits.add_(self.bias.rows_at(index, self.dtype))
+        if not self.all_keys:
+            logits.masked_fill_(~self.key_mask, -math.inf)
+        if self.causal:
+            logits.masked_fill_(
+                torch.arange(self.cols, device=self.device)[None, :] > index[:, None], -math.inf
+            )
+        return logits.sub_(self.log_normaliser[elements, index][:, None]).exp_()
+
+    def distances_from_rows(self, index: Tensor) -> Tensor:
+        """‖Aᵢ − A_index‖₁ for every row i of each element: (B, n)."""
+        anchors = self.rows_at(index)[:, None, :]
+        distances = torch.empty((self.batch, self.rows), dtype=self.dtype, device=self.device)
+        for start, stop in self.blocks():
+            distances[:, start:stop] = self.probabilities(start, stop).sub_(anchors).abs_().sum(dim=2)
+        return distances
+
+    def restrict(self, index: Tensor) -> SoftmaxAttentionOperator:
+        return SoftmaxAttentionOperator(
+            self.q[index],
+            self.k[index],
+            scale=self.scale,
+            bias=None if self.bias is None else self.bias.restrict(index),
+            key_mask=self.key_mask[index],
+            query_mask=self.query_mask[index],
+            causal=self.causal,
+            block_rows=self.block_rows,
+            log_normaliser=self.log_normaliser[index],
+        )
+
+
+class _LogitBias:
+    """An additive logit bias kept at its own (broadcast) size: element b's rows are ``table[index[b]]``.
+
+    ``table`` (E, 1 or n, m) in the caller's dtype; blocks of rows are gathered and converted one at a time.
+    """
+
+    def __init__(self, table: Tensor, index: Tensor) -> None:
+        self.table = table
+        self.index = index
+
+    @classmethod
+    def of(
+        cls, bias: Tensor | None, batch_shape: torch.Size, n: int, m: int, device: torch.device
+    ) -> _LogitBias | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, Tensor) or not bias.is_floating_point():
+            raise ValueError(
+                "bias must be a floating tensor (an additive logit bias, -inf = not attendable) or None, got "
+                f"{bias.dtype if isinstance(bias, Tensor) else type(bias).__name__}"
+            )
+        full = (*batch_shape, n, m)
+        if bias.dim() > len(full) or bias.dim() < 2:
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to {full}")
+        try:
+            torch.broadcast_shapes(bias.shape, full)
+        except RuntimeError as error:
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to {full}") from error
+        bias = bias.to(device)[(None,) * (len(full) - bias.dim())]
+        table = bias.expand(*bias.shape[:-1], m).reshape(-1, bias.shape[-2], m)
+        index = torch.arange(table.shape[0], device=device).reshape(bias.shape[:-2]).expand(batch_shape)
+        return cls(table, index.reshape(-1))
+
+    def nonfinite_elements(self) -> Tensor:
+        """(B,) True where an element's bias holds a NaN or +inf (``-inf`` is a mask, not a fault)."""
+        bad = (self.table.isnan() | torch.isposinf(self.table)).any(dim=(1, 2))
+        return bad[self.index]
+
+    def restrict(self, index: Tensor | slice) -> _LogitBias:
+        return _LogitBias(self.table, self.index[index])
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+        """Rows ``start:stop`` of each element's bias: (B, stop − start or 1, m), non-finite values zeroed."""
+        rows = self.table[:, start:stop] if self.table.shape[1] > 1 else self.table
+        return _finite(rows[self.index].to(dtype))
+
+    def rows_at(self, row: Tensor, dtype: torch.dtype) -> Tensor:
+        """Row ``row[b]`` of each element's bias: (B, m)."""
+        row = row if self.table.shape[1] > 1 else torch.zeros_like(row)
+        return _finite(self.table[self.index, row].to(dtype))
+
+
+def _finite(bias: Tensor) -> Tensor:
+    # NaN or +inf in a bias make that element's metrics NaN (flagged before); zeroing them here keeps the
+    # batched Krylov iterations of the other elements finite. -inf stays: it masks.
+    return bias.nan_to_num_(nan=0.0, posinf=0.0, neginf=-math.inf)
+
+
+def _checked_qk(q: object, k: object) -> tuple[Tensor, Tensor]:
+    for name, value in (("q", q), ("k", k)):
+        if not isinstance(value, Tensor) or value.dim() < 2 or not value.is_floating_point():
+            raise ValueError(
+                f"{name} must be a floating tensor of shape (..., tokens, head_dim), got "
+                f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}"
+                f"{' ' + str(value.dtype) if isinstance(value, Tensor) else ''}"
+            )
+        if value.shape[-1] == 0 or value.shape[-2] == 0:
+            raise ValueError(f"{name} must have tokens and a head dimension, got shape {tuple(value.shape)}")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor)
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q (..., n, d) and k (..., m, d) must share their leading dims and d, got {tuple(q.shape)} and "
+            f"{tuple(k.shape)} (repeat grouped key heads per query head first)"
+        )
+    return q, k
+
+
+def _sanitised(tensor: Tensor, nonfinite: Tensor, work: torch.dtype) -> Tensor:
+    """``tensor`` in the working dtype (a copy), zeroed for non-finite elements: their attention becomes
+    uniform over the attendable keys, harmless to the batched iterations, and their metrics NaN."""
+    converted = tensor.to(work, copy=True)
+    if bool(nonfinite.any()):
+        converted[nonfinite] = 0.0
+    return converted
+
+
+def _fits(state: KrylovState, batch: int, m: int) -> bool:
+    return state.vectors is not None and state.vectors.shape[:2] == (batch, m)
+
+
+def _parts(batch: int, chunk: int) -> list[slice]:
+    return [slice(start, min(start + chunk, batch)) for start in range(0, batch, chunk)]
