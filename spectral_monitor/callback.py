@@ -305,6 +305,7 @@ class SpectralMonitor(Callback):
                 self._parked_weight_state = None
         if any(family in self.families for family in OPT_IN_FAMILIES):
             self._second_order = SecondOrderProbes(
+                trainer.strategy.model,
                 self.families,
                 self.curvature,
                 self.jacobian,
@@ -318,15 +319,18 @@ class SpectralMonitor(Callback):
     ) -> None:
         self._abandon_step()  # a batch whose end hook never ran (its module hook returned -1)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        second_order = _LoggingStep(step, False)
         if self._second_order is not None:
             event = self._second_order.on_train_batch_start(trainer, pl_module, batch, batch_idx, step)
-            if event.measurements:
-                self._write(_LoggingStep(step, False, measurements=event.measurements, figures=event.figures))
+            second_order.measurements, second_order.figures = event.measurements, event.figures
         if not self._is_logging_step(step):
+            if second_order.measurements:  # a family was due (its overhead is always recorded): every rank
+                self._finish(trainer, second_order)
             return
         self._last_logged_step = step
         costly = self._figures_due()
         progress = _LoggingStep(step, draw_figures=costly and self._kept(Capability.FIGURES))
+        progress.measurements, progress.figures = second_order.measurements, second_order.figures
         self._in_progress = progress
         if self._weight_probe is not None:
             # Every rank enters: gathering FSDP shards is a collective (spectral_monitor.distributed).
@@ -366,13 +370,7 @@ class SpectralMonitor(Callback):
                 with self._reports.failures_of("computing the token metrics"):
                     self._measure_tokens(progress)
         progress.attention = progress.residual = None  # the recordings are not kept past this step
-        alerts = AlertStep()
-        with self._reports.failures_of("evaluating the alerts"):
-            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
-        self._alerting.stop_if_asked(trainer, alerts.stop)  # outside: every rank must enter the collective
-        progress.measurements += alerts.records
-        progress.alert_text = alerts.text
-        self._write(progress)
+        self._finish(trainer, progress)
         self._logging_steps_done += 1
 
     def on_exception(
@@ -576,6 +574,17 @@ class SpectralMonitor(Callback):
                 "are NaN or inf",
             )
         return measurements
+
+    def _finish(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
+        """The alert rules over the step's records (curvature, Jacobian and NTK included), then the sinks."""
+        alerts = AlertStep()
+        with self._reports.failures_of("evaluating the alerts"):
+            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
+        # Outside the failure guard: every rank must enter the collective.
+        self._alerting.stop_if_asked(trainer, progress.step, alerts.stop)
+        progress.measurements += alerts.records
+        progress.alert_text = alerts.text
+        self._write(progress)
 
     def _write(self, progress: _LoggingStep) -> None:
         tags = [record.tag for record in progress.measurements]

@@ -197,7 +197,7 @@ def lanczos_eigsh(
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
         relative = res / magnitude[:, None]
         exhausted = room <= 0
-        met = (relative <= tol).all(dim=1)
+        met = active_op.agreed((relative <= tol).all(dim=1))
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
 
         if bool(finishing.any()):
