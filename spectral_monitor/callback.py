@@ -85,6 +85,11 @@ __all__ = ["FAMILIES", "SpectralMonitor"]
 FAMILIES = ("attention", "tokens", "weights")
 """What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
 
+HISTOGRAM_METRICS = ("entropy", "spectral_gap", "rank_one_residual", "effective_rank_ratio")
+"""The attention metrics whose per-head spread is also written as a histogram: one per diagnosis. Every
+metric's per-head values are scalars anyway; a histogram of each cost more than the rest of a logging step
+on the demo model (writing a TensorBoard histogram takes ~0.7 ms)."""
+
 _FIGURE_HEAD = 0
 """The head drawn in figures, in the first sampled sequence: always the same one, so the images of
 successive steps show that head change."""
@@ -110,7 +115,7 @@ class SpectralMonitor(Callback):
 
     - ``attention/<metric>/<layer>``: each metric of ``spectral_monitor.metrics.attention_metrics``, the mean
       over heads, with ``<metric>_min`` and ``<metric>_max`` over heads, and per head when ``per_head``;
-      histograms of the per-head values;
+      histograms of the per-head values of the metrics in ``HISTOGRAM_METRICS``;
     - ``tokens/<metric>/<block>``: ``token_metrics`` of each transformer block's output;
     - ``weights/<metric>/<weight>``: what :class:`~spectral_monitor.probes.weights.WeightProbe` measures
       (spectral norm, stable rank, per-head ‖W_Q^hᵀ W_K^h‖₂, ...), with histograms of per-head values;
@@ -319,18 +324,29 @@ class SpectralMonitor(Callback):
     ) -> None:
         self._abandon_step()  # a batch whose end hook never ran (its module hook returned -1)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        second_order = _LoggingStep(step, False)
+        probed = _LoggingStep(step, False)
         if self._second_order is not None:
             event = self._second_order.on_train_batch_start(trainer, pl_module, batch, batch_idx, step)
-            second_order.measurements, second_order.figures = event.measurements, event.figures
+            broken = sorted(
+                {f"{m.family}/{m.metric}" for m in event.measurements if not math.isfinite(m.value)}
+            )
+            if broken:
+                self._reports.problem(
+                    "non-finite curvature",
+                    f"non-finite second-order measurements at step {step}: {', '.join(broken)} are NaN or "
+                    "inf (the probe batch's loss or gradient is)",
+                )
+            probed = _LoggingStep(step, False, measurements=event.measurements, figures=event.figures)
         if not self._is_logging_step(step):
-            if second_order.measurements:  # a family was due (its overhead is always recorded): every rank
-                self._finish(trainer, second_order)
+            if probed.measurements:  # the opt-in probes' own cadence: their alerts cannot wait
+                self._evaluate_alerts(trainer, probed)
+                self._write(probed)
             return
         self._last_logged_step = step
         costly = self._figures_due()
         progress = _LoggingStep(step, draw_figures=costly and self._kept(Capability.FIGURES))
-        progress.measurements, progress.figures = second_order.measurements, second_order.figures
+        progress.measurements += probed.measurements  # judged and written with the rest of this step
+        progress.figures += probed.figures
         self._in_progress = progress
         if self._weight_probe is not None:
             # Every rank enters: gathering FSDP shards is a collective (spectral_monitor.distributed).
@@ -370,7 +386,8 @@ class SpectralMonitor(Callback):
                 with self._reports.failures_of("computing the token metrics"):
                     self._measure_tokens(progress)
         progress.attention = progress.residual = None  # the recordings are not kept past this step
-        self._finish(trainer, progress)
+        self._evaluate_alerts(trainer, progress)
+        self._write(progress)
         self._logging_steps_done += 1
 
     def on_exception(
@@ -416,6 +433,15 @@ class SpectralMonitor(Callback):
             self._parked_weight_state = weight_state  # loaded when on_fit_start makes the probe
         else:
             self._weight_probe.load_state_dict(weight_state)
+
+    def _evaluate_alerts(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
+        alerts = AlertStep()
+        with self._reports.failures_of("evaluating the alerts"):
+            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
+        # Outside the failure guard: every rank must enter the collective.
+        self._alerting.stop_if_asked(trainer, progress.step, alerts.stop)
+        progress.measurements += alerts.records
+        progress.alert_text = alerts.text
 
     def _is_logging_step(self, step: int) -> bool:
         if step == self._last_logged_step:  # later micro-batches of an accumulated step
@@ -474,6 +500,7 @@ class SpectralMonitor(Callback):
                         progress.step, "attention", f"{metric}_per_head", sample.layer, head_values.numpy()
                     )
                     for metric, head_values in per_head.items()
+                    if metric in HISTOGRAM_METRICS
                 ]
             if progress.draw_figures and sample.probs[0, _FIGURE_HEAD].isfinite().all():
                 drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
@@ -574,17 +601,6 @@ class SpectralMonitor(Callback):
                 "are NaN or inf",
             )
         return measurements
-
-    def _finish(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
-        """The alert rules over the step's records (curvature, Jacobian and NTK included), then the sinks."""
-        alerts = AlertStep()
-        with self._reports.failures_of("evaluating the alerts"):
-            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
-        # Outside the failure guard: every rank must enter the collective.
-        self._alerting.stop_if_asked(trainer, progress.step, alerts.stop)
-        progress.measurements += alerts.records
-        progress.alert_text = alerts.text
-        self._write(progress)
 
     def _write(self, progress: _LoggingStep) -> None:
         tags = [record.tag for record in progress.measurements]

@@ -115,7 +115,7 @@ class CurvatureOptions:
             block name to ``fnmatch`` patterns over parameter names. Each block is its own layer.
         whole_model: measure the Hessian over every trainable parameter (layer ``"model"``).
         max_products: Hessian-vector products each Lanczos run may spend per event.
-        tol: relative Ritz residual at which Lanczos stops.
+        tol: estimated eigenvalue error, relative to the largest |eigenvalue|, at which Lanczos stops.
         method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
     """
 
@@ -171,6 +171,10 @@ class CurvatureOptions:
         _check(isinstance(self.whole_model, bool), f"whole_model must be a bool, got {self.whole_model!r}")
         _check(self.whole_model or bool(self.blocks), "whole_model=False needs blocks to measure")
         _check(_is_int(self.max_products, 2), f"max_products must be an int >= 2, got {self.max_products!r}")
+        _check(
+            self.max_products >= self.top_k,
+            f"max_products must be >= top_k={self.top_k}, got {self.max_products!r}",
+        )
         _check(
             isinstance(self.tol, float) and 0 < self.tol < 1,
             f"tol must be a float in (0, 1), got {self.tol!r}",
@@ -439,8 +443,10 @@ class SecondOrderProbes:
     def _measure_curvature(
         self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
     ) -> None:
-        if self._spaces is None:
+        if self._spaces is None or not _spaces_still_current(self._spaces, module):
+            # First use, or the model changed (a block removed, a weight replaced): measure it as it now is.
             self._spaces = self.curvature.spaces(module)
+            self._curvature_warm.clear()
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         options = self.curvature
         for layer, space in self._spaces.items():
@@ -521,6 +527,15 @@ class SecondOrderProbes:
             ("ntk_effective_rank", estimate.effective_rank),
         ):
             event.measurements.append(Measurement(step, "ntk", metric, WHOLE_MODEL, value))
+
+
+def _spaces_still_current(spaces: dict[str, ParameterSpace], module: nn.Module) -> bool:
+    shapes = {id(parameter): parameter.shape for parameter in module.parameters()}
+    return all(
+        shapes.get(id(parameter)) == parameter.shape
+        for space in spaces.values()
+        for parameter in space.parameters
+    )
 
 
 def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -> list[Measurement]:

@@ -31,6 +31,8 @@ KEY_METRICS = (
     "tokens/token_residual",
     "weights/spectral_norm",
     "jacobian/jacobian_norm",
+    "jacobian/end_to_end_norm",
+    "curvature/sharpness",
     "curvature/sharpness_ratio",
 )
 """The metrics of the per-layer table, where the run logged them."""

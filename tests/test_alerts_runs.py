@@ -14,10 +14,13 @@ import torch
 from matplotlib.image import imread
 from pytorch_lightning.cli import LightningCLI
 from tensorboard.backend.event_processing import event_accumulator
+from test_curvature_callback import LEARNING_RATE as EOS_LEARNING_RATE
+from test_curvature_callback import FullBatchRegression, teacher_data
 
 from spectral_monitor.alerts import AlertEvent, default_rules
 from spectral_monitor.callback import SpectralMonitor
 from spectral_monitor.cli import main, shipped_configs
+from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.report import KEY_METRICS, ReportError, write_report
 
@@ -148,9 +151,13 @@ def test_non_finite_fires_on_the_step_a_nan_is_injected(tmp_path: Path, stop: bo
     assert {(event.rule, event.kind, event.severity) for event in at_injection} == {
         ("non_finite", "fired", "critical")
     }
-    # The NaN in blocks.0's MLP reaches block 0's output and block 1's attention in the same forward. (The
-    # weight itself is not reported: the weight probe fails on a NaN weight instead of writing NaN.)
-    assert {event.layer for event in at_injection} == {"blocks.0", "blocks.1", "blocks.1.attention"}
+    # The NaN weight itself, and what it reaches in the same forward: block 0's output, block 1's attention.
+    assert {event.layer for event in at_injection} == {
+        "blocks.0.mlp.0",
+        "blocks.0",
+        "blocks.1",
+        "blocks.1.attention",
+    }
     assert trainer.global_step == (4 if stop else 6)
     assert trainer.callbacks[1].state_dict()["alerts"]["history"][0]["step"] == 3
 
@@ -195,3 +202,131 @@ def test_report_on_a_missing_or_empty_logdir_is_a_clear_error(
         write_report(tmp_path / "nope")
     assert main(["report", str(tmp_path)]) == 2
     assert "no TensorBoard event files (events.out.tfevents*) under" in capsys.readouterr().err
+
+
+class LearningRateJump(FullBatchRegression):
+    """The edge-of-stability regression of test_curvature_callback, its step size multiplied by ``factor``
+    from step ``at`` on: a schedule that overshoots the edge mid-run."""
+
+    def __init__(self, at: int, factor: float) -> None:
+        super().__init__()
+        self.at, self.factor = at, factor
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.SGD(self.parameters(), lr=EOS_LEARNING_RATE)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 if s < self.at else self.factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def fit_regression(logdir: Path, model: pl.LightningModule, max_steps: int, every: int) -> list[AlertEvent]:
+    seen: list[AlertEvent] = []
+    monitor = SpectralMonitor(
+        families=["curvature"], curvature=CurvatureOptions(every_n_steps=every), on_alert=seen.append
+    )
+    trainer = pl.Trainer(
+        max_steps=max_steps, max_epochs=-1, callbacks=[monitor], log_every_n_steps=1,
+        logger=pl.loggers.TensorBoardLogger(str(logdir)), accelerator="cpu", enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(model, teacher_data())
+    return seen
+
+
+def scalars(events: event_accumulator.EventAccumulator, tag: str) -> dict[int, float]:
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+@pytest.mark.slow
+def test_gradient_descent_at_the_edge_of_stability_raises_nothing(tmp_path: Path) -> None:
+    seen = fit_regression(tmp_path, FullBatchRegression(), max_steps=400, every=20)
+    events = events_of(tmp_path)
+    ratio = scalars(events, "curvature/sharpness_ratio/model")
+    assert 0.95 < max(ratio.values()) < 1.3  # it reaches the edge and stays there: the normal regime of GD
+    assert seen == []
+    assert events.Scalars("alerts/fired/edge_of_stability")[-1].value == 0
+
+
+@pytest.mark.slow
+def test_a_learning_rate_jump_past_the_edge_fires_before_the_loss_moves(tmp_path: Path) -> None:
+    seen = fit_regression(tmp_path, LearningRateJump(at=100, factor=2.5), max_steps=130, every=4)
+    events = events_of(tmp_path)
+    ratio, loss = scalars(events, "curvature/sharpness_ratio/model"), scalars(events, "train/loss")
+    assert ratio[99] < 1 and min(ratio[103], ratio[107], ratio[111]) > 2  # η × 2.5 at step 100
+    (alert,) = seen
+    assert (alert.rule, alert.kind, alert.step, alert.since) == ("edge_of_stability", "fired", 111, 103)
+    assert alert.message().startswith(
+        "SpectralMonitor warning edge_of_stability at model, step 111: curvature/sharpness_ratio "
+        f"{ratio[111]:.3f} >= 1.500 since step 103. Try: lower the learning rate"
+    )
+    assert loss[111] < loss[99]  # the loss is still falling when the alert fires ...
+    assert loss[120] > 1000 * loss[99]  # ... and has exploded 9 steps later
+
+
+def fit_tiny_probed(logdir: Path, lr: float, max_steps: int, every: int) -> list[AlertEvent]:
+    """The tiny demo model with AdamW at ``lr``, every family including curvature and Jacobians on."""
+    seen: list[AlertEvent] = []
+    monitor = SpectralMonitor(
+        every_n_steps=every, figures_every_n_logs=0, on_alert=seen.append,
+        curvature=CurvatureOptions(every_n_steps=every), jacobian=JacobianOptions(every_n_steps=every),
+    )  # fmt: skip
+    model = DemoTransformer(vocab_size=160, d_model=16, n_layers=2, n_heads=2, seq_len=16, seed=0, lr=lr)
+    data = SyntheticDataModule(vocab_size=160, seq_len=16, batch_size=8, num_batches=64, seed=0)
+    trainer = pl.Trainer(
+        max_steps=max_steps, callbacks=[monitor], logger=pl.loggers.TensorBoardLogger(str(logdir)),
+        accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        log_every_n_steps=every,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    return seen
+
+
+@pytest.mark.slow
+def test_adams_first_steps_above_their_edge_raise_nothing(tmp_path: Path) -> None:
+    seen = fit_tiny_probed(tmp_path, lr=3e-3, max_steps=12, every=1)
+    ratio = scalars(events_of(tmp_path), "curvature/sharpness_ratio/model")
+    assert max(ratio[step] for step in (2, 3, 4)) > 1.5  # v̂ of a few gradients: preconditioned λ past 38/η
+    assert max(ratio[step] for step in range(5, 12)) < 0.5
+    assert seen == []
+
+
+@pytest.mark.slow
+def test_adamw_at_100x_the_demo_learning_rate_blows_up_the_jacobians_and_report_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = fit_tiny_probed(tmp_path / "logs", lr=0.3, max_steps=10, every=5)
+    exploding = [event for event in seen if event.rule == "jacobian_explosion"]
+    assert {(event.layer, event.step, event.kind) for event in exploding} == {
+        ("blocks.0", 9, "fired"),
+        ("model", 9, "fired"),
+    }
+    assert all(event.value >= 200 for event in exploding)
+    events = events_of(tmp_path / "logs")
+    assert scalars(events, "jacobian/jacobian_norm/blocks.1")[9] < 10  # the second block is not judged broken
+
+    assert main(["report", str(tmp_path / "logs"), "--out", str(tmp_path / "report")]) == 0
+    printed = capsys.readouterr().out
+    for tag in ("jacobian/jacobian_norm/blocks.0", "jacobian/end_to_end_norm/model",
+                "curvature/sharpness_ratio/model", "curvature/sharpness/model"):  # fmt: skip
+        family, metric, layer = tag.split("/")
+        (line,) = [line for line in printed.splitlines() if line.split()[:2] == [layer, f"{family}/{metric}"]]
+        latest = list(scalars(events, tag).values())[-1]
+        assert float(line.split()[2]) == pytest.approx(latest, rel=2e-3), line
+    assert "  jacobian_explosion: 2 at step 9 (×2)" in printed
+    (markdown,) = (tmp_path / "report").rglob("report.md")
+    assert "| jacobian_explosion | warning | blocks.0 | 4 | 9 |" in markdown.read_text()
+    for plot in ("curvature__sharpness_ratio", "jacobian__jacobian_norm", "jacobian__end_to_end_norm"):
+        assert imread(markdown.parent / "plots" / f"{plot}.png").shape[0] > 100
+
+
+@pytest.mark.slow
+def test_the_healthy_demo_with_curvature_and_jacobians_on_raises_nothing(tmp_path: Path) -> None:
+    fit_config(
+        "demo", tmp_path, max_steps=50, every_n_steps=25, figures_every_n_logs=0, max_sequences=1,
+        curvature={"every_n_steps": 25, "max_products": 8}, jacobian={"every_n_steps": 25, "max_iters": 8},
+    )  # fmt: skip
+    events = events_of(tmp_path)
+    growth = scalars(events, "jacobian/jacobian_norm/blocks.0")
+    # Block 0 reads the 0.02-scale embeddings through LayerNorm: its Jacobian grows > 10x in healthy training.
+    assert growth[49] > 10 * growth[0]
+    assert set(scalars(events, "curvature/sharpness_ratio/model")) == {24, 49}
+    assert set(fired(events).values()) == {0.0}

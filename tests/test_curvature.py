@@ -81,12 +81,14 @@ def explicit_hessian(model: nn.Module, loss_fn, space: ParameterSpace) -> Tensor
 
 
 @pytest.mark.parametrize("method", ["func", "autograd"])
-@pytest.mark.parametrize("patterns", [None, ["*in_proj_weight[k]", "*norm1.*"]])
-def test_hessian_vector_products_equal_the_explicit_hessian(method: str, patterns) -> None:
+@pytest.mark.parametrize(
+    ("patterns", "width"), [(None, 3), (None, 1), (["*in_proj_weight[k]", "*norm1.*"], 3)]
+)
+def test_hessian_vector_products_equal_the_explicit_hessian(method: str, patterns, width: int) -> None:
     model, loss_fn, _ = tiny_transformer()
     space = ParameterSpace.of(model, patterns)
     hessian = explicit_hessian(model, loss_fn, space)
-    vectors = torch.randn(1, space.size, 3, dtype=torch.float64)
+    vectors = torch.randn(1, space.size, width, dtype=torch.float64)
     with probing(model):
         products = HessianOperator(loss_fn, space, method, model).matmat(vectors)
     torch.testing.assert_close(products[0], hessian @ vectors[0], rtol=1e-10, atol=1e-12)
@@ -110,6 +112,28 @@ def test_top_k_and_the_most_negative_eigenvalue_match_eigvalsh() -> None:
     assert estimate.converged
     torch.testing.assert_close(estimate.eigenvalues, exact[-3:].flip(0), rtol=1e-4, atol=0)
     assert estimate.min_eigenvalue == pytest.approx(float(exact[0]), rel=1e-4)
+
+
+def test_single_vector_lanczos_stops_on_the_eigenvalue_error_with_fewer_products() -> None:
+    generator = torch.Generator().manual_seed(0)
+    n = 300
+    spectrum = torch.cat([torch.tensor([10.0, 9.0, 7.5]), torch.rand(n - 3, generator=generator) * 2 - 1])
+    basis, _ = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    matrix = (basis * spectrum.double()) @ basis.T
+    tol, top = 1e-6, spectrum.sort(descending=True).values[:3].double()
+    runs = {
+        criterion: lanczos_eigsh(
+            matrix[None], 3, block_size=1, tol=tol, max_iters=n, criterion=criterion, generator=generator
+        )
+        for criterion in ("residual", "eigenvalue")
+    }
+    for run in runs.values():
+        assert bool(run.info.converged.all())
+        assert float((run.values[0] - top).abs().max()) <= tol * 10.0
+    # The residual bounds the error but is about its square root: stopping on it over-solves.
+    assert runs["eigenvalue"].info.products < runs["residual"].info.products
+    with pytest.raises(ValueError, match="max_iters must be >= k=3"):
+        lanczos_eigsh(matrix[None], 3, block_size=1, max_iters=2)
 
 
 def test_an_indefinite_hessian_reports_the_largest_algebraic_not_the_largest_magnitude() -> None:
@@ -142,6 +166,20 @@ def test_a_warm_start_spends_fewer_products_on_the_same_hessian() -> None:
     warm = measure_curvature(model, loss_fn, tol=1e-6, max_products=400, warm=cold.warm)
     assert warm.products < cold.products
     assert warm.sharpness == pytest.approx(cold.sharpness, rel=1e-8)
+    with pytest.raises(ValueError, match="max_products must be >= k=3"):
+        measure_curvature(model, loss_fn, top_k=3, max_products=2)
+
+
+def test_warm_vectors_of_a_moved_hessian_cost_one_block_over_a_cold_start_and_change_nothing() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    stale = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400).warm
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=0.3)
+    cold = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400)
+    warm = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400, warm=stale)
+    assert warm.products == cold.products + 3  # the two stale vectors and one random one, then cold
+    torch.testing.assert_close(warm.eigenvalues, cold.eigenvalues, rtol=0, atol=0)
 
 
 class HeldBackOperator(DenseOperator):

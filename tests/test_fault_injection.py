@@ -51,7 +51,15 @@ EVERY_STEP = list(range(STEPS))
 
 def quiet_monitor(**arguments: Any) -> SpectralMonitor:
     # Exact attention metrics: the Krylov path leaves threshold_rank out on steps where it is not resolved.
-    defaults = {**ALL_FAMILIES, "metric_method": "exact", "every_n_steps": 1, "figures_every_n_logs": 0}
+    # No head diversity (its own cadence, not every step) and no preflight (it may warn about the tiny model).
+    defaults = {
+        **ALL_FAMILIES,
+        "metric_method": "exact",
+        "every_n_steps": 1,
+        "figures_every_n_logs": 0,
+        "head_diversity_every_n_logs": 0,
+        "preflight": False,
+    }
     return SpectralMonitor(**{**defaults, **arguments})
 
 

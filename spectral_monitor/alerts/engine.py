@@ -15,10 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spectral_monitor.alerts.rules import MEDIAN_WINDOW, Condition, Rule
+from spectral_monitor.alerts.rules import MEDIAN_WINDOW, Rule
 from spectral_monitor.records import Measurement
 
-__all__ = ["HISTORY_LIMIT", "AlertEngine", "AlertEvent"]
+__all__ = ["HISTORY_LIMIT", "AlertEngine", "AlertEvent", "Reading"]
 
 HISTORY_LIMIT = 1000
 """Events kept in the history (the most recent ones)."""
@@ -28,13 +28,37 @@ RESOLVED = "resolved"
 
 
 @dataclass(frozen=True)
+class Reading:
+    """What one condition of a rule read: ``metric`` gave ``value`` against ``level`` (``op``); a ratio for
+    ``relative_to`` ``first``/``median``, a difference for ``depth``."""
+
+    metric: str
+    op: str
+    value: float
+    level: float
+    relative_to: str = "value"
+
+    def text(self, kind: str = FIRED) -> str:
+        """``value op level`` as text: ``attention/entropy 1.000 >= 0.980``; resolved: the cleared side."""
+        if self.op == "nonfinite":
+            return f"{self.metric} = {self.value}"
+        unit = {"value": "", "first": "× first value ", "median": "× running median ",
+                "depth": "− first layer "}[self.relative_to]  # fmt: skip
+        op = self.op if kind == FIRED else {">=": "<", "<=": ">"}[self.op]
+        return f"{self.metric} {unit}{_number(self.value)} {op} {_number(self.level)}"
+
+
+@dataclass(frozen=True)
 class AlertEvent:
     """An alert that fired, or one that resolved (``kind``).
 
-    ``value`` is what ``metric`` read (a ratio for a relative condition): for a layer, the value of the head
-    nearest the threshold among those that met it (fired) or the median over heads (resolved). ``level`` is
-    the threshold (fired) or the clear level (resolved). ``heads`` is "k/h" heads meeting the condition
-    (``None`` for a per-head alert or a metric without heads). ``since``: the first step of the streak.
+    ``value`` is what ``metric`` read (a ratio or difference for a relative condition): for a layer, the
+    value of the head nearest the threshold among those that met it (fired) or the median over heads
+    (resolved). ``level`` is the threshold (fired) or the clear level (resolved). ``metric`` is the first
+    condition of the rule that held (fired), or that had held when the alert fired (resolved); ``also``
+    holds the others, in the rule's order, so a rule of several conditions says which ones it was.
+    ``heads`` is "k/h" heads meeting the conditions (``None`` for a per-head alert or a metric without
+    heads). ``since``: the first step of the streak.
     """
 
     rule: str
@@ -51,6 +75,7 @@ class AlertEvent:
     since: int
     heads: str | None = None
     remedy: str = ""
+    also: tuple[Reading, ...] = ()
 
     @property
     def where(self) -> str:
@@ -59,13 +84,15 @@ class AlertEvent:
         return self.layer if self.heads is None else f"{self.layer} ({self.heads} heads)"
 
     @property
+    def readings(self) -> tuple[Reading, ...]:
+        """Every condition named by this event, the first one (``metric``) first."""
+        first = Reading(self.metric, self.op, self.value, self.level, self.relative_to)
+        return (first, *self.also)
+
+    @property
     def comparison(self) -> str:
-        """``value op level`` as text: ``attention/entropy 1.000 >= 0.98``."""
-        if self.op == "nonfinite":
-            return f"{self.metric} = {self.value}"
-        unit = {"value": "", "first": "× first value ", "median": "× running median "}[self.relative_to]
-        op = self.op if self.kind == FIRED else {">=": "<", "<=": ">"}[self.op]
-        return f"{self.metric} {unit}{_number(self.value)} {op} {_number(self.level)}"
+        """``value op level`` of each condition named, as text: ``attention/entropy 1.000 >= 0.980``."""
+        return " and ".join(reading.text(self.kind) for reading in self.readings)
 
     def message(self) -> str:
         """One console line."""
@@ -82,7 +109,8 @@ class AlertEvent:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AlertEvent:
-        return cls(**data)
+        also = tuple(Reading(**reading) for reading in data.get("also", ()))
+        return cls(**{**data, "also": also})
 
 
 @dataclass
@@ -92,6 +120,7 @@ class _Subject:
     streak: int = 0
     since: int = -1
     open: bool = False
+    held: list[int] = field(default_factory=list)  # conditions (indices) that held when the alert fired
 
 
 @dataclass
@@ -144,10 +173,25 @@ class AlertEngine:
         relative = self._relative_values(records)
         lengths = _attention_lengths(records)
         events = []
+        by_metric: dict[str, list[Measurement]] = {}
+        for record in records:
+            by_metric.setdefault(f"{record.family}/{record.metric}", []).append(record)
         for rule in self.rules:
             if step < rule.start_step:
                 continue
-            for (layer, head), (units, are_heads) in _units_of(rule, records, relative).items():
+            # Only the records some condition of the rule reads (and their head _min/_max aggregates, which
+            # _worst_head_view reads): a few metrics among hundreds of tags.
+            read = [
+                record
+                for family_metric, group in by_metric.items()
+                if any(
+                    condition.matches(name)
+                    for condition in rule.conditions
+                    for name in (family_metric, family_metric.removesuffix("_min").removesuffix("_max"))
+                )
+                for record in group
+            ]
+            for (layer, head), (units, are_heads) in _units_of(rule, read, relative).items():
                 events += self._advance(rule, step, layer, head, units, are_heads, lengths.get(layer))
         self.history = (self.history + events)[-HISTORY_LIMIT:]
         return events
@@ -204,12 +248,13 @@ class AlertEngine:
         needed = rule.head_fraction * len(evaluated) - 1e-9
         subject = self._subjects.setdefault((rule.name, layer, head), _Subject())
         if subject.open:
-            if len(holding) >= needed:
-                return []
+            read = [unit for unit, _ in evaluated]
+            held = subject.held or list(range(len(rule.conditions)))  # a state saved before ``held``
+            if len(holding) >= needed or not any(i in unit.values for unit in read for i in held):
+                return []  # still holding, or nothing read of what raised it (another family's step)
             subject.open, subject.streak = False, 0
-            metric, value, condition = _summary(rule, [unit for unit, _ in evaluated], median=True)
-            return [self._event(rule, RESOLVED, step, layer, head, metric, value, condition.clear_level,
-                                condition, subject.since, None, length)]  # fmt: skip
+            readings = _readings(rule, read, held=held)
+            return [self._event(rule, RESOLVED, step, layer, head, readings, subject.since, None, length)]
         if len(triggered) < needed or not triggered:
             subject.streak = 0
             return []
@@ -220,10 +265,10 @@ class AlertEngine:
             return []
         subject.open = True
         self.fired[rule.name] += 1
-        metric, value, condition = _summary(rule, triggered, median=False)
+        readings = _readings(rule, triggered, held=None)
+        subject.held = [index for index, _ in readings]
         heads = f"{len(triggered)}/{len(evaluated)}" if are_heads else None
-        return [self._event(rule, FIRED, step, layer, head, metric, value, condition.threshold, condition,
-                            subject.since, heads, length)]  # fmt: skip
+        return [self._event(rule, FIRED, step, layer, head, readings, subject.since, heads, length)]
 
     @staticmethod
     def _event(
@@ -232,14 +277,12 @@ class AlertEngine:
         step: int,
         layer: str,
         head: int | None,
-        metric: str,
-        value: float,
-        level: float,
-        condition: Condition,
+        readings: list[tuple[int, Reading]],
         since: int,
         heads: str | None,
         length: float | None,
     ) -> AlertEvent:
+        first, *also = (reading for _, reading in readings)
         return AlertEvent(
             rule=rule.name,
             kind=kind,
@@ -247,32 +290,40 @@ class AlertEngine:
             layer=layer,
             head=head,
             severity=rule.severity,
-            metric=metric,
-            op=condition.op,
-            value=value,
-            level=level,
-            relative_to=condition.relative_to,
+            metric=first.metric,
+            op=first.op,
+            value=first.value,
+            level=first.level,
+            relative_to=first.relative_to,
             since=since,
             heads=heads,
             remedy=_remedy(rule.remedy, length),
+            also=tuple(also),
         )
 
     def _relative_values(self, records: list[Measurement]) -> dict[str, dict[str, float]]:
-        """Each record's value over its first value and over its running median, by tag; updates both."""
-        wanted = {
-            condition.relative_to
-            for rule in self.rules
-            for condition in rule.conditions
-            if condition.relative_to != "value"
-        }
-        ratios: dict[str, dict[str, float]] = {"first": {}, "median": {}}
-        if not wanted:
+        """Each record's value over its first value and over its running median, and minus the first layer's
+        value in these records (depth), by tag; updates the first values and medians."""
+        ratios: dict[str, dict[str, float]] = {"first": {}, "median": {}, "depth": {}}
+        read = [c for rule in self.rules for c in rule.conditions if c.relative_to in ("first", "median")]
+        across_depth = [c for rule in self.rules for c in rule.conditions if c.relative_to == "depth"]
+        first_layer: dict[str, float] = {}
+        if across_depth:
+            for record in records:
+                family_metric = f"{record.family}/{record.metric}"
+                if record.head is None and any(c.matches(family_metric) for c in across_depth):
+                    baseline = first_layer.setdefault(family_metric, record.value)
+                    ratios["depth"][record.tag] = record.value - baseline
+        if not read:
             return ratios
-        read = [c for rule in self.rules for c in rule.conditions if c.relative_to != "value"]
+        is_read: dict[str, bool] = {}
         for record in records:
             if not math.isfinite(record.value):
                 continue
-            if not any(c.matches(f"{record.family}/{record.metric}") for c in read):
+            family_metric = f"{record.family}/{record.metric}"
+            if family_metric not in is_read:
+                is_read[family_metric] = any(c.matches(family_metric) for c in read)
+            if not is_read[family_metric]:
                 continue
             tag = record.tag
             first = self._first.setdefault(tag, record.value)
@@ -357,29 +408,36 @@ def _verdict(rule: Rule, unit: _Unit) -> tuple[bool, bool] | None:
     )
 
 
-def _summary(rule: Rule, units: list[_Unit], *, median: bool) -> tuple[str, float, Condition]:
-    """The first condition the units read, its metric and one value for them all: the median, or the value
-    nearest the threshold among those that met it."""
+def _readings(rule: Rule, units: list[_Unit], *, held: list[int] | None) -> list[tuple[int, Reading]]:
+    """(condition index, reading) of the conditions an event names, in the rule's order.
+
+    Fired (``held=None``): every condition that held in some unit, with the value nearest its threshold
+    among the units that met it. Resolved: the conditions in ``held`` (those that raised the alert) that the
+    units read, with their median over the units, against the clear level.
+    """
+    named = []
     for index, condition in enumerate(rule.conditions):
-        readings = [unit.values[index] for unit in units if index in unit.values]
-        if not readings:
+        values = [unit.values[index] for unit in units if index in unit.values]
+        if not values or (held is not None and index not in held):
             continue
-        values = [value for _, value in readings]
+        metric = values[0][0]
         if condition.op == "nonfinite":
-            broken = [reading for reading in readings if not math.isfinite(reading[1])]
-            if not broken and not median:
+            broken = [(name, value) for name, value in values if not math.isfinite(value)]
+            if held is None and not broken:
                 continue
-            metric, value = (broken or readings)[0]
-            return metric, value, condition
-        if not median:
-            met = [value for value in values if condition.holds(value)]
+            metric, value = (broken or values)[0]
+        elif held is None:
+            met = [value for _, value in values if condition.holds(value)]
             if not met:
                 continue
             value = min(met) if condition.op == ">=" else max(met)
         else:
-            value = statistics.median(values)
-        return readings[0][0], value, condition
-    raise AssertionError(f"rule {rule.name} was judged on units that read none of its conditions")
+            value = statistics.median(value for _, value in values)
+        level = condition.threshold if held is None else condition.clear_level
+        named.append((index, Reading(metric, condition.op, value, level, condition.relative_to)))
+    if not named:
+        raise AssertionError(f"rule {rule.name} was judged on units that read none of its conditions")
+    return named
 
 
 def _attention_lengths(records: list[Measurement]) -> dict[str, float]:

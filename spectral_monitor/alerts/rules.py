@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,9 +33,11 @@ __all__ = [
 
 COMPARISONS = (">=", "<=", "nonfinite")
 """``>=``/``<=`` compare with ``threshold``; ``nonfinite`` holds when the value is NaN or infinite."""
-RELATIVE_TO = ("value", "first", "median")
+RELATIVE_TO = ("value", "first", "median", "depth")
 """What a condition compares: the value itself, the value over the first value seen for the same layer
-(and head), or the value over the running median of that layer's (and head's) previous values."""
+(and head), the value over the running median of that layer's (and head's) previous values, or (``depth``)
+the value minus the same metric's value at the first layer that reports it in the same evaluation (the
+monitor writes blocks in forward order), a difference across depth; ``depth`` reads layer records only."""
 SCOPES = ("layer", "head")
 """``layer``: one alert per layer, when at least ``head_fraction`` of its heads meet the condition (records
 without heads count as one head). ``head``: one alert per head (per layer when the metric has no heads)."""
@@ -53,7 +56,8 @@ class Condition:
         threshold: the level at which the condition starts to hold (unused by ``nonfinite``).
         clear: the level the value must get back past for an open alert to close (hysteresis); on the
             healthy side of ``threshold`` or equal to it. ``None``: ``threshold``.
-        relative_to: one of :data:`RELATIVE_TO`; ``first`` and ``median`` make ``threshold`` a ratio.
+        relative_to: one of :data:`RELATIVE_TO`; ``first`` and ``median`` make ``threshold`` a ratio,
+            ``depth`` a difference.
         required: if False, a layer that does not report ``metric`` skips this condition instead of
             not being evaluated (``eigen_gap`` is written for bidirectional attention only).
     """
@@ -94,7 +98,7 @@ class Condition:
         return self.threshold if self.clear is None else self.clear
 
     def matches(self, family_metric: str) -> bool:
-        return fnmatch.fnmatchcase(family_metric, self.metric)
+        return _name_matches(family_metric, self.metric)
 
     def holds(self, value: float, *, clearing: bool = False) -> bool:
         """Whether ``value`` (already relative, if the condition is) meets the condition; ``clearing``:
@@ -107,6 +111,8 @@ class Condition:
     def describe(self) -> str:
         if self.op == "nonfinite":
             return f"{self.metric} is NaN or inf"
+        if self.relative_to == "depth":
+            return f"{self.metric} − its value at the first layer {self.op} {self.threshold:g}"
         unit = {"value": "", "first": " × its first value", "median": " × its running median"}[
             self.relative_to
         ]
@@ -193,7 +199,7 @@ class Rule:
         return {condition.metric.split("/", 1)[0] for condition in self.conditions}
 
     def applies_to(self, layer: str) -> bool:
-        return self.layers is None or any(fnmatch.fnmatchcase(layer, pattern) for pattern in self.layers)
+        return self.layers is None or any(_name_matches(layer, pattern) for pattern in self.layers)
 
     def describe(self) -> str:
         joined = f" {'or' if self.combine == 'any' else 'and'} ".join(c.describe() for c in self.conditions)
@@ -365,6 +371,7 @@ TOKEN_COLLAPSE = Rule(
     conditions=[
         Condition("tokens/cosine_similarity", ">=", 0.95, clear=0.9),
         Condition("tokens/token_residual", "<=", 0.05, clear=0.1),
+        Condition("tokens/cosine_similarity", ">=", 0.5, clear=0.4, relative_to="depth"),
     ],
     patience=2,
     start_step=1,
@@ -373,35 +380,62 @@ TOKEN_COLLAPSE = Rule(
     "scaled by 1/√depth, or γ·log n logit scaling",
 )
 """The residual stream of a block has (nearly) one direction: mean pairwise cosine >= 0.95 or token
-residual <= 0.05 (Dong et al. 2021; Noci et al. 2022). In every run we measured (demo, both long-context
-configs) cosine stays <= 0.26 and the residual >= 0.85: the residual connection keeps tokens apart even when
-attention is rank one, so this rule fires only on a collapse deeper than attention's."""
+residual <= 0.05 (Dong et al. 2021; Noci et al. 2022), or its tokens are collapsing with depth: the block's
+cosine 0.5 or more above the first block's at the same step (the trend across depth; ``relative_to="depth"``).
+In every run we measured (demo, both long-context configs) cosine stays <= 0.26 and the residual >= 0.85:
+the residual connection keeps tokens apart even when attention is rank one, so the absolute conditions fire
+only on a collapse deeper than attention's. Across depth the healthy configs/demo.yaml (300 steps, every 25)
+has its last block's cosine at most 0.012 above its first block's (cosine falls with depth there) and the
+long-context configs at most 0.06; a tiny 2-block demo model early in training (steps 0–60, every 5) reached
+0.31, the largest healthy gap measured, so 0.5 leaves a margin. Broken, AdamW at lr 0.3 (100× the demo's)
+on the tiny model: cosine 0.99–1.0 in both blocks from step 4 (the absolute condition fires at step 9; the
+gap stays ≈ 0, the collapse being everywhere at once)."""
 
 EDGE_OF_STABILITY = Rule(
     name="edge_of_stability",
     conditions=[Condition("curvature/sharpness_ratio", ">=", 1.5, clear=1.2)],
     patience=3,
+    start_step=10,
     remedy="lower the learning rate (sharpness is past the optimizer's edge: 2/η for SGD, "
     "(2+2β₁)/((1−β₁)η) for Adam), or warm up longer",
 )
-"""Sharpness sustained at 1.5× the optimizer's edge of stability. Training at the edge (ratio ≈ 1) is the
-normal regime of full-batch GD and Adam (Cohen et al. 2021, 2022); staying well above it for 3 evaluations
-means the step size no longer fits the curvature. Reads the curvature family when it is measured; not yet
-calibrated on a run with curvature on this branch."""
+"""Sharpness sustained at 1.5× the optimizer's edge of stability, 3 evaluations in a row, from step 10.
+Training at the edge (ratio ≈ 1) is the normal regime of full-batch GD and Adam (Cohen et al. 2021, 2022);
+staying well above it means the step size no longer fits the curvature and the loss is about to blow up.
+
+Calibrated on real runs (curvature on; tests/test_alerts_runs.py). Healthy: full-batch GD at η = 0.55 on the
+tanh regression of tests/test_curvature_callback.py sharpens from ratio 0.53 to the edge and stays there
+(≤ 1.04 over 400 steps, every 20); configs/demo.yaml with AdamW (every 25, 300 steps) reads 0.07–1.06.
+Broken: the same GD run with η raised 2.5× at step 100 reads 2.2–2.3 from the next evaluation (every 4
+steps) and fires at step 111 while the loss is still below its step-99 value; it explodes 9 steps later and
+goes NaN. GD started at η = 1.7–2.0 (ratio 1.6–1.9 at step 0) reads 4–10 by step 3 and overflows by
+step 23. ``start_step=10``: Adam's preconditioned sharpness is 1.5–4.1× its edge on steps 1–4 of a healthy
+tiny demo run measured every step (its v̂ holds a handful of gradients, and the momentum EMA behind the
+(2+2β₁)/((1−β₁)η) edge needs ≈ 1/(1−β₁) = 10 steps to settle), then 0.10–0.18. The price: a GD run
+already diverging within its first 10 steps is left to ``non_finite`` and the loss curve. A one-off
+catapult (GD at η = 1.5: ratio 2.2 at steps 4–9, then oscillating 1.0–1.6 while the loss converges) does
+not fire at every 5 steps."""
 
 JACOBIAN_EXPLOSION = Rule(
     name="jacobian_explosion",
     conditions=[
-        Condition("jacobian/jacobian_norm", ">=", 10.0, clear=5.0, relative_to="first"),
-        Condition("jacobian/end_to_end_norm", ">=", 10.0, clear=5.0, relative_to="first"),
+        Condition("jacobian/jacobian_norm", ">=", 200.0, clear=100.0, relative_to="first"),
+        Condition("jacobian/end_to_end_norm", ">=", 200.0, clear=100.0, relative_to="first"),
     ],
     patience=2,
     remedy="signal is exploding through this block: pre-LN, residual branches scaled down, a lower "
     "learning rate, or gradient clipping",
 )
-"""A block's (or the whole model's) input-output Jacobian norm 10× its first measured value, twice in a
-row: the forward signal (and the backward gradient) amplifies. Reads the jacobian family when measured;
-not yet calibrated on a run with Jacobians on this branch."""
+"""A block's (or the whole model's) input-output Jacobian norm 200× its first measured value, twice in a
+row: the forward signal (and the backward gradient) amplifies.
+
+Why 200× and not 10×: a pre-LN block reads its input through LayerNorm, which divides by the input's RMS,
+so the first block's Jacobian scales with 1/RMS of the embeddings. In the healthy configs/demo.yaml
+(GPT-2 init 0.02; every 25 steps, 300 steps) block 0's norm grows from 2.1 to 147 (70×) and the
+end-to-end norm from 4.5 to 319 (71×) while the loss converges; later blocks grow at most 3.5×. A 10× rule
+fired on that run at step 49. 200× is about three times the largest healthy growth measured. Broken:
+AdamW at lr 0.3 (100× the demo's) on a tiny 2-block demo model: block 0 297× its first value at step 4,
+900× at step 9 (up to 45,000×), end-to-end 285–770×; fires at step 9 (every 5 steps)."""
 
 WEIGHT_RUNAWAY = Rule(
     name="weight_runaway",
@@ -438,3 +472,10 @@ NON_FINITE = Rule(
 )
 """Any NaN or inf in what the monitor saw (norms and entropies, which are finite for every finite input):
 fires on the first evaluation (patience 1), critical. ``head_fraction=0.01``: one broken head is enough."""
+
+
+@functools.lru_cache(maxsize=2**16)
+def _name_matches(name: str, pattern: str) -> bool:
+    # Every rule is matched against every record of every logging step: the same few thousand pairs again
+    # and again (159k matches per step on the demo model cost 0.1 s uncached).
+    return fnmatch.fnmatchcase(name, pattern)

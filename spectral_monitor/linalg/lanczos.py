@@ -29,6 +29,8 @@ from spectral_monitor.linalg.operators import (
 )
 
 Which = Literal["largest", "smallest"]
+StopCriterion = Literal["residual", "eigenvalue"]
+STOP_CRITERIA = ("residual", "eigenvalue")
 
 
 @dataclass
@@ -105,13 +107,19 @@ def lanczos_eigsh(
     init: Tensor | None = None,
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
+    criterion: StopCriterion = "residual",
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
-    Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair has
-    residual ≤ ``tol`` · max|θ|; the eigenvalue error is then at most that and usually its square over the
-    spectral gap. ``init`` (B, n, r) warm-starts from earlier vectors (the module docstring says why it
-    is safe).
+    Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair meets
+    ``tol`` · max|θ| by ``criterion``: ``"residual"``, the Ritz residual r (an eigenvalue lies within r of
+    θ: a bound on the error, usually far above it); ``"eigenvalue"``, the estimated eigenvalue error
+    min(r, r²/gap) with the gap to the nearest other Ritz value (the Kato–Temple bound with the Ritz gap
+    standing in for the unknown true one: an estimate, not a bound, that stops as soon as the eigenvalue is
+    good enough instead of its vector). An element whose product is non-finite stops with NaN values, not
+    converged. A ``block_size`` below ``k`` is allowed (single-vector Lanczos
+    needs the fewest products when exact multiplicities are not expected). ``init`` (B, n, r) warm-starts
+    from earlier vectors (the module docstring says why it is safe).
     ``max_iters`` caps block iterations; ``info`` says what each element reached.
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
@@ -126,12 +134,20 @@ def lanczos_eigsh(
         raise ValueError(f"tol must be positive, got {tol}")
     if max_iters < 1:
         raise ValueError(f"max_iters must be >= 1, got {max_iters}")
+    if criterion not in STOP_CRITERIA:
+        raise ValueError(f"criterion must be one of {STOP_CRITERIA}, got {criterion!r}")
     work = working_dtype(op.dtype, dtype)
     sign = 1.0 if which == "largest" else -1.0
     generator = generator if generator is not None else default_generator(op.device)
     width = min(block_size if block_size is not None else max(2 * k, 4), n)
-    if width < k:
-        raise ValueError(f"block_size must be >= k={k}, got {block_size}")
+    if width < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    warm_width = 0 if init is None else init.shape[-1]
+    if (width + warm_width) * max_iters < k:
+        raise ValueError(
+            f"(block_size + warm vectors) * max_iters must be >= k={k}, "
+            f"got ({width} + {warm_width}) * {max_iters}"
+        )
 
     start = gaussian((batch, n, width), dtype=work, device=op.device, generator=generator)
     if init is not None:
@@ -164,6 +180,17 @@ def lanczos_eigsh(
     for iteration in range(1, max_iters + 1):
         w = apply(active_op, q)
         products += q.shape[2] * active.numel()
+        # A non-finite product (a NaN in a Hessian, a poisoned matrix) ends that element with NaN values;
+        # zeroing its block keeps the batched small eigenproblems finite for the others.
+        broken = ~torch.isfinite(w).flatten(1).all(dim=1) & ~settled
+        if bool(broken.any()):
+            w = torch.where(broken[:, None, None], torch.zeros_like(w), w)
+            done = active[broken]
+            residual[done] = float("nan")
+            iterations[done] = iteration
+            settled = settled | broken
+            if bool(settled.all()):
+                break
         scale = torch.maximum(scale, w.norm(dim=1).amax(dim=1))
         alpha = q.transpose(1, 2) @ w
         alpha = (alpha + alpha.transpose(1, 2)) / 2
@@ -189,6 +216,10 @@ def lanczos_eigsh(
             grown[:, size:, size - coupling.shape[2] : size] = coupling
             grown[:, size - coupling.shape[2] : size, size:] = coupling.transpose(1, 2)
         tridiagonal = grown
+        if tridiagonal.shape[1] < k:  # a block narrower than k: not yet k Ritz values
+            previous, q, coupling = q, next_q, next_coupling
+            basis = torch.cat([basis, next_q], dim=2)
+            continue
 
         theta, ritz = (t.to(work) for t in torch.linalg.eigh(tridiagonal.double()))
         wanted_theta = theta[:, -k:].flip(1)
@@ -196,8 +227,9 @@ def lanczos_eigsh(
         res = (next_coupling @ wanted_vectors[:, -width_now:, :]).norm(dim=1)
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
         relative = res / magnitude[:, None]
+        error = relative if criterion == "residual" else _eigenvalue_error(theta, res, k) / magnitude[:, None]
         exhausted = room <= 0
-        met = active_op.agreed((relative <= tol).all(dim=1))
+        met = active_op.agreed((error <= tol).all(dim=1))
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
 
         if bool(finishing.any()):
@@ -229,6 +261,20 @@ def lanczos_eigsh(
 
     info = ConvergenceInfo(iterations=iterations, residual=residual, converged=converged, products=products)
     return EigenResult(values=values, vectors=vectors, info=info)
+
+
+def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
+    """min(r, r²/gap) for the top ``k`` Ritz values of ascending ``theta`` (B, m), residuals (B, k) top first.
+
+    The gap is to the nearest other Ritz value; the lowest Ritz value has no known gap below it, so a
+    wanted pair there (m = k) is judged by its residual alone.
+    """
+    steps = theta[:, 1:] - theta[:, :-1]
+    below = torch.cat([torch.zeros_like(theta[:, :1]), steps], dim=1)
+    above = torch.cat([steps, torch.full_like(theta[:, :1], float("inf"))], dim=1)
+    gap = torch.minimum(below, above)[:, -k:].flip(1)
+    estimate = residual.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
+    return torch.minimum(residual, estimate)
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:

@@ -4,8 +4,8 @@
   run: the global RNG streams forked, the math SDPA kernel (the only CPU kernel with a double backward),
   train/eval flags and buffers (BatchNorm running statistics) restored afterwards.
 - :func:`batched_grad`: vector-Jacobian products for a batch of cotangents from one retained graph, with
-  ``is_grads_batched`` (a vmap over the backward) and a per-vector loop where an operator has no batching
-  rule.
+  ``is_grads_batched`` (a vmap over the backward), a plain backward for a single vector, and a per-vector
+  loop where an operator has no batching rule.
 
 Products use ``torch.autograd.grad`` only, never ``.backward``: ``.grad`` of every parameter is left alone.
 """
@@ -65,20 +65,24 @@ def batched_grad(
     Hessian-vector product a single backward). Inputs the outputs do not depend on get zeros.
     """
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    try:
-        grads = torch.autograd.grad(
-            outputs,
-            inputs,
-            grad_outputs=list(cotangents),
-            retain_graph=True,
-            create_graph=create_graph,
-            is_grads_batched=True,
-            allow_unused=True,
-        )
-    except RuntimeError as error:
-        if "batching rule" not in str(error) and "vmap" not in str(error):
-            raise
-        # An operator without a batching rule in the backward: one backward per vector.
+    k = cotangents[0].shape[0]
+    grads = None
+    if k > 1:  # for one vector a plain backward is cheaper than is_grads_batched's vmap
+        try:
+            grads = torch.autograd.grad(
+                outputs,
+                inputs,
+                grad_outputs=list(cotangents),
+                retain_graph=True,
+                create_graph=create_graph,
+                is_grads_batched=True,
+                allow_unused=True,
+            )
+        except RuntimeError as error:
+            if "batching rule" not in str(error) and "vmap" not in str(error):
+                raise
+            # An operator without a batching rule in the backward: one backward per vector, below.
+    if grads is None:
         columns = [
             torch.autograd.grad(
                 outputs,
@@ -88,12 +92,11 @@ def batched_grad(
                 create_graph=create_graph,
                 allow_unused=True,
             )
-            for i in range(cotangents[0].shape[0])
+            for i in range(k)
         ]
         grads = tuple(
             None if column[0] is None else torch.stack(column) for column in zip(*columns, strict=True)
         )
-    k = cotangents[0].shape[0]
     return [
         torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device) if g is None else g
         for g, x in zip(grads, inputs, strict=True)

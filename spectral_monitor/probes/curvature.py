@@ -1,10 +1,12 @@
 """Curvature of the loss: Hessian eigenvalues, trace and spectral density, and the edge of stability.
 
 Everything here takes a module and a *loss closure* (no Lightning). The closure is evaluated once per event
-inside :func:`~spectral_monitor.probes._autodiff.probing`; its gradient is taken with ``create_graph`` and
-kept, so every Hessian-vector product is one backward through that cached graph, batched over a block of
-vectors (``is_grads_batched``). ``benchmarks/bench_hessian.py`` measured this against ``torch.func``
-forward-over-reverse and chose it.
+inside :func:`~spectral_monitor.probes._autodiff.probing`; its gradient's graph is built once per event
+and kept, so every Hessian-vector product of every Lanczos iteration (and of the trace and density) is
+one backward through that cached graph, batched over a block of vectors when the block is wider than one.
+``benchmarks/README.md`` has the measurements behind the defaults: ``torch.func`` reverse-over-reverse,
+single-vector Lanczos (on the CPU a batched pass over b vectors costs about b single products), and a stop
+on the estimated eigenvalue error rather than on the Ritz residual.
 
 The Hessian is an operator of :mod:`spectral_monitor.linalg`, so the engine's block Lanczos (top-k largest
 algebraic eigenvalues, per-event product budget, warm start from the last event's Ritz vectors),
@@ -258,7 +260,9 @@ class HessianOperator(BatchedOperator):
     def matmat(self, x: Tensor) -> Tensor:
         vectors = x[0].transpose(0, 1)  # (k, n)
         cotangents = self.space.unflatten(vectors)
-        if self.method == "func":
+        if self.method == "func" and vectors.shape[0] == 1:  # vmap over one vector only adds overhead
+            products = self.space.flatten([p[None] for p in self._vjp(tuple(c[0] for c in cotangents))[0]])
+        elif self.method == "func":
             products = self.space.flatten(list(torch.func.vmap(self._vjp)(tuple(cotangents))[0]))
         elif not any(g.requires_grad for g in self._gradients):  # a loss linear in these parameters
             products = torch.zeros_like(vectors)
@@ -343,29 +347,44 @@ def hessian_eigenvalues(
     which: str = "largest",
     max_products: int = 64,
     tol: float = 1e-4,
-    block_size: int | None = None,
+    block_size: int = 1,
     init: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> EigenResult:
     """The ``k`` largest (or smallest) algebraic eigenpairs of a Hessian operator within a product budget.
 
-    Block Lanczos of width ``block_size`` (default k: the fewest products, measured) plus the warm
-    vectors ``init`` (n, r); it stops at relative Ritz residual ``tol`` or when the next block would
-    exceed ``max_products``.
+    Lanczos of width ``block_size``, which stops when every eigenvalue's estimated error
+    (``criterion="eigenvalue"`` of :func:`lanczos_eigsh`) is within ``tol`` of the largest |eigenvalue|, or
+    when the next block would exceed ``max_products``. Width 1 by default: on the CPU a batched pass over b
+    vectors costs about b single products and single-vector Lanczos reaches 1e-3 in the fewest products
+    (``benchmarks/README.md``); a width of at least the multiplicity is needed to resolve exactly repeated
+    eigenvalues.
+
+    Warm vectors ``init`` (n, r) are tried first, in one block with ``block_size`` random vectors: if that
+    block meets ``tol``, r + ``block_size`` products were enough. Otherwise the Hessian has moved too far
+    for them to help, and a cold start follows. Continuing the Krylov process from them instead costs r +
+    ``block_size`` products per iteration (measured: 12 products for the top-1 from vectors five AdamW
+    steps old where a cold start takes 8), and can settle on the second eigenvalue first when the top
+    eigenvector has turned away from them (an eigenvalue crossing). So a warm start never costs more than
+    r + ``block_size`` products over a cold one.
     """
-    width = block_size if block_size is not None else k
-    width = min(width + (0 if init is None else init.shape[-1]), op.cols)
-    iterations = max(1, max_products // width)
-    return lanczos_eigsh(
-        op,
-        k,
-        which=which,
-        block_size=min(block_size if block_size is not None else k, op.cols),
-        tol=tol,
-        max_iters=iterations,
-        init=None if init is None else init.reshape(1, op.cols, -1),
-        generator=generator,
-    )
+    if max_products < k:
+        raise ValueError(f"max_products must be >= k={k}, got {max_products}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    width = min(block_size, op.cols)
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    options = dict(which=which, block_size=width, tol=tol, generator=generator, criterion="eigenvalue")
+    spent, cold_start = 0, generator.get_state()
+    if init is not None and k <= init.shape[-1] + width <= max_products - k:
+        warm = lanczos_eigsh(op, k, max_iters=1, init=init.reshape(1, op.cols, -1), **options)
+        if bool(warm.info.converged.all()):
+            return warm
+        spent = warm.info.products
+        generator.set_state(cold_start)  # the cold start a run without warm vectors would make
+    cold = lanczos_eigsh(op, k, max_iters=max((max_products - spent) // width, -(-k // width)), **options)
+    cold.info.products += spent
+    return cold
 
 
 @dataclass
@@ -478,7 +497,7 @@ def measure_curvature(
     optimizer: torch.optim.Optimizer | None = None,
     max_products: int = 64,
     tol: float = 1e-4,
-    block_size: int | None = None,
+    block_size: int = 1,
     warm: CurvatureWarmStart | None = None,
     mode: ProbeMode = "eval",
     method: HessianMethod = "func",
@@ -490,7 +509,9 @@ def measure_curvature(
     ``loss_fn`` takes no arguments and returns a scalar computed with ``module``; it runs once, in
     ``probing(module, mode)``: nothing of the module, its ``.grad`` or the RNG streams changes.
     ``method``: how Hessian-vector products are formed (:class:`HessianOperator`).
-    ``max_products`` bounds each Lanczos run (top-k, most negative, preconditioned top-1);
+    ``max_products`` bounds each Lanczos run (top-k, most negative, preconditioned top-1), which stops
+    at an estimated relative eigenvalue error ``tol`` (:func:`hessian_eigenvalues`, block width
+    ``block_size``);
     ``trace_products`` > 0 (at least 6) adds the Hutch++ trace, ``density_probes`` > 1 the quadrature of
     the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
     (:func:`edge_of_stability`) is measured, and for Adam the preconditioned sharpness.

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from tensorboard.compat.proto.summary_pb2 import Summary
+from torch.utils.tensorboard import SummaryWriter
 
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks.figures import release_figure
@@ -58,9 +60,23 @@ class TensorBoardSink(Sink):
         self._layout: Layout = {}
 
     def write_measurements(self, records: Iterable[Measurement]) -> None:
+        """Each record as a scalar. Through a real ``SummaryWriter`` the scalars of one step go out as one
+        event holding them all (as TensorFlow's merged summaries did): a logging step writes hundreds, and
+        one event per scalar cost ~0.1 ms each."""
+        if not isinstance(self._writer, SummaryWriter):
+            for record in records:
+                with _failures_as_sink_error(f"scalar {record.tag!r} at step {record.step}"):
+                    self._writer.add_scalar(record.tag, float(record.value), global_step=record.step)
+            return
+        by_step: dict[int, list[Summary.Value]] = {}
         for record in records:
-            with _failures_as_sink_error(f"scalar {record.tag!r} at step {record.step}"):
-                self._writer.add_scalar(record.tag, float(record.value), global_step=record.step)
+            check_tag_and_step(record.tag, record.step)
+            by_step.setdefault(record.step, []).append(
+                Summary.Value(tag=record.tag, simple_value=float(record.value))
+            )
+        for step, values in by_step.items():
+            with _failures_as_sink_error(f"{len(values)} scalars at step {step}"):
+                self._writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def write_distributions(self, records: Iterable[Distribution]) -> None:
         """Histograms of the finite values of each record; a record with none is skipped.
