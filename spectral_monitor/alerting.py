@@ -21,6 +21,7 @@ from spectral_monitor.alerts import (
     open_alerts_markdown,
     rules_from_config,
 )
+from spectral_monitor.distributed import any_rank
 from spectral_monitor.records import Measurement
 
 __all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger"]
@@ -44,12 +45,12 @@ def alert_logger() -> logging.Logger:
 
 @dataclass
 class AlertStep:
-    """What one logging step's alerts add to the sinks' output (rank 0), and whether a ``stop_on`` rule fired
+    """What one logging step's alerts add to the sinks' output (rank 0), and the ``stop_on`` rules that fired
     on this rank."""
 
     records: list[Measurement] = field(default_factory=list)
     text: str | None = None
-    stop: bool = False
+    stop: list[str] = field(default_factory=list)
 
 
 class Alerting:
@@ -80,7 +81,8 @@ class Alerting:
     def evaluate(self, step: int, measurements: Sequence[Measurement], is_global_zero: bool) -> AlertStep:
         """Advance the rules by one evaluation; log and hand over what changed (rank 0)."""
         events = self.engine.evaluate(step, measurements)
-        stop = any(event.kind == "fired" and event.rule in self.stop_on for event in events)
+        fired = {event.rule for event in events if event.kind == "fired"}
+        stop = [rule for rule in self.stop_on if rule in fired]
         if not is_global_zero:
             return AlertStep(stop=stop)
         logger = alert_logger()
@@ -92,12 +94,26 @@ class Alerting:
         text = open_alerts_markdown(self.engine.open_alerts, step) if events else None
         return AlertStep(self.engine.counter_records(step), text, stop)
 
-    def stop_if_asked(self, trainer: pl.Trainer, wanted: bool) -> None:
-        """Stop training on every rank when any rank saw a ``stop_on`` rule fire; a collective when
-        ``stop_on`` is set, entered by every rank on every logging step."""
+    def stop_if_asked(self, trainer: pl.Trainer, step: int, fired_here: Sequence[str]) -> None:
+        """Stop training on every rank, after this step, when any rank saw a ``stop_on`` rule fire.
+
+        A collective when ``stop_on`` is set (one all-reduce of a flag per rule), entered by every rank on
+        every step the alerts are evaluated, whatever its own rules did; rank 0 names the rules that fired
+        and whether they fired on its own data or only on another rank's (whose alert it does not log).
+        """
         if not self.stop_on:
             return
-        if trainer.strategy.reduce_boolean_decision(wanted, all=False):
-            if trainer.is_global_zero and not trainer.should_stop:
-                alert_logger().warning("SpectralMonitor: stopping training (stop_on=%s)", list(self.stop_on))
-            trainer.should_stop = True
+        fired_anywhere = any_rank([rule in fired_here for rule in self.stop_on])
+        rules = [rule for rule, fired in zip(self.stop_on, fired_anywhere, strict=True) if fired]
+        if not rules:
+            return
+        if trainer.is_global_zero and not trainer.should_stop:
+            elsewhere = [rule for rule in rules if rule not in fired_here]
+            alert_logger().warning(
+                "SpectralMonitor: stopping training after step %d: %s fired%s (stop_on=%s)",
+                step,
+                ", ".join(rules),
+                f" ({', '.join(elsewhere)} on another rank's data)" if elsewhere else "",
+                list(self.stop_on),
+            )
+        trainer.should_stop = True

@@ -313,6 +313,7 @@ class SpectralMonitor(Callback):
                 self._parked_weight_state = None
         if any(family in self.families for family in OPT_IN_FAMILIES):
             self._second_order = SecondOrderProbes(
+                trainer.strategy.model,
                 self.families,
                 self.curvature,
                 self.jacobian,
@@ -440,7 +441,8 @@ class SpectralMonitor(Callback):
         alerts = AlertStep()
         with self._reports.failures_of("evaluating the alerts"):
             alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
-        self._alerting.stop_if_asked(trainer, alerts.stop)  # outside: every rank must enter the collective
+        # Outside the failure guard: every rank must enter the collective.
+        self._alerting.stop_if_asked(trainer, progress.step, alerts.stop)
         progress.measurements += alerts.records
         progress.alert_text = alerts.text
 

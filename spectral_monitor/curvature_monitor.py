@@ -8,8 +8,21 @@ come from :mod:`spectral_monitor.probes.curvature`, :mod:`~spectral_monitor.prob
 
 The default loss is the LightningModule's own ``training_step`` on the probe batch, with ``self.log`` and
 ``self.log_dict`` turned into no-ops for the call (so the probe's loss never reaches the logged metrics).
+
 Under DDP the probes run on the unwrapped LightningModule (DDP does not support double backward through
-its wrapper); each rank measures its own probe batch.
+its wrapper), and each rank's probe batch is its own shard (the batch its dataloader gave it):
+
+- curvature: every Hessian-vector product is averaged over the ranks, so the sharpness, eigenvalues, trace
+  and density are those of the mean loss over the global probe batch (all ranks' shards together), the
+  same number on every rank; the Lanczos runs stop on the same iteration everywhere
+  (:mod:`spectral_monitor.distributed`).
+- jacobian and ntk: per rank, no collective. Each rank measures the Jacobians of one sequence and the
+  kernel of the examples of its own probe batch; rank 0 writes its own, and the alert rules of each rank
+  read its own. (A Jacobian is of one sequence, and an NTK of a fixed set of examples: averaging over
+  ranks would measure nothing more meaningful.)
+
+Under FSDP (or any sharded parameters) the three families are refused when ``fit`` starts, naming DDP as
+the alternative (:func:`~spectral_monitor.probes.curvature.check_unsharded`).
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from spectral_monitor.probes.curvature import (
     CurvatureWarmStart,
     HessianMethod,
     ParameterSpace,
+    check_unsharded,
     measure_curvature,
 )
 from spectral_monitor.probes.jacobian import END_TO_END, block_jacobian_norms
@@ -345,10 +359,15 @@ class _Event:
 
 
 class SecondOrderProbes:
-    """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors."""
+    """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors.
+
+    ``model``: the outermost module the strategy trains (``trainer.strategy.model``); a sharded one is
+    refused here with a ValueError naming DDP (the probes themselves run on the LightningModule).
+    """
 
     def __init__(
         self,
+        model: nn.Module,
         families: Sequence[str],
         curvature: CurvatureOptions,
         jacobian: JacobianOptions,
@@ -357,6 +376,7 @@ class SecondOrderProbes:
         failures_of: Callable[[str], Any],
     ) -> None:
         self.families = [family for family in OPT_IN_FAMILIES if family in families]
+        check_unsharded(model, f"SpectralMonitor's {'/'.join(self.families)} probes")
         self.curvature, self.jacobian, self.ntk, self.data = curvature, jacobian, ntk, data
         self._failures_of = failures_of
         self._batches: list[Any] = []
@@ -446,6 +466,7 @@ class SecondOrderProbes:
                 mode=self.data.mode,
                 method=options.method,
                 generator=self._generator,
+                average_over_ranks=True,
             )
             self._curvature_warm[layer] = estimate.warm
             event.measurements += curvature_measurements(step, layer, estimate)

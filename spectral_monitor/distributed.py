@@ -3,27 +3,35 @@
 Under DDP and FSDP each rank runs the monitor's hooks on its own batch. A collective (all-reduce, gather)
 completes only when every rank of the process group enters it, so a probe that reduces across ranks must
 be entered by every rank on the same steps with the same arguments; a rank that skips one leaves the others
-waiting forever. The rules that keep that true, and that code on other branches plugs into:
+waiting forever. The rules that keep that true:
 
 - Decide *whether* to measure from things every rank agrees on (the step, the configuration, counters
   advanced on every rank), never from a rank's data or from whether it writes (only global rank 0 writes,
   but every rank measures).
+- A decision taken from data that changes how many collectives follow (an iterative solver stopping on
+  its tolerance) is taken from reduced quantities: :func:`on_every_rank` agrees on it.
 - Reduce through the functions below, not through ``torch.distributed`` directly, so the list of
   collectives the monitor uses is this module. Each is a no-op (returns its input) without an initialised
   process group or with one rank, so the same code runs in a single process.
-- Uses: :func:`full_parameters` gathers FSDP-sharded weights for the weight probe; :func:`mean_over_ranks_`
-  is what a Hessian-vector product calls to average its product over the ranks' batches (the curvature
-  probe: sharpness of the global batch); :func:`any_rank` is how ranks agree on a decision one of them
-  made from its own data (an alert's ``stop_on``: stop everywhere if any rank's rule fired).
+
+Uses:
+
+- :func:`full_parameters` gathers FSDP-sharded weights for the weight probe.
+- :func:`mean_over_ranks_` averages each Hessian-vector product of the curvature probe over the ranks'
+  probe batches (one flattened tensor per block of products), so the sharpness is that of the global
+  batch; :func:`on_every_rank` makes its Lanczos runs stop on the same iteration on every rank
+  (``BatchedOperator.agreed``). The products run on the unwrapped LightningModule, whose forward does not
+  go through DDP, so DDP's gradient all-reduce does not fire inside them (DDP does not support double
+  backward through its wrapper anyway).
+- :func:`any_rank` is how ranks agree on decisions each takes from its own data: an alert's ``stop_on``
+  stops every rank after the same step if any rank's rule fired.
+- :func:`sharded_parameters` names what the curvature, Jacobian and NTK probes refuse: under FSDP their
+  forwards would all-gather shards a data-dependent number of times per rank, and a Hessian-vector product
+  needs the sharded parameters in the autograd graph twice, which is not built. DDP is the alternative.
 
 Collectives on NCCL need CUDA tensors: the helpers move what they reduce to the backend's device and back.
-
-For the curvature probe (another branch): run its Hessian-vector products on the unwrapped LightningModule
-(``trainer.lightning_module``), whose forward does not go through DDP, so DDP's gradient all-reduce does not
-fire inside them; then average each product with :func:`mean_over_ranks_`, passing one flattened tensor so
-an iteration costs one collective. Under FSDP a Hessian-vector product needs the sharded parameters in the
-autograd graph twice; that is not built, so the probe should refuse a sharded model in its constructor
-(an FSDP or FSDP2 module, or DTensor parameters) and name DDP as the alternative.
+A failure inside a probe between two collectives on one rank only (its data alone makes it raise) leaves
+the other ranks waiting in the next collective until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -35,7 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["any_rank", "full_parameters", "is_distributed", "mean_over_ranks_"]
+__all__ = [
+    "any_rank",
+    "full_parameters",
+    "is_distributed",
+    "mean_over_ranks_",
+    "on_every_rank",
+    "sharded_parameters",
+]
 
 
 def is_distributed() -> bool:
@@ -59,13 +74,25 @@ def mean_over_ranks_(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
     return tensors
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on at least one rank; every rank calls it and gets the same answer."""
+def any_rank(flags: Sequence[bool]) -> list[bool]:
+    """For each flag, whether it is true on at least one rank; every rank calls it with as many flags and
+    gets the same answer (one all-reduce for all of them)."""
+    votes = torch.tensor([int(bool(flag)) for flag in flags], dtype=torch.int32)
+    return [bool(vote) for vote in _reduced(votes, dist.ReduceOp.MAX).tolist()]
+
+
+def on_every_rank(flags: Tensor) -> Tensor:
+    """Elementwise: whether each of the bool ``flags`` is true on every rank; every rank calls it with the
+    same shape and gets the same answer."""
+    return _reduced(flags.to(torch.int32), dist.ReduceOp.MIN).to(device=flags.device, dtype=torch.bool)
+
+
+def _reduced(tensor: Tensor, op: dist.ReduceOp) -> Tensor:
     if not is_distributed():
-        return bool(flag)
-    vote = torch.tensor([int(bool(flag))], device=_collective_device())
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-    return bool(vote.item())
+        return tensor
+    reduced = tensor.to(_collective_device())
+    dist.all_reduce(reduced, op=op)
+    return reduced.cpu()
 
 
 @contextmanager
@@ -92,6 +119,22 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
                 module.unshard()
             stack.callback(lambda: [module.reshard() for module in fsdp2_modules])
         yield
+
+
+def sharded_parameters(model: nn.Module) -> list[str]:
+    """What in ``model`` is sharded across ranks: FSDP (v1) and FSDP2 modules, and DTensor parameters, by
+    name (empty for a plain or DDP-wrapped model). Collective-free."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    wrapped = [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, FullyShardedDataParallel) or _is_fsdp2(module)
+    ]
+    if wrapped:
+        return wrapped
+    return [name for name, parameter in model.named_parameters() if isinstance(parameter, DTensor)]
 
 
 def _outermost_fsdp1(model: nn.Module) -> list[nn.Module]:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spectral_monitor.linalg import lanczos_eigsh
+from spectral_monitor.linalg.operators import DenseOperator
 from spectral_monitor.probes._autodiff import probing
 from spectral_monitor.probes.curvature import (
     HessianOperator,
@@ -179,6 +180,44 @@ def test_warm_vectors_of_a_moved_hessian_cost_one_block_over_a_cold_start_and_ch
     warm = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400, warm=stale)
     assert warm.products == cold.products + 3  # the two stale vectors and one random one, then cold
     torch.testing.assert_close(warm.eigenvalues, cold.eigenvalues, rtol=0, atol=0)
+
+
+class HeldBackOperator(DenseOperator):
+    """A dense operator whose stop decisions another party vetoes ``vetoes`` times, as a rank whose Lanczos
+    has not converged yet does through ``on_every_rank`` under DDP."""
+
+    def __init__(self, matrices: Tensor, vetoes: int) -> None:
+        super().__init__(matrices, symmetric=True)
+        self.vetoes = vetoes
+        self.asked = 0
+
+    def agreed(self, flags: Tensor) -> Tensor:
+        self.asked += 1
+        return flags & (self.asked > self.vetoes)
+
+
+def test_lanczos_stops_on_the_agreed_decision_not_its_own() -> None:
+    rotation, _ = torch.linalg.qr(
+        torch.randn(200, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    )
+    matrix = rotation @ torch.diag(torch.linspace(-1, 10, 200, dtype=torch.float64)) @ rotation.T
+    alone = lanczos_eigsh(HeldBackOperator(matrix[None], vetoes=0), 1, block_size=1, tol=1e-3, max_iters=100)
+    held = HeldBackOperator(matrix[None], vetoes=int(alone.info.iterations[0]) + 3)
+    together = lanczos_eigsh(held, 1, block_size=1, tol=1e-3, max_iters=100)
+    assert int(together.info.iterations[0]) == held.vetoes + 1 == held.asked  # asked once per iteration
+    assert together.info.products > alone.info.products
+    # Iterating on only sharpens the estimate.
+    assert abs(float(together.values[0, 0]) - 10) < abs(float(alone.values[0, 0]) - 10)
+
+
+def test_averaging_over_ranks_without_a_process_group_changes_nothing() -> None:
+    model, loss_fn, _ = tiny_transformer()
+    plain = measure_curvature(model, loss_fn, top_k=2, trace_products=6, tol=1e-6, max_products=400)
+    averaged = measure_curvature(
+        model, loss_fn, top_k=2, trace_products=6, tol=1e-6, max_products=400, average_over_ranks=True
+    )
+    assert torch.equal(plain.eigenvalues, averaged.eigenvalues) and plain.products == averaged.products
+    assert torch.equal(plain.trace.mean, averaged.trace.mean)
 
 
 def test_adam_preconditioned_sharpness_matches_the_explicit_scaled_hessian() -> None:

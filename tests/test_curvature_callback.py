@@ -17,6 +17,7 @@ from test_callback import TinyEncoder, fit, read_back, scalar_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor.callback import SpectralMonitor
 from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions
 
@@ -69,6 +70,33 @@ def test_gradient_descent_sharpens_to_the_edge_of_stability_and_stays_there(tmp_
     assert all(0.8 <= value <= 1.3 for value in late), late  # and it hovers there
     assert sharpness[-1] * LEARNING_RATE / 2 == pytest.approx(ratio[-1], rel=1e-5)
     assert scalar_steps(events, "curvature/overhead_ms/model")[:3] == [0, 19, 39]
+
+
+def test_a_rule_on_curvature_fires_and_stops_training_on_a_step_only_curvature_measures(
+    tmp_path: Path,
+) -> None:
+    seen: list[AlertEvent] = []
+    sharp = Rule(
+        name="sharp", conditions=[Condition("curvature/hessian_eigenvalue_1", ">=", 0.0)], start_step=1
+    )
+    monitor = SpectralMonitor(
+        families=["curvature"],
+        every_n_steps=4,  # logging steps 0, 3, ...; curvature at 0, 1, 3, ...
+        curvature=CurvatureOptions(every_n_steps=2),
+        alerts=AlertConfig(defaults=False, rules=[sharp]),
+        on_alert=seen.append,
+        stop_on=["sharp"],
+    )
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="sharp", version=0)
+    trainer = fit(FullBatchRegression(), [monitor], logger, max_steps=6, data=teacher_data(), max_epochs=-1)
+
+    assert [(event.rule, event.kind, event.step, event.layer) for event in seen] == [
+        ("sharp", "fired", 1, "model")
+    ]
+    assert trainer.global_step == 2  # stopped after step 1
+    events = read_back(logger.log_dir)
+    assert scalar_steps(events, "curvature/hessian_eigenvalue_1/model") == [0, 1]
+    assert [(e.step, e.value) for e in events.Scalars("alerts/fired/sharp")] == [(0, 0.0), (1, 1.0)]
 
 
 @pytest.mark.slow

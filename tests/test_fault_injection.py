@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import spectral_monitor.callback as callback_module
+from spectral_monitor.alerts import AlertEvent
 from spectral_monitor.callback import SpectralMonitor
 from spectral_monitor.probes import AttentionInputs, register_attention_extractor
 from spectral_monitor.sinks import TensorBoardSink
@@ -224,15 +225,30 @@ def test_strict_mode_raises_on_the_first_non_finite_measurement(fault: str, tmp_
         non_finite_run(fault, tensorboard_logger(tmp_path), quiet_monitor(strict=True))
 
 
+# A NaN gradient reaches the weights in that step's update: the monitor sees it at the next step.
+FIRST_NON_FINITE_STEP = {"inputs": FAULT_STEP, "activations": FAULT_STEP, "weights": FAULT_STEP}
+FIRST_NON_FINITE_STEP["gradients"] = FAULT_STEP + 1
+
+
 @pytest.mark.parametrize("fault", NON_FINITE_FAULTS)
 def test_the_non_finite_alert_fires_once(fault: str, tmp_path: Path) -> None:
-    alerts = pytest.importorskip("spectral_monitor.alerts", reason="alerts (issue #5) are not merged yet")
-    if getattr(alerts, "__file__", None) is None:  # an empty folder left behind is a namespace package
-        pytest.skip("alerts (issue #5) are not merged yet")
     logger = tensorboard_logger(tmp_path)
-    non_finite_run(fault, logger, quiet_monitor())
-    fired = scalar_series(read_back(logger.log_dir), "alerts/fired/non_finite")["alerts/fired/non_finite"]
-    assert fired[-1][1] >= 1
+    seen: list[AlertEvent] = []
+    non_finite_run(fault, logger, quiet_monitor(on_alert=seen.append))
+
+    # From the step the fault is seen on: one critical alert per layer (or head) it reached, each once and
+    # left open while the NaN stays (it spreads to every layer through the next updates), none resolved.
+    assert seen and {(event.rule, event.kind, event.severity) for event in seen} == {
+        ("non_finite", "fired", "critical")
+    }
+    assert min(event.step for event in seen) == FIRST_NON_FINITE_STEP[fault]
+    subjects = [(event.layer, event.head) for event in seen]
+    assert len(subjects) == len(set(subjects))
+    events = read_back(logger.log_dir)
+    fired = scalar_series(events, "alerts/fired/non_finite")["alerts/fired/non_finite"]
+    opened = scalar_series(events, "alerts/open/non_finite")["alerts/open/non_finite"]
+    assert [step for step, _ in fired] == EVERY_STEP
+    assert fired == opened and fired[-1][1] == len(seen)
 
 
 # -- attention modules with unusual signatures ---------------------------------------------------------------

@@ -6,7 +6,8 @@ The run stops at a ``ModelCheckpoint`` written at the end of its first epoch and
 monitor objects, into the same log directory. The resumed monitors start from exactly the state their
 predecessors checkpointed (each under its own ``state_key``), and every series (every tag, read back
 without TensorBoard's purging of repeated steps) holds each logging step once, with the very values of the
-uninterrupted run, which the warm-started estimates give only if their vectors were restored.
+uninterrupted run, which the warm-started estimates give only if their vectors were restored. An alert
+that opened before the checkpoint is still open after it, with its history, and does not fire again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from reliability_helpers import ALL_FAMILIES, TinyEncoder, fit, read_back, scalar_series, tensorboard_logger
 
+from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor.callback import SpectralMonitor
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
@@ -30,8 +32,25 @@ STEPS = 2 * EPOCH
 WIDTH = 48  # 48 x 48 attention projections: the weights' warm-started Krylov path (smaller ones are exact)
 
 
-def monitors() -> list[SpectralMonitor]:
-    every_family = SpectralMonitor(every_n_steps=2, exclude=["head"], figures_every_n_logs=3, **ALL_FAMILIES)
+OPENS_AT = 3  # the first logging step of the every-family monitor from its start_step on
+STAYS_OPEN = Rule(
+    name="stays_open",
+    conditions=[Condition("weights/spectral_norm", ">=", 0.0)],
+    layers=["encoder.layers.0.linear1"],
+    start_step=OPENS_AT,
+)
+"""Fires at step 3, before the checkpoint at step 8, and holds for the rest of the run (a norm is >= 0)."""
+
+
+def monitors(seen: list[AlertEvent] | None = None) -> list[SpectralMonitor]:
+    every_family = SpectralMonitor(
+        every_n_steps=2,
+        exclude=["head"],
+        figures_every_n_logs=3,
+        alerts=AlertConfig(rules=[STAYS_OPEN]),
+        on_alert=None if seen is None else seen.append,
+        **ALL_FAMILIES,
+    )
     head_weight = SpectralMonitor(every_n_steps=3, families=["weights"], include=["head"])
     return [every_family, head_weight]
 
@@ -84,9 +103,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
     return scalar_series(read_back(logger.log_dir))
 
 
-def interrupted_run(root: Path, restore_monitors: bool = True) -> tuple[dict[str, list], list, list, list]:
+def interrupted_run(
+    root: Path, restore_monitors: bool = True, seen_after_resume: list[AlertEvent] | None = None
+) -> tuple[dict[str, list], list, list, list]:
     """Stops at the checkpoint of step ``EPOCH``, resumes from it; returns what both halves logged and the
-    monitors' state at the checkpoint, as checkpointed and as restored."""
+    monitors' state at the checkpoint, as checkpointed and as restored. The alerts the resumed half fires
+    go to ``seen_after_resume``."""
     first = monitors()
     checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=EPOCH, save_top_k=-1)
     fit(
@@ -99,7 +121,7 @@ def interrupted_run(root: Path, restore_monitors: bool = True) -> tuple[dict[str
     (checkpoint,) = (root / "checkpoints").glob("*.ckpt")
     saved = torch.load(checkpoint, weights_only=False)["callbacks"]
 
-    second = monitors()
+    second = monitors(seen_after_resume)
     if not restore_monitors:
         for monitor in second:
             monitor.load_state_dict = lambda state_dict: None
@@ -112,7 +134,8 @@ def interrupted_run(root: Path, restore_monitors: bool = True) -> tuple[dict[str
 def test_a_resumed_run_logs_every_step_once_with_the_values_of_an_uninterrupted_run(
     uninterrupted: dict[str, list], tmp_path: Path
 ) -> None:
-    resumed, first, second, (saved, restored) = interrupted_run(tmp_path)
+    seen_after_resume: list[AlertEvent] = []
+    resumed, first, second, (saved, restored) = interrupted_run(tmp_path, seen_after_resume=seen_after_resume)
 
     assert len({monitor.state_key for monitor in first}) == 2
     for monitor, state in zip(first, restored, strict=True):
@@ -123,6 +146,18 @@ def test_a_resumed_run_logs_every_step_once_with_the_values_of_an_uninterrupted_
     }
     assert every_family_state["weight_probe"]["right_vectors"]
     assert saved[first[1].state_key]["last_logged_step"] == 5  # its own cadence, not the other's 7
+
+    # The alert opened at step 3 is still open after the resume, with its history, and fired only once.
+    alerts = second[0]._alerting.engine
+    ((rule, layer, step),) = [(e.rule, e.layer, e.step) for e in alerts.open_alerts if e.rule == "stays_open"]
+    assert (rule, layer, step) == ("stays_open", "encoder.layers.0.linear1", OPENS_AT)
+    assert [(e.kind, e.step) for e in alerts.history if e.rule == "stays_open"] == [("fired", OPENS_AT)]
+    assert alerts.fired["stays_open"] == 1
+    assert [event for event in seen_after_resume if event.rule == "stays_open"] == []
+    open_series = resumed["alerts/open/stays_open"]  # on every step the rules run, the resume's included
+    assert {step for step, _ in open_series} >= {*logging_steps(2), EPOCH + 1}
+    assert open_series == [(step, float(step >= OPENS_AT)) for step, _ in open_series]
+    assert resumed["alerts/fired/stays_open"] == open_series
 
     assert resumed.keys() == uninterrupted.keys()
     for tag, series in uninterrupted.items():  # the same steps, once each, with the same float32 values
@@ -151,7 +186,8 @@ def test_without_the_restored_warm_state_the_values_would_differ(
     uninterrupted: dict[str, list], tmp_path: Path
 ) -> None:
     # The control that gives the comparison above its teeth: the same resume, monitor state dropped.
-    resumed, *_ = interrupted_run(tmp_path, restore_monitors=False)
+    seen_after_resume: list[AlertEvent] = []
+    resumed, *_ = interrupted_run(tmp_path, restore_monitors=False, seen_after_resume=seen_after_resume)
 
     differing = sorted(
         tag
@@ -168,3 +204,5 @@ def test_without_the_restored_warm_state_the_values_would_differ(
         f"weights/spectral_norm/encoder.layers.{i}.self_attn.{role}" for i in range(2) for role in "qkv"
     } <= set(differing)
     assert figure_steps(tmp_path) == [0, 5, 9, 15]  # the count of logging steps restarted at the resume
+    # and the alert open since step 3 fires a second time, on the first logging step after the resume.
+    assert [(e.kind, e.step) for e in seen_after_resume if e.rule == "stays_open"] == [("fired", EPOCH + 1)]

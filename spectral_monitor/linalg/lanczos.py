@@ -229,7 +229,7 @@ def lanczos_eigsh(
         relative = res / magnitude[:, None]
         error = relative if criterion == "residual" else _eigenvalue_error(theta, res, k) / magnitude[:, None]
         exhausted = room <= 0
-        met = (error <= tol).all(dim=1)
+        met = active_op.agreed((error <= tol).all(dim=1))
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
 
         if bool(finishing.any()):

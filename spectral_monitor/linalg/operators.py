@@ -58,6 +58,17 @@ class BatchedOperator:
         """
         return None
 
+    def agreed(self, flags: Tensor) -> Tensor:
+        """A solver's per-element stop decisions ``flags`` (bool, one per active batch element), as every
+        party sharing this operator takes them.
+
+        Solvers pass each data-dependent decision that changes how many products they spend through here.
+        An operator whose products are collectives (a Hessian averaged over distributed ranks) must have every
+        rank run the same number of products, so it returns the flags agreed across ranks; others return
+        them unchanged.
+        """
+        return flags
+
 
 class DenseOperator(BatchedOperator):
     """A dense batch of matrices ``(B, m, n)``.
@@ -154,6 +165,9 @@ class GramOperator(BatchedOperator):
         base = self.base.restrict(index)
         return None if base is None else GramOperator(base)
 
+    def agreed(self, flags: Tensor) -> Tensor:
+        return self.base.agreed(flags)
+
 
 class ProjectedOperator(BatchedOperator):
     """``P op P`` with ``P = I − UUᵀ`` for an orthonormal ``U`` of shape ``(B, n, r)``: ``op`` deflated.
@@ -178,6 +192,9 @@ class ProjectedOperator(BatchedOperator):
     def restrict(self, index: Tensor) -> ProjectedOperator | None:
         base = self.base.restrict(index)
         return None if base is None else ProjectedOperator(base, self.basis[index])
+
+    def agreed(self, flags: Tensor) -> Tensor:
+        return self.base.agreed(flags)
 
 
 def as_operator(matrices: Tensor | BatchedOperator) -> BatchedOperator:

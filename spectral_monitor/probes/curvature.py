@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from spectral_monitor.distributed import mean_over_ranks_, on_every_rank, sharded_parameters
 from spectral_monitor.linalg import (
     BatchedOperator,
     EigenResult,
@@ -48,6 +49,7 @@ __all__ = [
     "EdgeOfStability",
     "HessianOperator",
     "ParameterSpace",
+    "check_unsharded",
     "edge_of_stability",
     "hessian_eigenvalues",
     "measure_curvature",
@@ -208,6 +210,12 @@ class HessianOperator(BatchedOperator):
     ``is_grads_batched``, also taken when ``torch.func`` cannot transform the forward (``method`` then
     says ``"autograd"``). ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
     free the graph.
+
+    ``average_over_ranks``: under ``torch.distributed`` (DDP) the gradient and every block of products are
+    averaged over the ranks (:func:`~spectral_monitor.distributed.mean_over_ranks_`, one all-reduce per
+    block), so with each rank's loss on its own shard this is the Hessian of the mean loss over the global
+    batch; every rank must then apply it the same number of times, so the solvers' stop decisions are
+    agreed across ranks (:meth:`agreed`). Without a process group it changes nothing.
     """
 
     def __init__(
@@ -216,6 +224,7 @@ class HessianOperator(BatchedOperator):
         space: ParameterSpace,
         method: HessianMethod = "func",
         module: nn.Module | None = None,
+        average_over_ranks: bool = False,
     ) -> None:
         if method not in HESSIAN_METHODS:
             raise ValueError(f"method must be one of {HESSIAN_METHODS}, got {method!r}")
@@ -225,13 +234,14 @@ class HessianOperator(BatchedOperator):
         self.space = space
         self.method = method
         self.products = 0
+        self.average_over_ranks = average_over_ranks
         if method == "func":
             try:
                 gradients, self._vjp = torch.func.vjp(
                     torch.func.grad(_functional_loss(module, loss_fn, space)),
                     tuple(p.detach() for p in space.parameters),
                 )
-                self.gradient = space.flatten([g.detach()[None] for g in gradients])[0]
+                self.gradient = self._averaged(space.flatten([g.detach()[None] for g in gradients])[0])
                 return
             except RuntimeError as error:
                 if "transform" not in str(error):
@@ -245,7 +255,7 @@ class HessianOperator(BatchedOperator):
         self._gradients = [
             torch.zeros_like(p) if g is None else g for g, p in zip(gradients, space.parameters, strict=True)
         ]
-        self.gradient = space.flatten([g.detach()[None] for g in self._gradients])[0]
+        self.gradient = self._averaged(space.flatten([g.detach()[None] for g in self._gradients])[0])
 
     def matmat(self, x: Tensor) -> Tensor:
         vectors = x[0].transpose(0, 1)  # (k, n)
@@ -261,7 +271,15 @@ class HessianOperator(BatchedOperator):
             grads = batched_grad([g for g, _ in pairs], self.space.parameters, [v for _, v in pairs])
             products = self.space.flatten(grads)
         self.products += vectors.shape[0]
-        return products.detach().transpose(0, 1)[None].to(x.dtype)
+        return self._averaged(products.detach()).transpose(0, 1)[None].to(x.dtype)
+
+    def agreed(self, flags: Tensor) -> Tensor:
+        return on_every_rank(flags) if self.average_over_ranks else flags
+
+    def _averaged(self, tensor: Tensor) -> Tensor:
+        if self.average_over_ranks:
+            mean_over_ranks_([tensor])
+        return tensor
 
 
 class _Closure(nn.Module):
@@ -317,6 +335,9 @@ class DiagonallyScaled(BatchedOperator):
     def matmat(self, x: Tensor) -> Tensor:
         scaling = self.scaling.to(x.dtype)
         return scaling * self.base.matmat(scaling * x)
+
+    def agreed(self, flags: Tensor) -> Tensor:
+        return self.base.agreed(flags)
 
 
 def hessian_eigenvalues(
@@ -481,6 +502,7 @@ def measure_curvature(
     mode: ProbeMode = "eval",
     method: HessianMethod = "func",
     generator: torch.Generator | None = None,
+    average_over_ranks: bool = False,
 ) -> CurvatureEstimate:
     """Hessian curvature of ``loss_fn()`` over ``space`` (default: every trainable parameter of ``module``).
 
@@ -493,14 +515,18 @@ def measure_curvature(
     ``trace_products`` > 0 (at least 6) adds the Hutch++ trace, ``density_probes`` > 1 the quadrature of
     the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
     (:func:`edge_of_stability`) is measured, and for Adam the preconditioned sharpness.
+    ``average_over_ranks``: under DDP, every rank calls this with the loss of its own batch and gets the
+    curvature of the mean loss over all ranks' batches (:class:`HessianOperator`); the generator must be
+    seeded alike on every rank. A sharded (FSDP) module is refused (:func:`check_unsharded`).
     """
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    check_unsharded(module, "the curvature probe")
     space = space if space is not None else ParameterSpace.of(module)
     warm = warm if warm is not None else CurvatureWarmStart()
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     with probing(module, mode):
-        hessian = HessianOperator(loss_fn, space, method, module)
+        hessian = HessianOperator(loss_fn, space, method, module, average_over_ranks)
         top = hessian_eigenvalues(
             hessian,
             min(top_k, space.size),
@@ -575,6 +601,23 @@ def measure_curvature(
         converged=all(bool(run.info.converged.all()) for run in runs),
         warm=new_warm,
     )
+
+
+def check_unsharded(module: nn.Module, probe: str) -> None:
+    """A ValueError naming DDP as the alternative if ``module`` has sharded (FSDP) parameters.
+
+    The curvature, Jacobian and NTK probes differentiate the loss twice or push a data-dependent number of
+    products through the forward; FSDP would all-gather shards inside each, on each rank its own number of
+    times, and the double backward through sharded parameters is not built.
+    """
+    sharded = sharded_parameters(module)
+    if sharded:
+        raise ValueError(
+            f"{probe} does not support sharded models (FSDP, FSDP2 or DTensor parameters: "
+            f"{', '.join(sharded[:3])}{' ...' if len(sharded) > 3 else ''}); train with DDP "
+            "(Lightning strategy='ddp'), whose ranks each hold the whole model, to measure it, or leave "
+            "the curvature, jacobian and ntk families off under FSDP"
+        )
 
 
 def _usable(vectors: Tensor | None, space: ParameterSpace) -> Tensor | None:
