@@ -21,6 +21,7 @@ sharpness λ_max(P^-1/2 H P^-1/2), P = diag(√v̂ + ε), at (2 + 2β₁)/((1 �
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -562,9 +563,8 @@ def measure_curvature(
         edge = edge_of_stability(optimizer, space) if optimizer is not None else None
         sharpness = float(eigenvalues[0])
         if edge is None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            sharpness = float(
-                "nan"
-            )  # Adam's sharpness is the preconditioned one; before its first step, none
+            # Adam's sharpness is the preconditioned one; before its first step there is none.
+            sharpness = math.nan
         if edge is not None and edge.preconditioner is not None:
             scaled = DiagonallyScaled(hessian, edge.preconditioner.rsqrt())
             preconditioned = hessian_eigenvalues(

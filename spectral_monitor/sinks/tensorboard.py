@@ -63,6 +63,9 @@ class TensorBoardSink(Sink):
         """Each record as a scalar. Through a real ``SummaryWriter`` the scalars of one step go out as one
         event holding them all (as TensorFlow's merged summaries did): a logging step writes hundreds, and
         one event per scalar cost ~0.1 ms each."""
+        records = list(records)
+        for record in records:
+            check_tag_and_step(record.tag, record.step)
         if not isinstance(self._writer, SummaryWriter):
             for record in records:
                 with _failures_as_sink_error(f"scalar {record.tag!r} at step {record.step}"):
@@ -70,7 +73,6 @@ class TensorBoardSink(Sink):
             return
         by_step: dict[int, list[Summary.Value]] = {}
         for record in records:
-            check_tag_and_step(record.tag, record.step)
             by_step.setdefault(record.step, []).append(
                 Summary.Value(tag=record.tag, simple_value=float(record.value))
             )
