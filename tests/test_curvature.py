@@ -7,6 +7,8 @@ eigenvalues and norms from ``eigvalsh`` / ``svdvals`` of those.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -302,6 +304,16 @@ def test_the_empirical_ntk_equals_the_kernel_of_per_example_gradients(max_bytes:
     assert estimate.condition_number == pytest.approx(float(eigenvalues[-1] / eigenvalues[0]), rel=1e-6)
     p = eigenvalues / eigenvalues.sum()
     assert estimate.effective_rank == pytest.approx(float(torch.exp(-(p * p.log()).sum())), rel=1e-8)
+
+
+def test_the_empirical_ntk_of_a_non_finite_gradient_is_nan_rather_than_an_eigh_failure() -> None:
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    with torch.no_grad():
+        model[2].weight[0, 0] = math.nan
+    estimate = empirical_ntk(model, lambda: model(torch.ones(4, 3, dtype=torch.float64))[:, 0])
+    summaries = (estimate.trace, estimate.max_eigenvalue, estimate.condition_number, estimate.effective_rank)
+    assert all(math.isnan(value) for value in summaries)
+    assert estimate.eigenvalues.isnan().all() and estimate.eigenvalues.shape == (4,)
 
 
 def test_probes_leave_parameters_grads_modes_buffers_and_the_rng_untouched() -> None:

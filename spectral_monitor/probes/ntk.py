@@ -9,6 +9,7 @@ one parameter-sized vector exists at a time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ MAX_EXAMPLES = 64
 class NTKEstimate:
     """``kernel`` (N, N) and its summaries: ``eigenvalues`` (N,) descending, ``trace``, ``max_eigenvalue``,
     ``condition_number`` (λ_max/λ_min; inf when λ_min ≤ 0), ``effective_rank`` (Roy & Vetterli, of the
-    eigenvalues), ``materialised``: whether J was formed."""
+    eigenvalues), ``materialised``: whether J was formed. A kernel holding NaN or inf (a non-finite output or
+    gradient) has NaN eigenvalues and summaries."""
 
     kernel: Tensor
     eigenvalues: Tensor
@@ -68,6 +70,10 @@ def empirical_ntk(
         else:
             kernel = _kernel_by_columns(outputs, space)
         kernel = ((kernel + kernel.T) / 2).detach()
+    if not bool(kernel.isfinite().all()):
+        # eigh fails to converge on NaN; NaN summaries let the monitor write and report them as for any probe.
+        eigenvalues = torch.full((n,), math.nan, dtype=torch.float64, device=kernel.device)
+        return NTKEstimate(kernel, eigenvalues, math.nan, math.nan, math.nan, math.nan, materialised)
     eigenvalues = torch.linalg.eigvalsh(kernel.double()).flip(0)
     smallest = float(eigenvalues[-1])
     largest = float(eigenvalues[0])
