@@ -238,6 +238,7 @@ class SpectralMonitor(Callback):
         self.ntk = checked_options("ntk", ntk, NTKOptions)
         self.probe_data = checked_options("probe_data", probe_data, ProbeDataOptions)
         self._second_order: SecondOrderProbes | None = None
+        self._parked_second_order_state: dict[str, Any] | None = None  # theirs, while there are none
         self.head_diversity_every_n_logs = _checked_int(
             "head_diversity_every_n_logs", head_diversity_every_n_logs, smallest=0
         )
@@ -321,6 +322,9 @@ class SpectralMonitor(Callback):
                 self.probe_data,
                 self._reports.failures_of,
             )
+            if self._parked_second_order_state is not None:
+                self._second_order.load_state_dict(self._parked_second_order_state)
+                self._parked_second_order_state = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -404,15 +408,24 @@ class SpectralMonitor(Callback):
         self._abandon_step()
         if self._weight_probe is not None:  # its warm vectors stay, for a checkpoint or the next fit
             self._parked_weight_state = self._weight_probe.state_dict()
+        if self._second_order is not None:  # so do the probe batch and warm vectors of the opt-in probes
+            state = self._second_order.state_dict()
+            # The last step tells a step's micro-batches apart within a fit; a next fit's steps are its own.
+            del state["last_step"]
+            self._parked_second_order_state = state
         self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
 
     def state_dict(self) -> dict[str, Any]:
         weight_state = self._weight_probe.state_dict() if self._weight_probe else self._parked_weight_state
+        second_order_state = (
+            self._second_order.state_dict() if self._second_order else self._parked_second_order_state
+        )
         return {
             "last_logged_step": self._last_logged_step,
             "logging_steps_done": self._logging_steps_done,
             "weight_probe": weight_state,
+            "second_order": second_order_state,
             "attention_krylov_vectors": {
                 layer: state.vectors.detach().clone()
                 for layer, state in self._krylov_states.items()
@@ -430,12 +443,17 @@ class SpectralMonitor(Callback):
         }
         self._alerting.engine.load_state_dict(state_dict.get("alerts", {}))
         weight_state = state_dict.get("weight_probe")
-        if weight_state is None:
-            return
-        if self._weight_probe is None:
-            self._parked_weight_state = weight_state  # loaded when on_fit_start makes the probe
-        else:
-            self._weight_probe.load_state_dict(weight_state)
+        if weight_state is not None:
+            if self._weight_probe is None:
+                self._parked_weight_state = weight_state  # loaded when on_fit_start makes the probe
+            else:
+                self._weight_probe.load_state_dict(weight_state)
+        second_order_state = state_dict.get("second_order")
+        if second_order_state is not None:
+            if self._second_order is None:
+                self._parked_second_order_state = second_order_state  # loaded when on_fit_start makes them
+            else:
+                self._second_order.load_state_dict(second_order_state)
 
     def _evaluate_alerts(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
         alerts = AlertStep()

@@ -23,15 +23,21 @@ its wrapper), and each rank's probe batch is its own shard (the batch its datalo
 
 Under FSDP (or any sharded parameters) the three families are refused when ``fit`` starts, naming DDP as
 the alternative (:func:`~spectral_monitor.probes.curvature.check_unsharded`).
+
+A checkpoint holds what a resumed run needs to go on measuring as the uninterrupted run would have: the
+probe batches, the curvature and Jacobian warm vectors, the probes' generator and step counter
+(:meth:`SecondOrderProbes.state_dict`, under ``"second_order"`` in ``SpectralMonitor``'s state). The curvature
+vectors are parameter-sized; ``CurvatureOptions(checkpoint_warm_vectors=False)`` leaves them out.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -40,6 +46,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from spectral_monitor.distributed import global_rank
 from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
 from spectral_monitor.probes.curvature import (
     BLOCK_PRESETS,
@@ -72,6 +79,7 @@ OPT_IN_FAMILIES = ("curvature", "jacobian", "ntk")
 Schedule = Literal["linear", "log"]
 ProbeBatch = Literal["fixed", "current", "averaged"]
 LossFn = Callable[[nn.Module, Any], Tensor]
+Layout = list[tuple[str, tuple[int, ...]]]
 WHOLE_MODEL = "model"
 
 
@@ -117,6 +125,13 @@ class CurvatureOptions:
         max_products: Hessian-vector products each Lanczos run may spend per event.
         tol: estimated eigenvalue error, relative to the largest |eigenvalue|, at which Lanczos stops.
         method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
+        checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
+            resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
+            (``"model"`` and each block) ``top_k`` vectors, one more with ``min_eigenvalue``, one more under
+            Adam/AdamW (the preconditioned sharpness), each as many float32 numbers (float64 for float64
+            parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds 800 MB
+            to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
+            probe batch is checkpointed either way.
     """
 
     every_n_steps: int = 100
@@ -131,6 +146,7 @@ class CurvatureOptions:
     max_products: int = 64
     tol: float = 1e-3
     method: HessianMethod = "func"
+    checkpoint_warm_vectors: bool = True
 
     def __post_init__(self) -> None:
         _check_cadence(self.every_n_steps, self.schedule)
@@ -181,6 +197,10 @@ class CurvatureOptions:
         )
         _check(
             self.method in HESSIAN_METHODS, f"method must be one of {HESSIAN_METHODS}, got {self.method!r}"
+        )
+        _check(
+            isinstance(self.checkpoint_warm_vectors, bool),
+            f"checkpoint_warm_vectors must be a bool, got {self.checkpoint_warm_vectors!r}",
         )
 
     def spaces(self, module: nn.Module) -> dict[str, ParameterSpace]:
@@ -352,6 +372,39 @@ def _batch_size(batch: Any) -> int:
     return min(sizes)
 
 
+def _on_device(batch: Any, device: torch.device) -> Any:
+    return apply_to_collection(batch, Tensor, lambda tensor: tensor.to(device))
+
+
+def _check_resumable(batches: list[Any]) -> None:
+    """A ValueError unless ``torch.load(weights_only=True)``, how Lightning reads a checkpoint to resume, can
+    rebuild ``batches``: a container type it does not allow (a namedtuple, a dataclass) in the checkpoint
+    would make the whole resume fail. Checked on their structure, every tensor replaced by an empty one."""
+    structure = apply_to_collection(batches, Tensor, lambda tensor: torch.empty(0))
+    buffer = io.BytesIO()
+    torch.save(structure, buffer)
+    buffer.seek(0)
+    refused = torch.serialization.get_unsafe_globals_in_checkpoint(buffer)
+    if refused:
+        raise ValueError(
+            f"the probe batch holds {', '.join(refused)}, which torch.load(weights_only=True) refuses, so "
+            "Lightning could not resume from a checkpoint holding it: it is left out, and a resumed run "
+            "takes a new probe batch at its first event. "
+            f"torch.serialization.add_safe_globals([{refused[0]}]) lets it in"
+        )
+
+
+def _vectors_of(warm: CurvatureWarmStart) -> dict[str, Tensor]:
+    vectors = {f.name: getattr(warm, f.name) for f in fields(warm)}
+    return {name: tensor for name, tensor in vectors.items() if tensor is not None}
+
+
+def _layout(space: ParameterSpace) -> Layout:
+    """The parameter names and shapes a space's coordinates come from: what must match for warm vectors made
+    in another process (restored from a checkpoint) to belong to this space."""
+    return [(name, tuple(c.shape)) for name, c in zip(space.names(), space.coordinates, strict=True)]
+
+
 @dataclass
 class _Event:
     measurements: list[Measurement] = field(default_factory=list)
@@ -359,7 +412,8 @@ class _Event:
 
 
 class SecondOrderProbes:
-    """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors.
+    """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors, and
+    hands them to the callback's checkpoint state (:meth:`state_dict`).
 
     ``model``: the outermost module the strategy trains (``trainer.strategy.model``); a sharded one is
     refused here with a ValueError naming DDP (the probes themselves run on the LightningModule).
@@ -379,10 +433,12 @@ class SecondOrderProbes:
         check_unsharded(model, f"SpectralMonitor's {'/'.join(self.families)} probes")
         self.curvature, self.jacobian, self.ntk, self.data = curvature, jacobian, ntk, data
         self._failures_of = failures_of
+        self._device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
         self._batches: list[Any] = []
         self._curvature_warm: dict[str, CurvatureWarmStart] = {}
         self._jacobian_warm: dict[str, Tensor] = {}
         self._spaces: dict[str, ParameterSpace] | None = None
+        self._space_layouts: dict[str, Layout] = {}  # of the spaces the curvature warm vectors belong to
         self._last_step = -1
         self._last_start: float | None = None
         self._last_probe_seconds = 0.0
@@ -420,6 +476,56 @@ class SecondOrderProbes:
         self._last_probe_seconds = time.perf_counter() - now
         return event
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to measure as this one would have gone on measuring: the probe batches,
+        the warm vectors (the curvature ones unless ``checkpoint_warm_vectors=False``), the generator, the
+        last step seen and the last training step's duration (for ``overhead_percent``)."""
+        state: dict[str, Any] = {
+            "last_step": self._last_step,
+            "step_seconds": self._step_seconds,
+            "generator": self._generator.get_state(),
+            "rank": global_rank(),
+            "probe_batches": [],
+            "jacobian_warm": dict(self._jacobian_warm),
+        }
+        with self._failures_of("checkpointing the probe batch"):
+            _check_resumable(self._batches)
+            state["probe_batches"] = list(self._batches)
+        if self.curvature.checkpoint_warm_vectors:
+            state["curvature_warm"] = {
+                layer: {"layout": self._space_layouts[layer], **_vectors_of(warm)}
+                for layer, warm in self._curvature_warm.items()
+            }
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a key it lacks (a checkpoint of an earlier version) leaves
+        that part as a new run starts it.
+
+        The probe batches go to the model's device (Lightning's ``torch.load`` puts a checkpoint's tensors on
+        the CPU), as many as ``probe_data`` uses. Under DDP the checkpoint holds global rank 0's state, so
+        another rank takes its own probe batch at its first event rather than rank 0's shard. Curvature
+        vectors are used only where the parameters are laid out (names and shapes) as when they were made.
+        """
+        self._last_step = state_dict.get("last_step", self._last_step)
+        self._step_seconds = state_dict.get("step_seconds", self._step_seconds)
+        if "generator" in state_dict:
+            self._generator.set_state(state_dict["generator"])
+        if state_dict.get("rank", 0) == global_rank():
+            used = {"fixed": 1, "averaged": self.data.probe_batches, "current": 0}[self.data.probe_batch]
+            restored = state_dict.get("probe_batches", [])[:used]
+            self._batches = [_on_device(batch, self._device) for batch in restored]
+        self._jacobian_warm = dict(state_dict.get("jacobian_warm", {}))
+        warm = state_dict.get("curvature_warm", {})
+        self._curvature_warm = {
+            layer: CurvatureWarmStart(**{f.name: entry.get(f.name) for f in fields(CurvatureWarmStart)})
+            for layer, entry in warm.items()
+        }
+        self._space_layouts = {
+            layer: [(name, tuple(shape)) for name, shape in entry["layout"]] for layer, entry in warm.items()
+        }
+        self._spaces = None  # built at the first event, from the model as it is then
+
     def _cadence(self, family: str) -> tuple[int, str]:
         options = getattr(self, family)
         return options.every_n_steps, options.schedule
@@ -444,9 +550,18 @@ class SecondOrderProbes:
         self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
     ) -> None:
         if self._spaces is None or not _spaces_still_current(self._spaces, module):
-            # First use, or the model changed (a block removed, a weight replaced): measure it as it now is.
+            # First use in this process, or the model changed under the probe (a block removed, a weight
+            # replaced): measure it as it now is. Vectors restored from a checkpoint are kept where the
+            # parameters are laid out as when they were made; those of a changed model are of no use.
+            changed = self._spaces is not None
             self._spaces = self.curvature.spaces(module)
-            self._curvature_warm.clear()
+            layouts = {layer: _layout(space) for layer, space in self._spaces.items()}
+            self._curvature_warm = {
+                layer: warm
+                for layer, warm in self._curvature_warm.items()
+                if not changed and self._space_layouts.get(layer) == layouts.get(layer)
+            }
+            self._space_layouts = layouts
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         options = self.curvature
         for layer, space in self._spaces.items():

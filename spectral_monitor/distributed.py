@@ -25,6 +25,8 @@ Uses:
   backward through its wrapper anyway).
 - :func:`any_rank` is how ranks agree on decisions each takes from its own data: an alert's ``stop_on``
   stops every rank after the same step if any rank's rule fired.
+- :func:`global_rank` tells the second-order probes whether the probe batch of a checkpoint is their own
+  (a checkpoint holds global rank 0's callback state; every rank reads it on resume).
 - :func:`sharded_parameters` names what the curvature, Jacobian and NTK probes refuse: under FSDP their
   forwards would all-gather shards a data-dependent number of times per rank, and a Hessian-vector product
   needs the sharded parameters in the autograd graph twice, which is not built. DDP is the alternative.
@@ -46,6 +48,7 @@ from torch import Tensor, nn
 __all__ = [
     "any_rank",
     "full_parameters",
+    "global_rank",
     "is_distributed",
     "mean_over_ranks_",
     "on_every_rank",
@@ -56,6 +59,11 @@ __all__ = [
 def is_distributed() -> bool:
     """Whether a process group with more than one rank is initialised (the collectives below do work)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def global_rank() -> int:
+    """This process's rank in the initialised process group; 0 without one. Collective-free."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def mean_over_ranks_(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
