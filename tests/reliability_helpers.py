@@ -1,9 +1,8 @@
 """What the reliability suites share: the probe families to try, tiny models, a deterministic fit, read-back.
 
-A family enters every reliability suite (non-perturbation, fault injection, resume, soak) through one line of
+A family enters every reliability suite (non-perturbation, fault injection, resume) through one line of
 ``FAMILY_CONFIGURATIONS``: the monitor arguments that turn it on alone, and the functions a fault can be
-injected into (patched to raise). The NTK is left out: its per-example
-``training_step`` calls need a model whose loss is defined on one example.
+injected into (patched to raise).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions
+from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions
 
 VOCAB = 16
 WIDTH = 16
@@ -86,6 +85,11 @@ FAMILY_CONFIGURATIONS = (
         "jacobian",
         {"families": ["jacobian"], "jacobian": JacobianOptions(every_n_steps=1, max_iters=4)},
         ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_jacobian",),
+    ),
+    FamilyConfiguration(
+        "ntk",
+        {"families": ["ntk"], "ntk": NTKOptions(every_n_steps=1, examples=4)},
+        ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_ntk",),
     ),
 )
 """Every family the monitor has; a new family is one more line here."""

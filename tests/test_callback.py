@@ -157,6 +157,7 @@ def test_load_state_dict_fills_missing_keys_with_defaults() -> None:
         "last_logged_step": -1,
         "logging_steps_done": 0,
         "weight_probe": None,
+        "second_order": None,
         "attention_krylov_vectors": {},
     }
 

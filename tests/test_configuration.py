@@ -18,6 +18,7 @@ from pytorch_lightning.cli import LightningCLI
 from reliability_helpers import TinyEncoder, fit, monitor_reports, tensorboard_logger
 
 from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor.curvature_monitor import CurvatureOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,6 +79,13 @@ def test_a_bad_value_raises_naming_the_argument_and_what_is_allowed(
 
 def test_the_defaults_are_valid() -> None:
     SpectralMonitor()
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_checkpoint_warm_vectors_of_the_curvature_options_must_be_a_bool(value) -> None:
+    # The option dataclasses check their own fields; the table above covers the monitor's arguments.
+    with pytest.raises(ValueError, match=f"^checkpoint_warm_vectors must be a bool, got {value!r}$"):
+        CurvatureOptions(checkpoint_warm_vectors=value)
 
 
 @pytest.mark.slow

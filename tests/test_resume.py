@@ -1,29 +1,52 @@
 """A run checkpointed and resumed logs exactly what the same run without interruption logs.
 
 Two monitors with different settings share one Trainer: one measures every family every 2 steps (attention
-on the Krylov path, whose warm vectors are part of the state), the other the head's weight every 3 steps.
-The run stops at a ``ModelCheckpoint`` written at the end of its first epoch and resumes from it with new
-monitor objects, into the same log directory. The resumed monitors start from exactly the state their
-predecessors checkpointed (each under its own ``state_key``), and every series (every tag, read back
-without TensorBoard's purging of repeated steps) holds each logging step once, with the very values of the
-uninterrupted run, which the warm-started estimates give only if their vectors were restored. An alert
-that opened before the checkpoint is still open after it, with its history, and does not fire again.
+on the Krylov path, whose warm vectors are part of the state; the curvature, Jacobian and NTK probes on
+their own cadence of every step), the other the head's weight every 3 steps. The run stops at a
+``ModelCheckpoint`` written at the end of its first epoch and resumes from it with new monitor objects, into
+the same log directory. The resumed monitors start from exactly the state their predecessors checkpointed
+(each under its own ``state_key``), and every series (every tag, read back without TensorBoard's purging of
+repeated steps) holds each logging step once, with the very values of the uninterrupted run, which the
+warm-started estimates give only if their vectors were restored. An alert that opened before the checkpoint
+is still open after it, with its history, and does not fire again.
+
+The second-order probes' own state: a checkpoint of the previous version (no ``"second_order"`` entry)
+still resumes; ``checkpoint_warm_vectors=False`` leaves the curvature vectors out and keeps the probe
+batch; restored curvature vectors are used only on a model laid out as the one they were made on; a probe
+batch that ``torch.load(weights_only=True)`` could not read back is left out instead of breaking the
+resume; under DDP a rank other than 0 does not take rank 0's probe batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.nn.functional as F
 from pytorch_lightning.callbacks import ModelCheckpoint
-from reliability_helpers import ALL_FAMILIES, TinyEncoder, fit, read_back, scalar_series, tensorboard_logger
+from reliability_helpers import (
+    ALL_FAMILIES,
+    FAMILY_CONFIGURATIONS,
+    TinyEncoder,
+    fit,
+    monitor_reports,
+    previous_token_batches,
+    read_back,
+    scalar_series,
+    tensorboard_logger,
+)
+from torch.utils.data import DataLoader
 
+import spectral_monitor.curvature_monitor as curvature_monitor
 from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor.curvature_monitor import OPT_IN_FAMILIES, CurvatureOptions
+from spectral_monitor.probes.curvature import CurvatureWarmStart
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
@@ -82,7 +105,14 @@ def assert_same_state(actual: Any, expected: Any, where: str = "state") -> None:
         assert actual == expected, where
 
 
-COLD_AFTER_RESUME = ("curvature/", "jacobian/")
+WALL_CLOCK_METRICS = ("overhead_ms", "overhead_percent")
+"""``<family>/overhead_ms/model`` and ``overhead_percent``: the probes' own wall time, which no two runs
+share; their steps must still match."""
+
+
+def is_wall_clock(tag: str) -> bool:
+    metric = tag.partition("/")[2].partition("/")[0]  # family/metric/layer
+    return metric in WALL_CLOCK_METRICS
 
 
 def same_series(actual: list[tuple[int, float]], expected: list[tuple[int, float]]) -> bool:
@@ -145,6 +175,20 @@ def test_a_resumed_run_logs_every_step_once_with_the_values_of_an_uninterrupted_
         f"encoder.layers.{i}.self_attn" for i in range(2)
     }
     assert every_family_state["weight_probe"]["right_vectors"]
+    second_order = every_family_state["second_order"]
+    (probe_batch,) = second_order["probe_batches"]  # the batch of step 0, kept for the whole run
+    assert same_batch(probe_batch, first_batch())
+    parameters = sum(p.numel() for p in TinyEncoder(width=WIDTH).parameters())
+    curvature_warm = second_order["curvature_warm"]["model"]
+    assert curvature_warm["top"].shape == curvature_warm["preconditioned"].shape == (parameters, 1)  # AdamW
+    assert second_order["jacobian_warm"].keys() == {
+        "encoder.layers.0",
+        "encoder.layers.0/residual",
+        "encoder.layers.1",
+        "encoder.layers.1/residual",
+        "model",
+    }
+    assert second_order["last_step"] == EPOCH - 1
     assert saved[first[1].state_key]["last_logged_step"] == 5  # its own cadence, not the other's 7
 
     # The alert opened at step 3 is still open after the resume, with its history, and fired only once.
@@ -160,20 +204,21 @@ def test_a_resumed_run_logs_every_step_once_with_the_values_of_an_uninterrupted_
     assert resumed["alerts/fired/stays_open"] == open_series
 
     assert resumed.keys() == uninterrupted.keys()
+    assert {tag.split("/")[0] for tag in resumed} >= {*OPT_IN_FAMILIES, "attention", "tokens", "weights"}
     for tag, series in uninterrupted.items():  # the same steps, once each, with the same float32 values
-        if tag.startswith(COLD_AFTER_RESUME):
-            # Their parameter-sized warm vectors are not checkpointed: the first events after the resume
-            # start cold, and with the few products this test allows (8) land elsewhere within the solver's
-            # unconverged error. Their steps must still continue with no gap and no duplicate (but for the
-            # overhead ratio, which needs a timed step before it in the same process).
-            if "overhead" not in tag:
-                assert [step for step, _ in resumed[tag]] == [step for step, _ in series], tag
+        if is_wall_clock(tag):
+            assert [step for step, _ in resumed[tag]] == [step for step, _ in series], tag
             continue
         assert same_series(resumed[tag], series), tag
     assert [step for step, _ in resumed["attention/entropy/encoder.layers.1.self_attn"]] == logging_steps(2)
     assert [step for step, _ in resumed["weights/spectral_norm/head"]] == logging_steps(3)
     assert [step for step, _ in resumed["train/loss"]] == list(range(STEPS))
+    assert [step for step, _ in resumed["curvature/hessian_eigenvalue_1/model"]] == list(range(STEPS))
     assert figure_steps(tmp_path) == [0, 5, 11]  # every third of logging steps 0, 1, 3, 5, 7, 9, 11, 13, 15
+
+
+def first_batch() -> list[torch.Tensor]:
+    return next(iter(previous_token_batches()))
 
 
 def figure_steps(root: Path) -> list[int]:
@@ -192,10 +237,10 @@ def test_without_the_restored_warm_state_the_values_would_differ(
     differing = sorted(
         tag
         for tag in uninterrupted
-        if tag.startswith(("attention/", "weights/"))
+        if not is_wall_clock(tag)
         and not same_series(
-            [(step, value) for step, value in resumed[tag] if step > EPOCH],
-            [(step, value) for step, value in uninterrupted[tag] if step > EPOCH],
+            [(step, value) for step, value in resumed[tag] if step >= EPOCH],
+            [(step, value) for step, value in uninterrupted[tag] if step >= EPOCH],
         )
     )
     # Warm-started weight estimates (2 iterations a step) differ; the attention Krylov path converges fully
@@ -203,6 +248,218 @@ def test_without_the_restored_warm_state_the_values_would_differ(
     assert {
         f"weights/spectral_norm/encoder.layers.{i}.self_attn.{role}" for i in range(2) for role in "qkv"
     } <= set(differing)
+    # So do the curvature (8 products an event) and Jacobian (4 iterations) estimates started cold. The NTK
+    # has no warm state, and its probe batch, taken afresh at step 8, the first of the second epoch, is the
+    # very batch of step 0: the restored probe batch is checked as state, in the test above.
+    assert {
+        "curvature/sharpness/model",
+        "curvature/hessian_eigenvalue_1/model",
+        "jacobian/end_to_end_norm/model",
+        *(
+            f"jacobian/{metric}/encoder.layers.{i}"
+            for metric in ("jacobian_norm", "residual_branch_norm")
+            for i in range(2)
+        ),
+    } <= set(differing)
+    assert not [tag for tag in differing if tag.startswith("ntk/")]
     assert figure_steps(tmp_path) == [0, 5, 9, 15]  # the count of logging steps restarted at the resume
     # and the alert open since step 3 fires a second time, on the first logging step after the resume.
     assert [(e.kind, e.step) for e in seen_after_resume if e.rule == "stays_open"] == [("fired", EPOCH + 1)]
+
+
+# -- the second-order probes' own state ----------------------------------------------------------------------
+
+SECOND_ORDER_CONFIGURATIONS = [c for c in FAMILY_CONFIGURATIONS if c.family in OPT_IN_FAMILIES]
+
+
+def second_order_monitor(**arguments: Any) -> SpectralMonitor:
+    """The curvature, Jacobian and NTK probes on every step, as the reliability suites configure them."""
+    options = {
+        name: value
+        for configuration in SECOND_ORDER_CONFIGURATIONS
+        for name, value in configuration.monitor_arguments.items()
+        if name != "families"
+    }
+    families = [configuration.family for configuration in SECOND_ORDER_CONFIGURATIONS]
+    return SpectralMonitor(**{"families": families, "preflight": False, **options, **arguments})
+
+
+def checkpointed_run(root: Path, monitor: SpectralMonitor, model: pl.LightningModule, **data: Any) -> Path:
+    """Two steps with a checkpoint after them; the checkpoint's path."""
+    checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2)
+    fit(model, [monitor, checkpoints], tensorboard_logger(root), 2, enable_checkpointing=True, **data)
+    (checkpoint,) = (root / "checkpoints").glob("*.ckpt")
+    return checkpoint
+
+
+class FirstBatchSeen(pl.Callback):
+    def __init__(self) -> None:
+        self.batch: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.batch is None:
+            self.batch = batch
+
+
+def resume(
+    root: Path, monitor: SpectralMonitor, model: pl.LightningModule, checkpoint: Path, **data: Any
+) -> tuple[dict[str, list], Any]:
+    """Two more steps from ``checkpoint``, on ``data`` (default: other batches than the checkpointed run's);
+    what was logged, and the first batch the resumed run trained on."""
+    seen = FirstBatchSeen()
+    logger = tensorboard_logger(root)
+    fit(model, [monitor, seen], logger, 4, ckpt_path=str(checkpoint), **{"data": shifted_batches(), **data})
+    return scalar_series(read_back(logger.log_dir)), seen.batch
+
+
+def shifted_batches() -> DataLoader:
+    """The batches of ``previous_token_batches`` from the second on: none is the first batch."""
+    pairs = previous_token_batches().dataset
+    return DataLoader(torch.utils.data.Subset(pairs, range(4, len(pairs))), batch_size=4)
+
+
+def same_batch(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(actual, expected, strict=True))
+
+
+def test_a_checkpoint_from_before_the_second_order_state_resumes_with_a_new_probe_batch(
+    tmp_path: Path,
+) -> None:
+    checkpoint = checkpointed_run(tmp_path, second_order_monitor(), TinyEncoder())
+    contents = torch.load(checkpoint, weights_only=False)
+    (monitor_state,) = [state for key, state in contents["callbacks"].items() if "SpectralMonitor" in key]
+    del monitor_state["second_order"]  # what the previous version wrote
+    torch.save(contents, checkpoint)
+
+    resumed = second_order_monitor()
+    with monitor_reports() as reports:
+        written, first_resumed_batch = resume(tmp_path, resumed, TinyEncoder(), checkpoint)
+
+    assert not reports.messages
+    for tag in (
+        "curvature/hessian_eigenvalue_1/model",
+        "jacobian/end_to_end_norm/model",
+        "ntk/ntk_trace/model",
+    ):
+        assert [step for step, _ in written[tag]] == [0, 1, 2, 3], tag
+    (probe_batch,) = resumed.state_dict()["second_order"]["probe_batches"]
+    assert same_batch(probe_batch, first_resumed_batch)
+
+
+@pytest.mark.parametrize("keep_vectors", [True, False])
+def test_checkpoint_warm_vectors_false_leaves_the_curvature_vectors_out_and_keeps_the_probe_batch(
+    keep_vectors: bool, tmp_path: Path
+) -> None:
+    curvature = CurvatureOptions(every_n_steps=1, max_products=8, checkpoint_warm_vectors=keep_vectors)
+    monitor = second_order_monitor(curvature=curvature)
+    checkpoint = checkpointed_run(tmp_path, monitor, TinyEncoder())
+
+    state = next(s for k, s in torch.load(checkpoint)["callbacks"].items() if "SpectralMonitor" in k)
+    state = state["second_order"]
+    (probe_batch,) = state["probe_batches"]
+    assert same_batch(probe_batch, first_batch())
+    assert state["jacobian_warm"]  # one sequence's size: always kept
+    parameters = sum(p.numel() for p in TinyEncoder().parameters())
+    if keep_vectors:  # top_k = 1 and, under AdamW, the preconditioned one: 2 x 4 bytes per parameter
+        warm = state["curvature_warm"]["model"]
+        assert {name: vectors.shape for name, vectors in warm.items() if name != "layout"} == {
+            "top": (parameters, 1),
+            "preconditioned": (parameters, 1),
+        }
+    else:
+        assert "curvature_warm" not in state
+
+
+def curvature_warm_starts(monkeypatch: pytest.MonkeyPatch) -> list[CurvatureWarmStart | None]:
+    """The ``warm`` argument of every ``measure_curvature`` call the monitor makes from now on."""
+    seen: list[CurvatureWarmStart | None] = []
+    measure = curvature_monitor.measure_curvature
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["warm"])
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(curvature_monitor, "measure_curvature", recording)
+    return seen
+
+
+def frozen_embedding() -> TinyEncoder:
+    model = TinyEncoder()
+    model.embedding.requires_grad_(False)  # out of the Hessian's parameter space
+    return model
+
+
+@pytest.mark.parametrize(
+    ("resumed_model", "warm_started"),
+    [(TinyEncoder, True), (frozen_embedding, False)],
+    ids=["same", "frozen"],
+)
+def test_restored_curvature_vectors_start_the_first_event_only_on_parameters_laid_out_like_theirs(
+    resumed_model: Callable[[], TinyEncoder],
+    warm_started: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checkpoint = checkpointed_run(tmp_path, second_order_monitor(families=["curvature"]), TinyEncoder())
+    saved = next(s for k, s in torch.load(checkpoint)["callbacks"].items() if "SpectralMonitor" in k)
+    saved_top = saved["second_order"]["curvature_warm"]["model"]["top"]
+
+    seen = curvature_warm_starts(monkeypatch)
+    resume(tmp_path, second_order_monitor(families=["curvature"]), resumed_model(), checkpoint)
+
+    warm = seen[0]  # of the first event after the resume
+    if warm_started:
+        assert torch.equal(warm.top, saved_top)
+    else:
+        assert warm is None  # the vectors have coordinates for the embedding, which the space now lacks
+
+
+class TokenBatch(NamedTuple):
+    tokens: torch.Tensor
+    targets: torch.Tensor
+
+
+class NamedBatchEncoder(TinyEncoder):
+    def training_step(self, batch: TokenBatch, batch_idx: int) -> torch.Tensor:
+        loss = F.cross_entropy(self(batch.tokens).flatten(0, 1), batch.targets.flatten())
+        self.log("train/loss", loss)
+        return loss
+
+
+def named_batches() -> DataLoader:
+    def collate(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> TokenBatch:
+        tokens, targets = (torch.stack(column) for column in zip(*rows, strict=True))
+        return TokenBatch(tokens, targets)
+
+    return DataLoader(previous_token_batches().dataset, batch_size=4, collate_fn=collate)
+
+
+def test_a_probe_batch_torch_load_would_refuse_is_left_out_and_the_run_resumes(tmp_path: Path) -> None:
+    # torch.load(weights_only=True), Lightning's way to read a checkpoint, refuses a namedtuple: in the
+    # checkpoint it would make the resume itself fail.
+    with monitor_reports() as reports:
+        checkpoint = checkpointed_run(
+            tmp_path, second_order_monitor(), NamedBatchEncoder(), data=named_batches()
+        )
+    (report,) = reports.messages
+    assert "checkpointing the probe batch" in report and "test_resume.TokenBatch" in report
+    assert torch.load(checkpoint)  # weights_only=True, as Lightning reads it
+
+    resumed = second_order_monitor()
+    written, _ = resume(tmp_path, resumed, NamedBatchEncoder(), checkpoint, data=named_batches())
+    assert [step for step, _ in written["ntk/ntk_trace/model"]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_ddp_only_the_rank_that_checkpointed_keeps_its_probe_batch(
+    rank: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint holds global rank 0's callback state; every rank reads it on resume. The other ranks'
+    # probe batches were their own shards, so they take a new one rather than rank 0's.
+    checkpoint = checkpointed_run(tmp_path, second_order_monitor(families=["ntk"]), TinyEncoder())
+    monkeypatch.setattr(curvature_monitor, "global_rank", lambda: rank)
+    resumed = second_order_monitor(families=["ntk"])
+    _, first_resumed_batch = resume(tmp_path, resumed, TinyEncoder(), checkpoint)
+
+    (probe_batch,) = resumed.state_dict()["second_order"]["probe_batches"]
+    assert same_batch(probe_batch, first_batch() if rank == 0 else first_resumed_batch)
