@@ -64,6 +64,7 @@ def lanczos_quadrature(
     probes: Tensor | None = None,
     until: Callable[[QuadratureNodes], Tensor] | None = None,
     check_every: int = 4,
+    first_check: int | None = None,
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
 ) -> QuadratureNodes:
@@ -81,9 +82,11 @@ def lanczos_quadrature(
 
     Both the Gauss rule and the Gauss–Radau rule with a node at 0 are returned; for √x-like functions they
     bracket the truth, so their spread is an honest bias bound. ``until(quadrature) -> (B,) bool`` is checked
-    every ``check_every`` steps from step ``2 * check_every`` on (each check solves the small eigenproblems
-    of every probe), and the process stops early once it holds for every batch element;
-    ``num_steps`` is then the cap.
+    every ``check_every`` steps from step ``first_check`` (default ``2 * check_every``) on; each check solves
+    the small eigenproblems of every probe. An element for which it holds stops there: its rules stay those
+    of that step, padded with zero-weight nodes to the others' length (which changes no sum Σ w f(θ)), and
+    the operator is restricted to the elements still going, so a finished element costs no more products.
+    ``num_steps`` is the cap.
     """
     if not op.symmetric:
         raise ValueError("op must be symmetric")
@@ -91,6 +94,9 @@ def lanczos_quadrature(
         raise ValueError(f"num_probes must be >= 2 (a standard error needs two samples), got {num_probes}")
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if check_every < 1:
+        raise ValueError(f"check_every must be >= 1, got {check_every}")
+    first_check = 2 * check_every if first_check is None else first_check
     work = working_dtype(op.dtype, dtype)
     generator = generator if generator is not None else default_generator(op.device)
     batch, n = op.batch, op.cols
@@ -114,33 +120,86 @@ def lanczos_quadrature(
     previous = torch.zeros_like(q)
     beta = torch.zeros((batch, num_probes), dtype=work, device=op.device)
     scale = torch.zeros((batch, num_probes), dtype=work, device=op.device)
+    active = torch.arange(batch, device=op.device)  # the elements whose products are formed
+    running = torch.ones(batch, dtype=torch.bool, device=op.device)  # of those, the ones not yet stopped
+    stopped = _StoppedRules(batch)
     done = 0
     for step in range(steps):
         w = op.matmat(q.to(op.dtype)).to(work)
         scale = torch.maximum(scale, w.norm(dim=1))
         alpha = (q * w).sum(dim=1)
-        alphas[:, :, step] = alpha
+        alphas[active, :, step] = alpha
         w = w - alpha[:, None, :] * q - beta[:, None, :] * previous
         beta = w.norm(dim=1)
         # A vanishing beta means the probe's Krylov space is invariant: the quadrature is already exact, and
         # continuing with a zero vector adds only zero-weight nodes.
         invariant = beta <= n**0.5 * torch.finfo(work).eps * scale.clamp_min(torch.finfo(work).tiny)
         beta = torch.where(invariant, torch.zeros_like(beta), beta)
-        betas[:, :, step] = beta
+        betas[active, :, step] = beta
         previous = q
         q = torch.where(
             invariant[:, None, :], torch.zeros_like(w), w / torch.where(invariant, 1, beta)[:, None, :]
         )
         done = step + 1
-        checkpoint = done >= 2 * check_every and done % check_every == 0
-        if (
-            until is not None
-            and done < steps
-            and checkpoint
-            and bool(until(_quadrature(alphas[..., :done], betas[..., :done], probe_norm)).all())
-        ):
-            break
-    return _quadrature(alphas[..., :done], betas[..., :done], probe_norm)
+        checkpoint = done >= first_check and (done - first_check) % check_every == 0
+        if until is None or done >= steps or not checkpoint:
+            continue
+        elements = active[running]
+        current = _quadrature(alphas[elements, :, :done], betas[elements, :, :done], probe_norm[elements])
+        finished = until(stopped.merged(current, elements, done))[elements]
+        if not bool(finished.any()):
+            continue
+        stopped.add(_select(current, finished), elements[finished])
+        if bool(finished.all()):
+            return stopped.merged(None, None, done)
+        running[running.clone()] = ~finished
+        restricted = op.restrict(running.nonzero().squeeze(1))
+        if restricted is not None:  # else the products go on for all, the stopped elements' rules frozen
+            op = restricted
+            active, q, previous, beta, scale = (t[running] for t in (active, q, previous, beta, scale))
+            running = running[running]
+    elements = active[running]
+    current = _quadrature(alphas[elements, :, :done], betas[elements, :, :done], probe_norm[elements])
+    return stopped.merged(current, elements, done)
+
+
+class _StoppedRules:
+    """The quadrature rules of elements that stopped early, each as of its own last step."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.parts: list[tuple[Tensor, QuadratureNodes]] = []  # (elements, their rules)
+
+    def add(self, rules: QuadratureNodes, elements: Tensor) -> None:
+        self.parts.append((elements, rules))
+
+    def merged(self, current: QuadratureNodes | None, elements: Tensor | None, steps: int) -> QuadratureNodes:
+        """(B, probes, steps) rules: ``current`` for ``elements``, the stopped elements' own for the rest."""
+        parts = self.parts if current is None else [*self.parts, (elements, current)]
+        probes = parts[0][1].nodes.shape[1]
+
+        def assembled(field: str, length: int) -> Tensor:
+            out = parts[0][1].nodes.new_zeros((self.batch, probes, length))
+            for where, rules in parts:
+                values = getattr(rules, field)
+                out[where, :, : values.shape[-1]] = values
+            return out
+
+        return QuadratureNodes(
+            nodes=assembled("nodes", steps),
+            weights=assembled("weights", steps),
+            radau_nodes=assembled("radau_nodes", steps + 1),
+            radau_weights=assembled("radau_weights", steps + 1),
+        )
+
+
+def _select(rules: QuadratureNodes, index: Tensor) -> QuadratureNodes:
+    return QuadratureNodes(
+        nodes=rules.nodes[index],
+        weights=rules.weights[index],
+        radau_nodes=rules.radau_nodes[index],
+        radau_weights=rules.radau_weights[index],
+    )
 
 
 def _quadrature(alphas: Tensor, betas: Tensor, probe_norm: Tensor) -> QuadratureNodes:
