@@ -246,7 +246,7 @@ def lanczos_eigsh(
         previous, q, coupling = q, next_q, next_coupling
         basis = torch.cat([basis, next_q], dim=2)
         remaining = ~settled
-        if remaining.sum() * 2 <= active.numel():
+        if bool(settled.any()):
             restricted = active_op.restrict(remaining.nonzero().squeeze(1))
             if restricted is not None:
                 active_op = restricted

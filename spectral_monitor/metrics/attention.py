@@ -751,8 +751,7 @@ def _second_eigenvalue_modulus(
                 break
             previous = outermost
             going = (~finished).nonzero().squeeze(1)
-            # Restricting copies a dense batch, which costs about a product: worth it once half are done.
-            restricted = operator.restrict(going) if 2 * going.numel() <= finished.numel() else None
+            restricted = operator.restrict(going) if bool(finished.any()) else None
             if restricted is not None:
                 operator = restricted
                 active, basis, images, ones, weights, scale, previous = (
