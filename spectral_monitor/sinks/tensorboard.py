@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_monitor.records import Distribution, Measurement
@@ -83,15 +83,31 @@ class TensorBoardSink(Sink):
     def write_distributions(self, records: Iterable[Distribution]) -> None:
         """Histograms of the finite values of each record; a record with none is skipped.
 
-        Non-finite values have no bin; the matching scalars still show them.
+        Non-finite values have no bin; the matching scalars still show them. Through a real
+        ``SummaryWriter`` the histograms of one step go out as one event, each with ``HISTOGRAM_BINS``
+        equal-width buckets over its values (TensorBoard re-bins them for display anyway): ``add_histogram``
+        with its 1549 default buckets cost ~0.6 ms per histogram, most of a logging step's writing.
         """
+        finite_records = []
         for record in records:
             values = np.asarray(record.values, dtype=np.float64).ravel()
             finite = values[np.isfinite(values)]
-            if finite.size == 0:
-                continue
-            with _failures_as_sink_error(f"histogram {record.tag!r} at step {record.step}"):
-                self._writer.add_histogram(record.tag, finite, global_step=record.step)
+            if finite.size:
+                finite_records.append((record, finite))
+        if not isinstance(self._writer, SummaryWriter):
+            for record, finite in finite_records:
+                with _failures_as_sink_error(f"histogram {record.tag!r} at step {record.step}"):
+                    self._writer.add_histogram(record.tag, finite, global_step=record.step)
+            return
+        by_step: dict[int, list[Summary.Value]] = {}
+        for record, finite in finite_records:
+            check_tag_and_step(record.tag, record.step)
+            by_step.setdefault(record.step, []).append(
+                Summary.Value(tag=record.tag, histo=_histogram_proto(finite))
+            )
+        for step, values in by_step.items():
+            with _failures_as_sink_error(f"{len(values)} histograms at step {step}"):
+                self._writer._get_file_writer().add_summary(Summary(value=values), step)
 
     def write_figure(self, tag: str, figure: Figure, step: int) -> None:
         """Render ``figure`` to an RGBA image under ``tag``, then release it (even if writing failed)."""
@@ -134,6 +150,24 @@ class TensorBoardSink(Sink):
     def flush(self) -> None:
         with _failures_as_sink_error("pending events (flush)"):
             self._writer.flush()
+
+
+HISTOGRAM_BINS = 30
+
+
+def _histogram_proto(values: np.ndarray) -> HistogramProto:
+    """The histogram of finite ``values`` (at least one) as TensorBoard stores it: right bucket edges and
+    counts, with an empty bucket below the first so its left edge is kept (as ``SummaryWriter`` writes)."""
+    counts, edges = np.histogram(values, bins=HISTOGRAM_BINS)
+    return HistogramProto(
+        min=float(values.min()),
+        max=float(values.max()),
+        num=float(values.size),
+        sum=float(values.sum()),
+        sum_squares=float(values @ values),
+        bucket_limit=edges.tolist(),
+        bucket=[0.0, *counts.tolist()],
+    )
 
 
 @contextmanager
