@@ -159,6 +159,10 @@ class SpectralMonitor(Callback):
             it keeps 10 per tag unless started with ``--samples_per_plugin images=N``, and a step of four
             figures costs ~0.5 s of matplotlib on a slow CPU core.
         metric_method: ``method`` of ``attention_metrics``: ``"auto"``, ``"exact"`` or ``"krylov"``.
+        attention_rank_sums: measure the attention's effective and threshold ranks, the members that need
+            the whole spectrum. On the Krylov path (long sequences) their quadrature is most of the time: 64
+            heads at n = 2048 took 14 s with them and 6 s without (``benchmarks/README.md``); near-uniform
+            attention at n = 4096 about 100 s a head. False leaves them (and the effective-rank figure) out.
         strict: raise failures of the monitor (a probe or sink raising, non-finite measurements) instead of
             warning once per kind and going on without them.
         log_first_step: also measure step 0, the model before any update.
@@ -203,6 +207,7 @@ class SpectralMonitor(Callback):
         histograms: bool = True,
         figures_every_n_logs: int = 10,
         metric_method: str = "auto",
+        attention_rank_sums: bool = True,
         strict: bool = False,
         log_first_step: bool = True,
         curvature: CurvatureOptions | None = None,
@@ -230,6 +235,7 @@ class SpectralMonitor(Callback):
         if metric_method not in METRIC_METHODS:
             raise ValueError(f"metric_method must be one of {METRIC_METHODS}, got {metric_method!r}")
         self.metric_method = metric_method
+        self.attention_rank_sums = _checked_bool("attention_rank_sums", attention_rank_sums)
         self.strict = _checked_bool("strict", strict)
         self.log_first_step = _checked_bool("log_first_step", log_first_step)
         given = {"curvature": curvature, "jacobian": jacobian, "ntk": ntk}
@@ -581,7 +587,10 @@ class SpectralMonitor(Callback):
             state.vectors = state.vectors.to(captured.q.device)
         if sample is None:
             metrics = captured.blockwise_metrics(
-                method=self.metric_method, max_bytes=max(working_bytes, 2**20), state=state
+                method=self.metric_method,
+                max_bytes=max(working_bytes, 2**20),
+                include_rank_sums=self.attention_rank_sums,
+                state=state,
             )
         else:
             heads = sample.probs.shape[1]
@@ -591,6 +600,7 @@ class SpectralMonitor(Callback):
                 query_mask=_per_head(sample.query_mask, heads),
                 causal=sample.causal,
                 method=self.metric_method,
+                include_rank_sums=self.attention_rank_sums,
                 state=state,
             )
         nonfinite = metrics["nonfinite"]

@@ -334,6 +334,20 @@ def test_nothing_is_installed_on_the_model_between_logging_steps(tmp_path: Path)
     assert hook_count(model) == 0
 
 
+def test_without_rank_sums_the_ranks_are_left_out_and_the_rest_is_written(tmp_path: Path) -> None:
+    monitor = SpectralMonitor(every_n_steps=2, metric_method="krylov", attention_rank_sums=False,
+                              families=["attention"], figures_every_n_logs=1, head_diversity_every_n_logs=0)
+    logger = tensorboard_logger(tmp_path)
+    fit(TinyEncoder(), [monitor], logger, max_steps=2)
+    tags = read_back(logger.log_dir).Tags()
+    attention = {tag.split("/")[1] for tag in tags["scalars"] if tag.startswith("attention/")}
+    assert {"entropy", "sigma2", "spectral_gap", "eigen_gap", "dobrushin"} <= attention
+    assert not {"effective_rank", "effective_rank_ratio", "threshold_rank"} & attention
+    images = set(tags["images"])
+    assert "attention/figures/spectrum" in images
+    assert "attention/figures/effective_rank_ratio" not in images
+
+
 @pytest.mark.slow
 def test_a_non_tensorboard_logger_gets_the_scalars_and_one_warning(tmp_path: Path) -> None:
     logger = CSVLogger(save_dir=str(tmp_path), name="run", version=0)

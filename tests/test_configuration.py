@@ -40,6 +40,7 @@ BAD_VALUES = {
     "histograms": ([1, "no"], "True or False"),
     "figures_every_n_logs": ([-1, 0.5, None], "int >= 0"),
     "metric_method": (["svd", "", None], "('auto', 'exact', 'krylov')"),
+    "attention_rank_sums": (["no", 0], "True or False"),
     "strict": ([None, 0, "true"], "True or False"),
     "log_first_step": (["no", 1], "True or False"),
     "curvature": ([{"top_k": 3}, 3, "yes"], "CurvatureOptions or None"),
