@@ -4,9 +4,11 @@ The demo model and task of ``configs/demo.yaml`` are trained for ``--steps`` ste
 and without ``SpectralMonitor()`` (every default, cadence included: every 50 steps; ``--every N`` changes
 only the cadence), in interleaved pairs (off, on, on, off, ...) so drift of the machine hits both alike.
 Each worker reports its ``fit`` wall time, the wall time of every step (from one batch start to the next,
-so the monitor's work in any hook is inside), and its peak resident memory. The table gives medians over
-pairs and the ratios on vs off: the whole run, logging steps, and non-logging steps (which should cost
-~nothing).
+so the monitor's work in any hook is inside), the time spent inside the monitor's own hooks, and its peak
+resident memory. The table gives medians over pairs and the ratios on vs off: the whole run, logging
+steps, and non-logging steps (which should cost ~nothing). The time inside the hooks is the monitor's
+direct cost; on a shared 2-core machine whole runs of the same configuration differ by 10-20% from one
+process to the next, far more than the few percent measured, so it is the steadier figure.
 
     python benchmarks/bench_overhead.py --steps 300 --pairs 2
 """
@@ -51,8 +53,9 @@ def worker(monitor: bool, steps: int, every: int | None) -> dict[str, object]:
 
     clock = StepClock()
     callbacks: list[pl.Callback] = [clock]
+    inside_hooks = [0.0]
     if monitor:
-        callbacks.append(SpectralMonitor(**arguments))
+        callbacks.append(timed_hooks(SpectralMonitor(**arguments), inside_hooks))
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -80,7 +83,34 @@ def worker(monitor: bool, steps: int, every: int | None) -> dict[str, object]:
         "logging_step_ms": 1000 * statistics.median(logging),
         "quiet_step_ms": 1000 * statistics.median(quiet),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "hook_seconds": inside_hooks[0],
     }
+
+
+HOOKS = (
+    "setup",
+    "on_fit_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_train_batch_end",
+    "teardown",
+)
+
+
+def timed_hooks(callback, total: list[float]):
+    """``callback`` with each of its ``HOOKS`` adding its wall time to ``total[0]``."""
+    for name in HOOKS:
+        hook = getattr(callback, name)
+
+        def timed(*args, hook=hook, **kwargs):
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+
+        setattr(callback, name, timed)
+    return callback
 
 
 def run_worker(monitor: bool, steps: int, every: int | None) -> dict[str, float]:
@@ -136,6 +166,9 @@ def main() -> None:
         f"{args.pairs} interleaved pairs of fresh processes\n"
     )
     print(markdown_table(["measure", "without monitor", "with monitor", "ratio"], rows))
+    hooks, plain_fit = median(True, "hook_seconds"), median(False, "fit_seconds")
+    share = 100 * hooks / plain_fit
+    print(f"\ntime inside the monitor's hooks: {hooks:.2f} s, {share:.1f}% of the fit without it")
 
 
 if __name__ == "__main__":
