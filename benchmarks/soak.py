@@ -1,7 +1,8 @@
 """Soak: a long run of the demo model with every family measured every 10 steps; do resources stay flat?
 
 Trains ``DemoTransformer`` on the synthetic recall task for ``--steps`` steps with ``SpectralMonitor`` (every
-family, figures on every 4th logging step) writing to TensorBoard, and samples every ``--sample-every``
+family, the opt-in curvature, Jacobian and NTK probes included, all on the same cadence; figures on every
+10th logging step, the default) writing to TensorBoard, and samples every ``--sample-every``
 steps: resident memory (psutil when installed, else ``/proc/self/statm``), live tensors (a ``gc`` scan) and
 open file descriptors (``/proc/self/fd``). After ``fit`` it checks that nothing is left on the model (forward
 hooks, pre-hooks, torch-function modes) and that the trained model, reused, computes exactly what a fresh
@@ -35,6 +36,7 @@ from torch import nn
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.callback import FAMILIES
+from spectral_monitor.curvature_monitor import OPT_IN_FAMILIES, CurvatureOptions, JacobianOptions, NTKOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 
 WARM_UP_FRACTION = 0.25
@@ -130,7 +132,13 @@ def run_soak(
         model = DemoTransformer(**(model_arguments or SMALL_DEMO))
         data = SyntheticDataModule(**(data_arguments or SMALL_TASK), num_batches=min(steps, 500))
         sampler = ResourceSampler(sample_every)
-        monitor = SpectralMonitor(every_n_steps=every_n_steps, families=FAMILIES)
+        monitor = SpectralMonitor(
+            every_n_steps=every_n_steps,
+            families=[*FAMILIES, *OPT_IN_FAMILIES],
+            curvature=CurvatureOptions(every_n_steps=every_n_steps, top_k=2, trace_products=6),
+            jacobian=JacobianOptions(every_n_steps=every_n_steps),
+            ntk=NTKOptions(every_n_steps=every_n_steps, examples=4),
+        )
         trainer = pl.Trainer(
             max_steps=steps,
             logger=TensorBoardLogger(str(root), name="soak"),
