@@ -68,6 +68,7 @@ from torch.nn.utils import parametrize
 
 from spectral_monitor.linalg import top_singular
 from spectral_monitor.linalg.operators import default_generator, working_dtype
+from spectral_monitor.metrics._common import stable_rank
 from spectral_monitor.probes.attention import ROOT_LAYER_NAME
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
@@ -177,13 +178,8 @@ class _Target:
 class _Estimate:
     spectral_norm: float
     frobenius_norm: float
+    stable_rank: float
     residual: float
-
-    @property
-    def stable_rank(self) -> float:
-        if self.spectral_norm == 0.0:
-            return math.nan
-        return (self.frobenius_norm / self.spectral_norm) ** 2
 
 
 @dataclass
@@ -465,47 +461,45 @@ class WeightProbe:
         return targets
 
     def _estimate(self, targets: list[_Target]) -> dict[str, _Estimate]:
-        """σ₁, ‖·‖_F and the residual of every target, one batched solve per shape; keeps the warm vectors."""
+        """σ₁, ‖·‖_F, stable rank and the residual of every target, one batched solve per shape; keeps the
+        warm vectors."""
         estimates: dict[str, _Estimate] = {}
         right_vectors: dict[str, Tensor] = {}
         for group in _batches(targets):
             matrices = _stacked_copy([target.matrix for target in group])
-            frobenius = torch.linalg.matrix_norm(matrices).tolist()
+            frobenius = torch.linalg.matrix_norm(matrices)
             rows, cols = matrices.shape[1:]
             if min(rows, cols) <= _EXACT_MAX_SIZE:
-                sigma = _largest_singular_values(matrices).tolist()
-                estimates.update(
-                    (target.key, _Estimate(sigma[i], frobenius[i], 0.0)) for i, target in enumerate(group)
-                )
-                continue
-            # A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN, and it restarts cold.
-            finite = _finite_matrices(matrices).tolist()
-            estimates.update(
-                (target.key, _Estimate(math.nan, frobenius[i], math.nan))
-                for i, target in enumerate(group)
-                if not finite[i]
-            )
-            warm = [i for i, target in enumerate(group) if finite[i] and self._fits(target.key, cols)]
-            cold = sorted({i for i in range(len(group)) if finite[i]} - set(warm))
-            for indices, is_warm in ((warm, True), (cold, False)):
-                if not indices:
-                    continue
-                init = None
-                if is_warm:
-                    init = torch.stack([self._right_vectors[group[i].key] for i in indices])
-                    init = init.to(device=matrices.device, dtype=matrices.dtype)
-                result = top_singular(
-                    matrices[indices],
-                    tol=self.tol,
-                    max_iters=self.iterations_per_step if is_warm else _COLD_START_MAX_ITERATIONS,
-                    init=init,
-                    generator=self._generator,
-                )
-                sigma, residual = result.values[:, 0].tolist(), result.info.residual[:, 0].tolist()
-                for position, i in enumerate(indices):
-                    key = group[i].key
-                    estimates[key] = _Estimate(sigma[position], frobenius[i], residual[position])
-                    right_vectors[key] = result.right[position].clone()
+                sigma = _largest_singular_values(matrices)
+                residual = torch.zeros_like(sigma)
+            else:
+                # A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN, and it restarts cold.
+                sigma = torch.full_like(frobenius, math.nan)
+                residual = torch.full_like(frobenius, math.nan)
+                finite = _finite_matrices(matrices).tolist()
+                warm = [i for i, target in enumerate(group) if finite[i] and self._fits(target.key, cols)]
+                cold = sorted({i for i in range(len(group)) if finite[i]} - set(warm))
+                for indices, is_warm in ((warm, True), (cold, False)):
+                    if not indices:
+                        continue
+                    init = None
+                    if is_warm:
+                        init = torch.stack([self._right_vectors[group[i].key] for i in indices])
+                        init = init.to(device=matrices.device, dtype=matrices.dtype)
+                    result = top_singular(
+                        matrices[indices],
+                        tol=self.tol,
+                        max_iters=self.iterations_per_step if is_warm else _COLD_START_MAX_ITERATIONS,
+                        init=init,
+                        generator=self._generator,
+                    )
+                    sigma[indices] = result.values[:, 0]
+                    residual[indices] = result.info.residual[:, 0]
+                    for position, i in enumerate(indices):
+                        right_vectors[group[i].key] = result.right[position].clone()
+            columns = torch.stack([sigma, frobenius, stable_rank(frobenius.square(), sigma), residual], dim=1)
+            for target, values in zip(group, columns.tolist(), strict=True):
+                estimates[target.key] = _Estimate(*values)
         self._right_vectors = right_vectors  # weights gone or reshaped lose their state here
         return estimates
 
