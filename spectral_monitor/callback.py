@@ -247,7 +247,6 @@ class SpectralMonitor(Callback):
         self.ntk = checked_options("ntk", ntk, NTKOptions)
         self.probe_data = checked_options("probe_data", probe_data, ProbeDataOptions)
         self._second_order: SecondOrderProbes | None = None
-        self._parked_second_order_state: dict[str, Any] | None = None  # theirs, while there are none
         self.head_diversity_every_n_logs = _checked_int(
             "head_diversity_every_n_logs", head_diversity_every_n_logs, smallest=0
         )
@@ -265,7 +264,9 @@ class SpectralMonitor(Callback):
         self._attention_capture: AttentionCapture | None = None
         self._residual_capture: ResidualCapture | None = None
         self._weight_probe: WeightProbe | None = None
-        self._parked_weight_state: dict[str, Any] | None = None  # the weight probe's, while there is none
+        # The checkpoint state of a stateful part (by its key) while the part does not exist: loaded before
+        # on_fit_start makes it, or kept after teardown for a checkpoint or the next fit.
+        self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
         self._in_progress: _LoggingStep | None = None
         self._last_logged_step = -1
@@ -318,9 +319,6 @@ class SpectralMonitor(Callback):
             self._weight_probe = WeightProbe(
                 pl_module, include=self.include, exclude=self.exclude, per_head=self.per_head
             )
-            if self._parked_weight_state is not None:
-                self._weight_probe.load_state_dict(self._parked_weight_state)
-                self._parked_weight_state = None
         if any(family in self.families for family in OPT_IN_FAMILIES):
             self._second_order = SecondOrderProbes(
                 trainer.strategy.model,
@@ -331,9 +329,9 @@ class SpectralMonitor(Callback):
                 self.probe_data,
                 self._reports.failures_of,
             )
-            if self._parked_second_order_state is not None:
-                self._second_order.load_state_dict(self._parked_second_order_state)
-                self._parked_second_order_state = None
+        for key, part in self._stateful_parts().items():
+            if part is not None and key in self._parked_states:
+                part.load_state_dict(self._parked_states.pop(key))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -415,26 +413,25 @@ class SpectralMonitor(Callback):
         if stage != "fit":
             return
         self._abandon_step()
-        if self._weight_probe is not None:  # its warm vectors stay, for a checkpoint or the next fit
-            self._parked_weight_state = self._weight_probe.state_dict()
-        if self._second_order is not None:  # so do the probe batch and warm vectors of the opt-in probes
-            state = self._second_order.state_dict()
+        # The weight probe's warm vectors, and the opt-in probes' batch and warm vectors, stay.
+        for key, part in self._stateful_parts().items():
+            if part is not None:
+                self._parked_states[key] = part.state_dict()
+        if "second_order" in self._parked_states:
             # The last step tells a step's micro-batches apart within a fit; a next fit's steps are its own.
-            del state["last_step"]
-            self._parked_second_order_state = state
+            self._parked_states["second_order"].pop("last_step", None)
         self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
 
     def state_dict(self) -> dict[str, Any]:
-        weight_state = self._weight_probe.state_dict() if self._weight_probe else self._parked_weight_state
-        second_order_state = (
-            self._second_order.state_dict() if self._second_order else self._parked_second_order_state
-        )
+        parts = {
+            key: part.state_dict() if part is not None else self._parked_states.get(key)
+            for key, part in self._stateful_parts().items()
+        }
         return {
             "last_logged_step": self._last_logged_step,
             "logging_steps_done": self._logging_steps_done,
-            "weight_probe": weight_state,
-            "second_order": second_order_state,
+            **parts,
             "attention_krylov_vectors": {
                 layer: state.vectors.detach().clone()
                 for layer, state in self._krylov_states.items()
@@ -451,18 +448,18 @@ class SpectralMonitor(Callback):
             for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
         }
         self._alerting.engine.load_state_dict(state_dict.get("alerts", {}))
-        weight_state = state_dict.get("weight_probe")
-        if weight_state is not None:
-            if self._weight_probe is None:
-                self._parked_weight_state = weight_state  # loaded when on_fit_start makes the probe
+        for key, part in self._stateful_parts().items():
+            state = state_dict.get(key)
+            if state is None:
+                continue
+            if part is None:
+                self._parked_states[key] = state  # loaded when on_fit_start makes the part
             else:
-                self._weight_probe.load_state_dict(weight_state)
-        second_order_state = state_dict.get("second_order")
-        if second_order_state is not None:
-            if self._second_order is None:
-                self._parked_second_order_state = second_order_state  # loaded when on_fit_start makes them
-            else:
-                self._second_order.load_state_dict(second_order_state)
+                part.load_state_dict(state)
+
+    def _stateful_parts(self) -> dict[str, WeightProbe | SecondOrderProbes | None]:
+        """The parts with checkpoint state of their own, by their key in :meth:`state_dict`."""
+        return {"weight_probe": self._weight_probe, "second_order": self._second_order}
 
     def _evaluate_alerts(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
         alerts = AlertStep()
