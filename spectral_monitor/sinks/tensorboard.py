@@ -71,14 +71,13 @@ class TensorBoardSink(Sink):
                 with _failures_as_sink_error(f"scalar {record.tag!r} at step {record.step}"):
                     self._writer.add_scalar(record.tag, float(record.value), global_step=record.step)
             return
-        by_step: dict[int, list[Summary.Value]] = {}
-        for record in records:
-            by_step.setdefault(record.step, []).append(
-                Summary.Value(tag=record.tag, simple_value=float(record.value))
-            )
-        for step, values in by_step.items():
-            with _failures_as_sink_error(f"{len(values)} scalars at step {step}"):
-                self._writer._get_file_writer().add_summary(Summary(value=values), step)
+        self._write_one_event_per_step(
+            (
+                (record.step, Summary.Value(tag=record.tag, simple_value=float(record.value)))
+                for record in records
+            ),
+            "scalars",
+        )
 
     def write_distributions(self, records: Iterable[Distribution]) -> None:
         """Histograms of the finite values of each record; a record with none is skipped.
@@ -93,21 +92,29 @@ class TensorBoardSink(Sink):
             values = np.asarray(record.values, dtype=np.float64).ravel()
             finite = values[np.isfinite(values)]
             if finite.size:
+                check_tag_and_step(record.tag, record.step)
                 finite_records.append((record, finite))
         if not isinstance(self._writer, SummaryWriter):
             for record, finite in finite_records:
                 with _failures_as_sink_error(f"histogram {record.tag!r} at step {record.step}"):
                     self._writer.add_histogram(record.tag, finite, global_step=record.step)
             return
+        self._write_one_event_per_step(
+            (
+                (record.step, Summary.Value(tag=record.tag, histo=_histogram_proto(finite)))
+                for record, finite in finite_records
+            ),
+            "histograms",
+        )
+
+    def _write_one_event_per_step(self, values: Iterable[tuple[int, Summary.Value]], what: str) -> None:
+        """``(step, value)`` pairs as one event per step, straight to the real ``SummaryWriter``'s file."""
         by_step: dict[int, list[Summary.Value]] = {}
-        for record, finite in finite_records:
-            check_tag_and_step(record.tag, record.step)
-            by_step.setdefault(record.step, []).append(
-                Summary.Value(tag=record.tag, histo=_histogram_proto(finite))
-            )
-        for step, values in by_step.items():
-            with _failures_as_sink_error(f"{len(values)} histograms at step {step}"):
-                self._writer._get_file_writer().add_summary(Summary(value=values), step)
+        for step, value in values:
+            by_step.setdefault(step, []).append(value)
+        for step, step_values in by_step.items():
+            with _failures_as_sink_error(f"{len(step_values)} {what} at step {step}"):
+                self._writer._get_file_writer().add_summary(Summary(value=step_values), step)
 
     def write_figure(self, tag: str, figure: Figure, step: int) -> None:
         """Render ``figure`` to an RGBA image under ``tag``, then release it (even if writing failed)."""
