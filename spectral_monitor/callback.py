@@ -69,6 +69,7 @@ from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapp
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import (
     Capability,
+    Layout,
     LoggerSink,
     Sink,
     TensorBoardSink,
@@ -268,6 +269,8 @@ class SpectralMonitor(Callback):
         # on_fit_start makes it, or kept after teardown for a checkpoint or the next fit.
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
+        # The layout of the last step's tags: steps mostly write the same tags, and deriving it took ~3 ms.
+        self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
         self._in_progress: _LoggingStep | None = None
         self._last_logged_step = -1
         self._logging_steps_done = 0
@@ -649,15 +652,18 @@ class SpectralMonitor(Callback):
         return measurements
 
     def _write(self, progress: _LoggingStep) -> None:
-        tags = [record.tag for record in progress.measurements]
+        tags = frozenset(record.tag for record in progress.measurements)
+        if tags != self._layout_of_tags[0]:
+            self._layout_of_tags = (tags, diagnosis_layout(tags) if tags else {})
+        layout = self._layout_of_tags[1]
         for sink in self._sinks:
             kind = type(sink).__name__
             with self._reports.failures_of(f"writing to {kind}"):
                 sink.write_measurements(progress.measurements)
                 if Capability.HISTOGRAMS in sink.capabilities:
                     sink.write_distributions(progress.distributions)
-                if Capability.LAYOUT in sink.capabilities and tags:
-                    sink.write_layout(diagnosis_layout(tags))
+                if Capability.LAYOUT in sink.capabilities and layout:
+                    sink.write_layout(layout)
                 if Capability.TEXT in sink.capabilities and progress.alert_text is not None:
                     sink.write_text(ALERT_TEXT_TAG, progress.alert_text, progress.step)
             if Capability.FIGURES in sink.capabilities:

@@ -36,6 +36,7 @@ from spectral_monitor.sinks import (
     with_margin_chart,
 )
 from spectral_monitor.sinks.layout import MARGIN, MULTILINE, check_layout
+from spectral_monitor.sinks.tensorboard import equal_width_histogram
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYOUT_TAG = "custom_scalars__config__"
@@ -121,6 +122,27 @@ def test_histograms_count_the_finite_values_and_skip_records_with_none(
     (entropy,) = histograms.Histograms("attention/entropy/encoder.layers.0")
     assert entropy.histogram_value.num == 3
     assert entropy.histogram_value.sum == pytest.approx(2.4)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.random.default_rng(0).standard_normal(1000),
+        np.random.default_rng(1).random(7) ** 3,
+        np.full(5, 0.3),
+        np.array([-2.0]),
+        np.linspace(0.0, 3.0, 31),  # every inner edge hit exactly
+        np.array([0.0, 1e-300, 1.0]),
+    ],
+    ids=["gaussian", "seven", "constant", "single", "on_edges", "tiny_spread"],
+)
+def test_the_equal_width_histogram_is_numpys(values: np.ndarray) -> None:
+    counts, edges = equal_width_histogram(values, 30)
+    expected_counts, expected_edges = np.histogram(values, bins=30)
+    np.testing.assert_allclose(edges, expected_edges, rtol=1e-12, atol=0)
+    assert counts.sum() == values.size
+    # Rounding at an inner edge may move a value one bucket over; never further, never out of range.
+    assert np.abs(np.cumsum(counts) - np.cumsum(expected_counts)).max() <= 1
 
 
 def test_each_figure_kind_is_written_as_a_small_decodable_png(tmp_path: Path, writer: SummaryWriter) -> None:

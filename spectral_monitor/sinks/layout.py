@@ -40,9 +40,9 @@ def per_layer_layout(scalar_tags: Iterable[str]) -> Layout:
         parts = tag.split("/", 2)
         if len(parts) != 3 or not all(parts):
             raise ValueError(f"scalar_tags must look like 'family/metric/layer[/head_h]'; got {tag!r}")
-        if _PER_HEAD_SUFFIX.search(tag):
-            continue
         family, metric, _ = parts
+        if metric in layout.get(family, ()) or _PER_HEAD_SUFFIX.search(tag):
+            continue
         layout.setdefault(family, {})[metric] = (MULTILINE, (_per_layer_regex(family, metric),))
     return {family: dict(sorted(charts.items())) for family, charts in sorted(layout.items())}
 

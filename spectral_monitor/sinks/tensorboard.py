@@ -165,16 +165,39 @@ HISTOGRAM_BINS = 30
 def _histogram_proto(values: np.ndarray) -> HistogramProto:
     """The histogram of finite ``values`` (at least one) as TensorBoard stores it: right bucket edges and
     counts, with an empty bucket below the first so its left edge is kept (as ``SummaryWriter`` writes)."""
-    counts, edges = np.histogram(values, bins=HISTOGRAM_BINS)
+    low, high = float(values.min()), float(values.max())
+    counts, edges = equal_width_histogram(values, HISTOGRAM_BINS, low=low, high=high)
     return HistogramProto(
-        min=float(values.min()),
-        max=float(values.max()),
+        min=low,
+        max=high,
         num=float(values.size),
         sum=float(values.sum()),
         sum_squares=float(values @ values),
         bucket_limit=edges.tolist(),
         bucket=[0.0, *counts.tolist()],
     )
+
+
+def equal_width_histogram(
+    values: np.ndarray, bins: int, *, low: float | None = None, high: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``np.histogram(values, bins)`` for finite 1-D ``values``: counts and the ``bins + 1`` edges spanning
+    them (a constant array gets the unit-wide range around its value, as numpy gives it). ``low`` and
+    ``high``, when given, must be the values' min and max (a caller that has them saves a pass).
+
+    The bucket index is computed directly: ``np.histogram``'s general path cost 0.08 ms per call, most of a
+    logging step's 56 histograms on the demo model. A value within rounding of an inner edge may land in the
+    neighbouring bucket from numpy's, which nothing displayed can show.
+    """
+    low = float(values.min()) if low is None else low
+    high = float(values.max()) if high is None else high
+    if low == high:
+        low, high = low - 0.5, high + 0.5
+    edges = low + (high - low) * (np.arange(bins + 1) / bins)
+    edges[-1] = high
+    index = ((values - low) * (bins / (high - low))).astype(np.intp)  # >= 0: no value is below low
+    counts = np.bincount(np.minimum(index, bins - 1), minlength=bins)
+    return counts, edges
 
 
 @contextmanager
