@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -142,7 +142,11 @@ class AlertEngine:
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"rules must have distinct names; {duplicates} appear more than once")
-        self.rules = list(rules)
+        self.rules = tuple(rules)
+        # (rule name, family/metric) -> indices of the rule's conditions that read it: every logging step
+        # asks again for the same few hundred pairs (4 ms a step on the demo model, matched afresh).
+        self._reading: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._relative_reads: dict[str, tuple[bool, bool]] = {}
         self._subjects: dict[tuple[str, str, int | None], _Subject] = {}
         self._first: dict[str, float] = {}
         self._recent: dict[str, list[float]] = {}
@@ -184,17 +188,24 @@ class AlertEngine:
             read = [
                 record
                 for family_metric, group in by_metric.items()
-                if any(
-                    condition.matches(name)
-                    for condition in rule.conditions
-                    for name in (family_metric, family_metric.removesuffix("_min").removesuffix("_max"))
-                )
+                if self.conditions_reading(rule, family_metric)
+                or self.conditions_reading(rule, family_metric.removesuffix("_min").removesuffix("_max"))
                 for record in group
             ]
-            for (layer, head), (units, are_heads) in _units_of(rule, read, relative).items():
+            units_of = _units_of(rule, read, relative, self.conditions_reading)
+            for (layer, head), (units, are_heads) in units_of.items():
                 events += self._advance(rule, step, layer, head, units, are_heads, lengths.get(layer))
         self.history = (self.history + events)[-HISTORY_LIMIT:]
         return events
+
+    def conditions_reading(self, rule: Rule, family_metric: str) -> tuple[int, ...]:
+        """Indices of ``rule``'s conditions whose metric pattern matches ``family_metric``."""
+        key = (rule.name, family_metric)
+        indices = self._reading.get(key)
+        if indices is None:
+            indices = tuple(i for i, c in enumerate(rule.conditions) if c.matches(family_metric))
+            self._reading[key] = indices
+        return indices
 
     def counter_records(self, step: int) -> list[Measurement]:
         """``alerts/open/<rule>`` and ``alerts/fired/<rule>`` (cumulative) of every rule at ``step``."""
@@ -305,25 +316,14 @@ class AlertEngine:
         """Each record's value over its first value and over its running median, and minus the first layer's
         value in these records (depth), by tag; updates the first values and medians."""
         ratios: dict[str, dict[str, float]] = {"first": {}, "median": {}, "depth": {}}
-        read = [c for rule in self.rules for c in rule.conditions if c.relative_to in ("first", "median")]
-        across_depth = [c for rule in self.rules for c in rule.conditions if c.relative_to == "depth"]
         first_layer: dict[str, float] = {}
-        if across_depth:
-            for record in records:
-                family_metric = f"{record.family}/{record.metric}"
-                if record.head is None and any(c.matches(family_metric) for c in across_depth):
-                    baseline = first_layer.setdefault(family_metric, record.value)
-                    ratios["depth"][record.tag] = record.value - baseline
-        if not read:
-            return ratios
-        is_read: dict[str, bool] = {}
         for record in records:
-            if not math.isfinite(record.value):
-                continue
             family_metric = f"{record.family}/{record.metric}"
-            if family_metric not in is_read:
-                is_read[family_metric] = any(c.matches(family_metric) for c in read)
-            if not is_read[family_metric]:
+            across_depth, over_time = self._read_relatively(family_metric)
+            if across_depth and record.head is None:
+                baseline = first_layer.setdefault(family_metric, record.value)
+                ratios["depth"][record.tag] = record.value - baseline
+            if not over_time or not math.isfinite(record.value):
                 continue
             tag = record.tag
             first = self._first.setdefault(tag, record.value)
@@ -338,9 +338,24 @@ class AlertEngine:
             del recent[:-MEDIAN_WINDOW]
         return ratios
 
+    def _read_relatively(self, family_metric: str) -> tuple[bool, bool]:
+        """Whether some condition reads ``family_metric`` relative to depth, and relative to its past."""
+        kinds = self._relative_reads.get(family_metric)
+        if kinds is None:
+            conditions = [c for rule in self.rules for c in rule.conditions if c.matches(family_metric)]
+            kinds = (
+                any(c.relative_to == "depth" for c in conditions),
+                any(c.relative_to in ("first", "median") for c in conditions),
+            )
+            self._relative_reads[family_metric] = kinds
+        return kinds
+
 
 def _units_of(
-    rule: Rule, records: list[Measurement], relative: dict[str, dict[str, float]]
+    rule: Rule,
+    records: list[Measurement],
+    relative: dict[str, dict[str, float]],
+    conditions_reading: Callable[[Rule, str], tuple[int, ...]],
 ) -> dict[tuple[str, int | None], tuple[list[_Unit], bool]]:
     """The units each subject of ``rule`` is judged on: (layer, head) -> (units, whether they are heads).
 
@@ -351,9 +366,8 @@ def _units_of(
         if not rule.applies_to(record.layer) or (record.head is not None and not rule.read_heads):
             continue
         family_metric = f"{record.family}/{record.metric}"
-        for index, condition in enumerate(rule.conditions):
-            if not condition.matches(family_metric):
-                continue
+        for index in conditions_reading(rule, family_metric):
+            condition = rule.conditions[index]
             value = record.value
             if condition.relative_to != "value":
                 value = relative[condition.relative_to].get(record.tag, math.nan)
