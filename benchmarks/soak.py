@@ -211,8 +211,8 @@ def main() -> int:
     parser.add_argument("--sample-every", type=int, default=100)
     parser.add_argument("--max-growth-mib", type=float, default=16.0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--logdir", type=Path, help="where the event files go (default: a temporary directory)")
-    parser.add_argument("--result-json", type=Path, help="also write the whole result, samples included, here")
+    parser.add_argument("--logdir", type=Path, help="where the event files go (default: a temporary one)")
+    parser.add_argument("--result-json", type=Path, help="also write the whole result, samples included")
     arguments = parser.parse_args()
     torch.set_num_threads(arguments.threads)
     result = run_soak(

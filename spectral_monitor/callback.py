@@ -73,11 +73,9 @@ from spectral_monitor.sinks import (
     LoggerSink,
     Sink,
     TensorBoardSink,
-    attention_heatmap_figure,
     diagnosis_layout,
-    layer_head_heatmap_figure,
-    spectrum_figure,
 )
+from spectral_monitor.sinks.figures import AttentionHeatmapImages, LayerHeadHeatmapImages, SpectrumImages
 from spectral_monitor.toolbox.head_diversity import head_diversity_records, redundant_pairs_markdown
 from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
@@ -157,8 +155,9 @@ class SpectralMonitor(Callback):
         figures_every_n_logs: on every k-th logging step, starting with the first, draw the figures and write
             histograms of each weight's singular values (a full SVD of every weight); 0: never. The default,
             every 10th (every 500 steps at the default cadence), writes as many images as TensorBoard shows:
-            it keeps 10 per tag unless started with ``--samples_per_plugin images=N``, and a step of four
-            figures costs ~0.5 s of matplotlib on a slow CPU core.
+            it keeps 10 per tag unless started with ``--samples_per_plugin images=N``. The figures are kept
+            and redrawn (``spectral_monitor.sinks.figures.RedrawnFigure``): on the demo model the first
+            figure step cost ~0.7 s of matplotlib on a slow CPU core, later ones ~0.2 s.
         metric_method: ``method`` of ``attention_metrics``: ``"auto"``, ``"exact"`` or ``"krylov"``.
         attention_rank_sums: measure the attention's effective and threshold ranks, the members that need
             the whole spectrum. On the Krylov path (long sequences) their quadrature is most of the time: 64
@@ -269,6 +268,7 @@ class SpectralMonitor(Callback):
         # on_fit_start makes it, or kept after teardown for a checkpoint or the next fit.
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
+        self._attention_images = _AttentionImages()
         # The layout of the last step's tags: steps mostly write the same tags, and deriving it took ~3 ms.
         self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
         self._in_progress: _LoggingStep | None = None
@@ -425,6 +425,7 @@ class SpectralMonitor(Callback):
             self._parked_states["second_order"].pop("last_step", None)
         self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
+        self._attention_images = _AttentionImages()  # kept figures hold canvases: not past a fit
 
     def state_dict(self) -> dict[str, Any]:
         parts = {
@@ -542,7 +543,7 @@ class SpectralMonitor(Callback):
             if progress.draw_figures and sample.probs[0, _FIGURE_HEAD].isfinite().all():
                 drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
         if drawn_heads:
-            progress.figures += _attention_figures(progress.step, drawn_heads)
+            progress.figures += self._attention_images.drawn(progress.step, drawn_heads)
         if _due(self.head_diversity_every_n_logs, self._logging_steps_done):
             with self._reports.failures_of("measuring head diversity"):
                 records, pairs = head_diversity_records(progress.step, diversity_samples)
@@ -668,13 +669,16 @@ class SpectralMonitor(Callback):
                     sink.write_text(ALERT_TEXT_TAG, progress.alert_text, progress.step)
             if Capability.FIGURES in sink.capabilities:
                 for tag, draw in progress.figures:
-                    figure = None
+                    drawn = None
                     with self._reports.failures_of("drawing figures"):
-                        figure = draw()
-                    if figure is not None:
+                        drawn = draw()
+                    if drawn is not None:
                         # A full disk is one fault whichever output meets it: reported with the others.
                         with self._reports.failures_of(f"writing to {kind}"):
-                            sink.write_figure(tag, figure, progress.step)
+                            if isinstance(drawn, Figure):
+                                sink.write_figure(tag, drawn, progress.step)
+                            else:
+                                sink.write_image(tag, drawn, progress.step)
             with self._reports.failures_of(f"writing to {kind}"):
                 for tag, markdown in progress.texts:
                     sink.write_text(tag, markdown, progress.step)
@@ -731,7 +735,7 @@ class _LoggingStep:
     residual: ResidualRecording | None = None
     measurements: list[Measurement] = field(default_factory=list)
     distributions: list[Distribution] = field(default_factory=list)
-    figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
+    figures: list[tuple[str, Callable[[], Figure | np.ndarray]]] = field(default_factory=list)
     texts: list[tuple[str, str]] = field(default_factory=list)  # (tag, markdown)
     alert_text: str | None = None
 
@@ -765,44 +769,55 @@ class _DrawnHead:
         )
 
 
-def _attention_figures(step: int, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], Figure]]]:
-    """(tag, draw) of each attention figure; drawing is deferred so each sink renders its own copy."""
-    figures: list[tuple[str, Callable[[], Figure]]] = [
-        (
-            "attention/figures/spectrum",
-            lambda: spectrum_figure(
-                {head.layer: head.singular_values for head in heads},
-                f"attention singular values, head {_FIGURE_HEAD} of sequence 0, step {step}",
-            ),
-        )
-    ]
-    for head in heads[:1] + heads[1:][-1:]:  # the first and the last layer
-        figures.append(
+class _AttentionImages:
+    """The attention figures, kept from one figure step to the next and redrawn with each one's data
+    (:class:`~spectral_monitor.sinks.figures.RedrawnFigure`: ~30 ms a figure instead of ~200 ms)."""
+
+    def __init__(self) -> None:
+        self.spectrum = SpectrumImages()
+        self.heatmaps: dict[str, AttentionHeatmapImages] = {}
+        self.effective_rank = LayerHeadHeatmapImages()
+
+    def drawn(self, step: int, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
+        """(tag, draw) of each attention image; drawing is deferred to the sinks that keep figures."""
+        images: list[tuple[str, Callable[[], np.ndarray]]] = [
             (
-                f"attention/figures/heatmap/{head.layer}",
-                lambda head=head: attention_heatmap_figure(
-                    head.attention, f"{head.layer}, head {_FIGURE_HEAD}, step {step}", head.key_padding
+                "attention/figures/spectrum",
+                lambda: self.spectrum.image(
+                    {head.layer: head.singular_values for head in heads},
+                    f"attention singular values, head {_FIGURE_HEAD} of sequence 0, step {step}",
                 ),
             )
-        )
-    ratios = [head for head in heads if head.effective_rank_ratio is not None]
-    if ratios:
-        grid = np.full((len(ratios), max(head.effective_rank_ratio.size for head in ratios)), np.nan)
-        for row, head in enumerate(ratios):
-            grid[row, : head.effective_rank_ratio.size] = head.effective_rank_ratio
-        figures.append(
-            (
-                "attention/figures/effective_rank_ratio",
-                lambda: layer_head_heatmap_figure(
-                    grid,
-                    [head.layer for head in ratios],
-                    f"effective rank / n, step {step}",
-                    vmin=0.0,
-                    vmax=1.0,
-                ),
+        ]
+        for head in heads[:1] + heads[1:][-1:]:  # the first and the last layer
+            tag = f"attention/figures/heatmap/{head.layer}"
+            heatmap = self.heatmaps.setdefault(tag, AttentionHeatmapImages())
+            images.append(
+                (
+                    tag,
+                    lambda head=head, heatmap=heatmap: heatmap.image(
+                        head.attention, f"{head.layer}, head {_FIGURE_HEAD}, step {step}", head.key_padding
+                    ),
+                )
             )
-        )
-    return figures
+        ratios = [head for head in heads if head.effective_rank_ratio is not None]
+        if ratios:
+            grid = np.full((len(ratios), max(head.effective_rank_ratio.size for head in ratios)), np.nan)
+            for row, head in enumerate(ratios):
+                grid[row, : head.effective_rank_ratio.size] = head.effective_rank_ratio
+            images.append(
+                (
+                    "attention/figures/effective_rank_ratio",
+                    lambda: self.effective_rank.image(
+                        grid,
+                        [head.layer for head in ratios],
+                        f"effective rank / n, step {step}",
+                        vmin=0.0,
+                        vmax=1.0,
+                    ),
+                )
+            )
+        return images
 
 
 def _uncaptured_under_compile(compiled: list[str], lost: list[str]) -> str:

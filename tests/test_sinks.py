@@ -14,8 +14,10 @@ import threading
 from pathlib import Path
 
 import matplotlib
+import matplotlib.figure
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -35,6 +37,7 @@ from spectral_monitor.sinks import (
     spectrum_figure,
     with_margin_chart,
 )
+from spectral_monitor.sinks.figures import AttentionHeatmapImages, LayerHeadHeatmapImages, SpectrumImages
 from spectral_monitor.sinks.layout import MARGIN, MULTILINE, check_layout
 from spectral_monitor.sinks.tensorboard import equal_width_histogram
 
@@ -178,6 +181,74 @@ def test_each_figure_kind_is_written_as_a_small_decodable_png(tmp_path: Path, wr
         assert decoded.size == (event.width, event.height) == expected_size
         pixels = np.asarray(decoded.convert("RGB"))
         assert pixels.std() > 10, f"{tag} rendered as a blank image"
+
+
+def _rendered(figure: matplotlib.figure.Figure) -> np.ndarray:
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return np.array(canvas.buffer_rgba())
+
+
+def _attention(rng: np.random.Generator, n: int) -> np.ndarray:
+    weights = rng.random((n, n)) ** 4
+    return weights / weights.sum(axis=1, keepdims=True)
+
+
+def _spectra(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
+    return {f"blocks.{layer}.attention": 1.5 * rng.random(n) ** 3 + 1e-3 for layer in range(3)}
+
+
+REDRAWN_KINDS = {
+    # kind: (images class, arguments of one step from a generator and a size, the fresh figure of them)
+    "spectrum": (
+        SpectrumImages,
+        lambda rng, n: (_spectra(rng, n), f"spectra of {n}"),
+        spectrum_figure,
+    ),
+    "attention_heatmap": (
+        AttentionHeatmapImages,
+        lambda rng, n: (_attention(rng, n), f"head 0 of {n}", rng.random(n) > 0.8),
+        attention_heatmap_figure,
+    ),
+    "layer_head_heatmap": (
+        LayerHeadHeatmapImages,
+        lambda rng, n: (rng.random((4, n // 8)), [f"blocks.{i}" for i in range(4)], f"ratio {n}", 0.0, 1.0),
+        layer_head_heatmap_figure,
+    ),
+    "layer_head_heatmap_own_scale": (
+        LayerHeadHeatmapImages,
+        lambda rng, n: (
+            np.where(rng.random((3, n // 8)) > 0.2, rng.random((3, n // 8)), np.nan),
+            ["a", "b", "c"],
+            "x",
+        ),
+        layer_head_heatmap_figure,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REDRAWN_KINDS))
+def test_a_redrawn_figure_is_pixel_for_pixel_the_fresh_figure_of_the_same_data(kind: str) -> None:
+    images_class, step_arguments, fresh_figure = REDRAWN_KINDS[kind]
+    rng = np.random.default_rng(3)
+    images = images_class()
+    # Same size (redrawn over the kept background), then a new size (made anew), then redrawn again.
+    for n in (64, 64, 32, 32):
+        arguments = step_arguments(rng, n)
+        image = images.image(*arguments)
+        expected = _rendered(fresh_figure(*arguments))
+        assert image.shape == expected.shape
+        assert np.array_equal(image, expected), (
+            f"{kind} at n={n}: {(image != expected).any(axis=2).sum()} pixels differ"
+        )
+
+
+def test_write_image_rejects_what_is_not_an_rgb_or_rgba_byte_image(writer: SummaryWriter) -> None:
+    sink = TensorBoardSink(writer)
+    with pytest.raises(ValueError, match=r"image must be a non-empty \(height, width, 3 or 4\) uint8 array"):
+        sink.write_image("attention/figures/spectrum", np.zeros((10, 10, 4)), step=1)
+    with pytest.raises(ValueError, match="image must be"):
+        sink.write_image("attention/figures/spectrum", np.zeros((10, 10), dtype=np.uint8), step=1)
 
 
 def test_spectrum_figure_plots_sorted_singular_values_and_their_cumulative_energy() -> None:

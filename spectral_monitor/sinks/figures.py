@@ -7,21 +7,35 @@ registered globally, nothing has to be closed to be freed, and the user's backen
 They are drawn on training steps, so they are laid out by hand (fixed margins, explicit colour-bar axes)
 and use no mathtext: the constrained layout engine and TeX-like labels were half of each figure's cost
 (measured on the demo's four figures: 450 → 220 ms for the spectrum, 200 → 110 ms for a heatmap).
+
+A monitor draws the same figures every few hundred steps with new data. :class:`SpectrumImages`,
+:class:`AttentionHeatmapImages` and :class:`LayerHeadHeatmapImages` keep each figure and redraw only what
+changes over its rendered axes, ticks and labels (:class:`RedrawnFigure`): with matplotlib 3.11 the text
+of ticks and labels is most of a figure's cost, and redrawn it is paid once.
 """
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import matplotlib
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 from matplotlib.ticker import MaxNLocator
 
 ENERGY_LEVEL = 0.99
 """The cumulative-energy level marked on spectrum figures: the threshold-rank definition of DESIGN.md."""
+LOG_DECADES = 6
+"""Decades of the spectrum figure's log axis below its largest value; smaller singular values (float32
+rounding of a rank-deficient matrix) fall off its bottom."""
 
 _DPI = 100
 _LEGEND_ENTRIES = 12
@@ -35,49 +49,106 @@ def spectrum_figure(singular_values: Mapping[str, np.ndarray], title: str) -> Fi
     ``singular_values`` maps a label (a layer, or a layer and head) to the singular values of one matrix,
     in any order. The energy panel marks the ``ENERGY_LEVEL`` line: where a curve crosses it is the
     threshold rank. Zero singular values are left out of the log panel; a series that is all zeros has
-    no energy curve.
+    no energy curve. The log axis spans ``LOG_DECADES`` decades below the largest value (rounded up to a half
+    decade), so figures of successive steps compare.
     """
-    if not singular_values:
-        raise ValueError("singular_values must map at least one label to an array; got an empty mapping")
-    spectra = {label: _checked_spectrum(label, values) for label, values in singular_values.items()}
+    return _Spectrum(_checked_spectra(singular_values), title).figure
 
-    figure = Figure(figsize=(8.0, 3.2), dpi=_DPI)
-    figure.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.86, wspace=0.28)
-    values_axes, energy_axes = figure.subplots(1, 2)
-    colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(spectra)))
-    labelled = _legend_labels(list(spectra))
-    for sigma, color, legend_label in zip(spectra.values(), colors, labelled, strict=True):
-        index = np.arange(1, sigma.size + 1)
-        values_axes.plot(index, np.where(sigma > 0, sigma, np.nan), color=color, label=legend_label)
-        energy = np.cumsum(sigma**2)
-        if energy[-1] > 0:
-            energy_axes.plot(index, energy / energy[-1], color=color)
 
-    for axes in (values_axes, energy_axes):
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    values_axes.set_yscale("log")
-    values_axes.set_xlabel("index k")
-    values_axes.set_ylabel("σₖ")
-    values_axes.grid(True, which="major", alpha=0.3)
-    values_axes.legend(fontsize="x-small", loc="upper right")
+class SpectrumImages:
+    """:func:`spectrum_figure` of successive steps as RGBA images, redrawn while the series' labels, the
+    longest spectrum and the log axis stay the same (then the figure is made anew)."""
 
-    energy_axes.axhline(ENERGY_LEVEL, color="tab:red", linestyle="--", linewidth=1.0)
-    energy_axes.annotate(
-        f"{ENERGY_LEVEL:.0%}",
-        xy=(1.0, ENERGY_LEVEL),
-        xycoords=("axes fraction", "data"),
-        xytext=(-4, -10),
-        textcoords="offset points",
-        ha="right",
-        color="tab:red",
-        fontsize="small",
-    )
-    energy_axes.set_ylim(0.0, 1.02)
-    energy_axes.set_xlabel("index k")
-    energy_axes.set_ylabel("Σᵢ≤ₖ σᵢ² / Σᵢ σᵢ²")
-    energy_axes.grid(True, alpha=0.3)
-    figure.suptitle(title)
-    return figure
+    def __init__(self) -> None:
+        self._kept: _Kept[_Spectrum] | None = None
+
+    def image(self, singular_values: Mapping[str, np.ndarray], title: str) -> np.ndarray:
+        spectra = _checked_spectra(singular_values)
+        key = _Spectrum.static_key(spectra)
+        if self._kept is None or self._kept.key != key:
+            self._kept = _Kept.of(key, _Spectrum(spectra, title))
+        else:
+            self._kept.parts.update(spectra, title)
+        return self._kept.render()
+
+
+class _Spectrum:
+    def __init__(self, spectra: dict[str, np.ndarray], title: str) -> None:
+        figure = Figure(figsize=(8.0, 3.2), dpi=_DPI)
+        figure.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.86, wspace=0.28)
+        values_axes, energy_axes = figure.subplots(1, 2)
+        colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(spectra)))
+        labelled = _legend_labels(list(spectra))
+        self.value_lines = []
+        self.energy_lines = []
+        for color, legend_label in zip(colors, labelled, strict=True):
+            (line,) = values_axes.plot([], [], color=color, label=legend_label)
+            self.value_lines.append(line)
+            (line,) = energy_axes.plot([], [], color=color)
+            self.energy_lines.append(line)
+
+        longest, (low, high) = self.static_key(spectra)[1:]
+        for axes in (values_axes, energy_axes):
+            axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axes.set_xlim(*_index_limits(longest))
+            axes.set_xlabel("index k")
+        values_axes.set_yscale("log")
+        values_axes.set_ylim(10.0 ** (low / 2), 10.0 ** (high / 2))
+        values_axes.set_ylabel("σₖ")
+        values_axes.grid(True, which="major", alpha=0.3)
+        self.legend = values_axes.legend(fontsize="x-small", loc="upper right")
+
+        self.energy_level = energy_axes.axhline(ENERGY_LEVEL, color="tab:red", linestyle="--", linewidth=1.0)
+        self.energy_label = energy_axes.annotate(
+            f"{ENERGY_LEVEL:.0%}",
+            xy=(1.0, ENERGY_LEVEL),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, -10),
+            textcoords="offset points",
+            ha="right",
+            color="tab:red",
+            fontsize="small",
+        )
+        energy_axes.set_ylim(0.0, 1.02)
+        energy_axes.set_ylabel("Σᵢ≤ₖ σᵢ² / Σᵢ σᵢ²")
+        energy_axes.grid(True, alpha=0.3)
+        self.title = figure.suptitle(title)
+        self.figure = figure
+        self.update(spectra, title)
+
+    @staticmethod
+    def static_key(spectra: dict[str, np.ndarray]) -> tuple[tuple[str, ...], int, tuple[int, int]]:
+        """What a redrawn figure cannot change: labels, longest spectrum, the log axis (in half decades)."""
+        largest = max(float(sigma.max()) for sigma in spectra.values())
+        # The log axis shows LOG_DECADES below the largest value rounded up to a half decade, whatever the
+        # smallest: the smallest singular values of attention wander over decades from step to step, and
+        # the axis then stays put (each move draws the whole figure anew). σ₁ of attention is just above 1.
+        high = math.ceil(2 * math.log10(largest)) if largest > 0 else 0
+        return tuple(spectra), max(sigma.size for sigma in spectra.values()), (high - 2 * LOG_DECADES, high)
+
+    def update(self, spectra: dict[str, np.ndarray], title: str) -> None:
+        for sigma, value_line, energy_line in zip(
+            spectra.values(), self.value_lines, self.energy_lines, strict=True
+        ):
+            index = np.arange(1, sigma.size + 1)
+            value_line.set_data(index, np.where(sigma > 0, sigma, np.nan))
+            energy = np.cumsum(sigma**2)
+            share = energy / energy[-1] if energy[-1] > 0 else np.full(sigma.size, np.nan)
+            energy_line.set_data(index, share)
+        self.title.set_text(title)
+
+    def changing(self) -> list[Artist]:
+        # In the order a fresh figure draws them (by z-order): the 99% line, the spines and the legend over
+        # the curves.
+        spines = [spine for axes in self.figure.axes for spine in axes.spines.values()]
+        lines = [*self.value_lines, *self.energy_lines, self.energy_level]
+        return [*lines, *spines, self.energy_label, self.legend, self.title]
+
+
+def _index_limits(longest: int) -> tuple[float, float]:
+    """x limits of index 1..longest with matplotlib's default 5% margins."""
+    margin = 0.05 * max(longest - 1, 1)
+    return 1 - margin, longest + margin
 
 
 def attention_heatmap_figure(
@@ -89,6 +160,29 @@ def attention_heatmap_figure(
     and ignored; those columns are drawn grey. A matrix with more than 128 queries or keys is shown as
     means over blocks of consecutive queries and keys (said in the title), which keeps the PNG small.
     """
+    return _AttentionHeatmap(*_shown_attention(probs, title, key_padding_mask)).figure
+
+
+class AttentionHeatmapImages:
+    """:func:`attention_heatmap_figure` of successive steps as RGBA images, redrawn while the matrix's
+    shape stays the same."""
+
+    def __init__(self) -> None:
+        self._kept: _Kept[_AttentionHeatmap] | None = None
+
+    def image(self, probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None) -> np.ndarray:
+        shown, shape, title = _shown_attention(probs, title, key_padding_mask)
+        if self._kept is None or self._kept.key != shape:
+            self._kept = _Kept.of(shape, _AttentionHeatmap(shown, shape, title))
+        else:
+            self._kept.parts.update(shown, title)
+        return self._kept.render()
+
+
+def _shown_attention(
+    probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None
+) -> tuple[np.ndarray, tuple[int, int], str]:
+    """(what is drawn, the matrix's shape, the title): padding keys NaN, large matrices as block means."""
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim != 2 or probs.size == 0:
         raise ValueError(f"probs must be a non-empty (n_queries, n_keys) array; got shape {probs.shape}")
@@ -108,25 +202,38 @@ def attention_heatmap_figure(
     if block != (1, 1):
         shown = _block_means(shown, block)
         title = f"{title} (means of {block[0]}×{block[1]} blocks)"
+    return shown, (n_queries, n_keys), title
 
-    figure = Figure(figsize=(4.8, 4.0), dpi=_DPI)
-    axes, colorbar_axes = _axes_with_colorbar(figure, left=0.13)
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-    largest = np.nanmax(shown) if np.any(np.isfinite(shown)) else 0.0
-    image = axes.imshow(
-        np.ma.masked_invalid(shown),
-        cmap=cmap,
-        vmin=0.0,
-        vmax=largest if largest > 0 else 1.0,
-        interpolation="nearest",
-        aspect="auto",
-        extent=(-0.5, n_keys - 0.5, n_queries - 0.5, -0.5),
-    )
-    axes.set_xlabel("key")
-    axes.set_ylabel("query")
-    axes.set_title(title, fontsize="medium")
-    figure.colorbar(image, cax=colorbar_axes, label="attention weight")
-    return figure
+
+class _AttentionHeatmap:
+    def __init__(self, shown: np.ndarray, shape: tuple[int, int], title: str) -> None:
+        n_queries, n_keys = shape
+        figure = Figure(figsize=(4.8, 4.0), dpi=_DPI)
+        axes, colorbar_axes = _axes_with_colorbar(figure, left=0.13)
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+        self.image = axes.imshow(
+            np.ma.masked_invalid(shown),
+            cmap=cmap,
+            interpolation="nearest",
+            aspect="auto",
+            extent=(-0.5, n_keys - 0.5, n_queries - 0.5, -0.5),
+        )
+        axes.set_xlabel("key")
+        axes.set_ylabel("query")
+        self.title = axes.set_title(title, fontsize="medium")
+        figure.colorbar(self.image, cax=colorbar_axes, label="attention weight")
+        self.axes, self.colorbar_axes, self.figure = axes, colorbar_axes, figure
+        self.update(shown, title)
+
+    def update(self, shown: np.ndarray, title: str) -> None:
+        largest = np.nanmax(shown) if np.any(np.isfinite(shown)) else 0.0
+        self.image.set_data(np.ma.masked_invalid(shown))
+        self.image.set_clim(0.0, largest if largest > 0 else 1.0)
+        self.title.set_text(title)
+
+    def changing(self) -> list[Artist]:
+        # A fresh figure draws the spines over the image; the colour bar's ticks follow the largest weight.
+        return [self.image, *self.axes.spines.values(), self.colorbar_axes, self.title]
 
 
 def layer_head_heatmap_figure(
@@ -142,6 +249,37 @@ def layer_head_heatmap_figure(
     from different steps compare); by default it spans the finite values. NaN cells are grey. Cells are
     annotated while the grid is small enough to read (at most 256 cells).
     """
+    values = _checked_grid(values, layer_names, vmin, vmax)
+    return _LayerHeadHeatmap(values, tuple(layer_names), title, vmin, vmax).figure
+
+
+class LayerHeadHeatmapImages:
+    """:func:`layer_head_heatmap_figure` of successive steps as RGBA images, redrawn while the layers, the
+    number of heads and the colour range stay the same."""
+
+    def __init__(self) -> None:
+        self._kept: _Kept[_LayerHeadHeatmap] | None = None
+
+    def image(
+        self,
+        values: np.ndarray,
+        layer_names: Sequence[str],
+        title: str,
+        vmin: float | None = None,
+        vmax: float | None = None,
+    ) -> np.ndarray:
+        values = _checked_grid(values, layer_names, vmin, vmax)
+        key = (tuple(layer_names), values.shape[1], vmin, vmax)
+        if self._kept is None or self._kept.key != key:
+            self._kept = _Kept.of(key, _LayerHeadHeatmap(values, tuple(layer_names), title, vmin, vmax))
+        else:
+            self._kept.parts.update(values, title)
+        return self._kept.render()
+
+
+def _checked_grid(
+    values: np.ndarray, layer_names: Sequence[str], vmin: float | None, vmax: float | None
+) -> np.ndarray:
     values = np.asarray(values, dtype=np.float64)
     if values.ndim != 2 or values.size == 0:
         raise ValueError(f"values must be a non-empty (layers, heads) array; got shape {values.shape}")
@@ -152,35 +290,127 @@ def layer_head_heatmap_figure(
         )
     if vmin is not None and vmax is not None and not vmin < vmax:
         raise ValueError(f"vmin must be smaller than vmax; got vmin={vmin}, vmax={vmax}")
+    return values
 
-    n_layers, n_heads = values.shape
-    figure = Figure(figsize=(6.4, 4.0), dpi=_DPI)
-    # Room for the longest layer name at the small tick font (about 0.07 in. a character).
-    longest = max((len(name) for name in layer_names), default=1)
-    axes, colorbar_axes = _axes_with_colorbar(figure, left=min(0.5, 0.04 + 0.07 * longest / 6.4))
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-    image = axes.imshow(
-        np.ma.masked_invalid(values), cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="auto"
-    )
-    axes.set_xticks(range(n_heads), [str(head) for head in range(n_heads)])
-    axes.set_yticks(range(n_layers), list(layer_names))
-    axes.tick_params(labelsize="small")
-    axes.set_xlabel("head")
-    axes.set_title(title)
-    figure.colorbar(image, cax=colorbar_axes)
 
-    if values.size <= _ANNOTATED_CELLS:
-        fontsize = 8 if values.size <= 64 else 6
-        for (row, column), value in np.ndenumerate(values):
+class _LayerHeadHeatmap:
+    def __init__(
+        self,
+        values: np.ndarray,
+        layer_names: tuple[str, ...],
+        title: str,
+        vmin: float | None,
+        vmax: float | None,
+    ) -> None:
+        n_layers, n_heads = values.shape
+        figure = Figure(figsize=(6.4, 4.0), dpi=_DPI)
+        # Room for the longest layer name at the small tick font (about 0.07 in. a character).
+        longest = max((len(name) for name in layer_names), default=1)
+        axes, colorbar_axes = _axes_with_colorbar(figure, left=min(0.5, 0.04 + 0.07 * longest / 6.4))
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+        self.image = axes.imshow(
+            np.ma.masked_invalid(values),
+            cmap=cmap,
+            vmin=vmin,
+            vmax=vmax,
+            interpolation="nearest",
+            aspect="auto",
+        )
+        axes.set_xticks(range(n_heads), [str(head) for head in range(n_heads)])
+        axes.set_yticks(range(n_layers), list(layer_names))
+        axes.tick_params(labelsize="small")
+        axes.set_xlabel("head")
+        self.title = axes.set_title(title)
+        figure.colorbar(self.image, cax=colorbar_axes)
+        self.fixed_scale = vmin is not None and vmax is not None
+        self.annotations: list[Text] = []
+        if values.size <= _ANNOTATED_CELLS:
+            fontsize = 8 if values.size <= 64 else 6
+            self.annotations = [
+                axes.text(column, row, "", ha="center", va="center", fontsize=fontsize)
+                for row, column in np.ndindex(values.shape)
+            ]
+        self.axes, self.colorbar_axes, self.figure = axes, colorbar_axes, figure
+        self.update(values, title)
+
+    def update(self, values: np.ndarray, title: str) -> None:
+        self.image.set_data(np.ma.masked_invalid(values))
+        if not self.fixed_scale:
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                self.image.set_clim(finite.min(), finite.max())
+        for annotation, value in zip(self.annotations, values.ravel(), strict=False):
             if np.isfinite(value):
                 # Dark text on the bright end of viridis, light text on the dark end.
-                brightness = image.norm(value)
-                color = "black" if brightness > 0.6 else "white"
-                text = f"{value:.2f}"
+                annotation.set_color("black" if self.image.norm(value) > 0.6 else "white")
+                annotation.set_text(f"{value:.2f}")
             else:
-                color, text = "black", "–"
-            axes.text(column, row, text, ha="center", va="center", color=color, fontsize=fontsize)
-    return figure
+                annotation.set_color("black")
+                annotation.set_text("–")
+        self.title.set_text(title)
+
+    def changing(self) -> list[Artist]:
+        colour_bar = [] if self.fixed_scale else [self.colorbar_axes]
+        return [self.image, *self.axes.spines.values(), *self.annotations, *colour_bar, self.title]
+
+
+class _Redrawable(Protocol):
+    figure: Figure
+
+    def changing(self) -> list[Artist]: ...
+
+
+_Parts = TypeVar("_Parts", bound=_Redrawable)
+
+
+@dataclass
+class _Kept(Generic[_Parts]):
+    """A figure kept for redrawing: what it cannot change (``key``), its parts, its rendered background."""
+
+    key: Hashable
+    parts: _Parts
+    redrawn: RedrawnFigure
+
+    @classmethod
+    def of(cls, key: Hashable, parts: _Parts) -> _Kept[_Parts]:
+        return cls(key, parts, RedrawnFigure(parts.figure, parts.changing()))
+
+    def render(self) -> np.ndarray:
+        return self.redrawn.render()
+
+
+class RedrawnFigure:
+    """A figure drawn again and again with new data, at a fraction of a fresh figure's cost.
+
+    Its static artists (axes, ticks, labels) are rendered once into a background; each :meth:`render`
+    restores it and draws only ``changing``, in that order, over it (matplotlib's blitting, as its
+    animations use). The caller updates the changing artists between renders and makes a new
+    ``RedrawnFigure`` when anything else must change. On the demo's 64 × 64 attention heatmap: 150 ms to
+    create and draw afresh, 27 ms redrawn.
+    """
+
+    def __init__(self, figure: Figure, changing: Sequence[Artist]) -> None:
+        self.figure = figure
+        self._changing = tuple(changing)
+        self._canvas = FigureCanvasAgg(figure)
+        # Drawing an axes moves its title out of the way when the title is hidden: put texts back after.
+        positions = {artist: artist.get_position() for artist in self._changing if isinstance(artist, Text)}
+        for artist in self._changing:
+            artist.set_visible(False)
+        self._canvas.draw()
+        self._background = self._canvas.copy_from_bbox(figure.bbox)
+        for artist in self._changing:
+            artist.set_visible(True)
+        for text, position in positions.items():
+            text.set_position(position)
+
+    def render(self) -> np.ndarray:
+        """The figure as an (height, width, 4) uint8 RGBA array."""
+        self._canvas.restore_region(self._background)
+        renderer = self._canvas.get_renderer()
+        for artist in self._changing:
+            artist.draw(renderer)
+        return np.array(self._canvas.buffer_rgba())
 
 
 def _axes_with_colorbar(figure: Figure, *, left: float) -> tuple[Axes, Axes]:
@@ -201,6 +431,12 @@ def release_figure(figure: Figure) -> None:
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close(figure)
+
+
+def _checked_spectra(singular_values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if not singular_values:
+        raise ValueError("singular_values must map at least one label to an array; got an empty mapping")
+    return {label: _checked_spectrum(label, values) for label, values in singular_values.items()}
 
 
 def _checked_spectrum(label: str, values: np.ndarray) -> np.ndarray:

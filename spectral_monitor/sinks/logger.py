@@ -14,6 +14,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+import numpy as np
 from matplotlib.figure import Figure
 
 from spectral_monitor.records import Distribution, Measurement
@@ -40,6 +41,8 @@ class Sink:
     the kinds it lists in ``capabilities``.
 
     ``write_figure`` takes ownership of the figure: it is released whether or not it was written.
+    ``write_image`` takes a figure already rendered (``spectral_monitor.sinks.figures`` redraws kept figures
+    into images); both belong to ``Capability.FIGURES``.
     """
 
     capabilities: frozenset[Capability] = frozenset()
@@ -53,6 +56,9 @@ class Sink:
     def write_figure(self, tag: str, figure: Figure, step: int) -> None:
         """Write a rendered figure, then release it."""
         release_figure(figure)
+
+    def write_image(self, tag: str, image: np.ndarray, step: int) -> None:
+        """Write an already rendered figure: an (height, width, 3 or 4) uint8 RGB(A) array."""
 
     def write_text(self, tag: str, markdown: str, step: int) -> None:
         """Write a text entry (markdown)."""
