@@ -167,7 +167,7 @@ def attention_metrics(
         for part in _cache_sized_parts(matrices)
     ]
     metrics = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
-    if method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE):
+    if uses_exact_path(n, m, method):
         metrics.update(_exact_spectral_metrics(matrices, causal, include_rank_sums))
     else:
         metrics.update(
@@ -182,6 +182,12 @@ def attention_metrics(
             )
         )
     return finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+
+
+def uses_exact_path(n: int, m: int, method: str) -> bool:
+    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method``. There its batch
+    elements are independent of each other and of any ``state``: batches may be concatenated freely."""
+    return method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE)
 
 
 def finished_metrics(

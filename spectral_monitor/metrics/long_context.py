@@ -30,7 +30,6 @@ from spectral_monitor.linalg import BatchedOperator
 from spectral_monitor.metrics._common import check_method, flat_mask, working_dtype_of
 from spectral_monitor.metrics.attention import (
     DOBRUSHIN_EXACT_MAX_ROWS,
-    EXACT_MAX_SIZE,
     KrylovState,
     attention_metrics,
     exact_dobrushin,
@@ -39,6 +38,7 @@ from spectral_monitor.metrics.attention import (
     krylov_spectral_metrics,
     normalised_entropy,
     rank_one_residual,
+    uses_exact_path,
 )
 
 DEFAULT_MAX_BYTES = 256 * 2**20
@@ -114,7 +114,7 @@ def attention_metrics_from_qk(
         nonfinite |= logit_bias.nonfinite_elements()
 
     itemsize = torch.finfo(work).bits // 8
-    exact = method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE)
+    exact = uses_exact_path(n, m, method)
     per_element = n * m * EXACT_TEMPORARIES if exact else max(n, m) * KRYLOV_COLUMNS
     chunk = max(1, max_bytes // (2 * per_element * itemsize))
     rows = block_rows or max(1, max_bytes // (2 * chunk * m * itemsize * BLOCK_TEMPORARIES))
