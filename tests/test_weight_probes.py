@@ -85,6 +85,31 @@ def test_spectral_norms_track_float64_svd_over_warm_logging_steps() -> None:
         perturb_(model, 0.05, generator)
 
 
+def test_weights_of_several_shapes_with_one_smaller_side_share_one_lanczos_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    # Gram side 40 for all three: a tall 96×40, a wide 40×96 (measured transposed) and a square 40×40.
+    model = nn.Sequential(nn.Linear(40, 96), nn.Linear(96, 40), nn.Linear(40, 40))
+    runs = []
+    original = weights_module.lanczos_eigsh
+    monkeypatch.setattr(
+        weights_module, "lanczos_eigsh", lambda op, *a, **k: runs.append(op.batch) or original(op, *a, **k)
+    )
+    probe = WeightProbe(model, iterations_per_step=2)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        runs.clear()
+        records = by_tag(probe.measure(step))
+        assert runs == [3]  # cold at step 0, warm after: one run over the three weights each time
+        for index, layer in enumerate(model):
+            sigma = reference_singular_values(layer.weight)[0]
+            estimate = records[f"weights/spectral_norm/{index}"]
+            assert estimate == pytest.approx(sigma, rel=RTOL)
+            assert abs(estimate - sigma) / sigma <= records[f"weights/spectral_norm_residual/{index}"] + 1e-6
+        perturb_(model, 0.01, generator)
+
+
 def test_warm_state_converges_within_two_iterations_where_a_cold_start_cannot() -> None:
     generator = torch.Generator().manual_seed(2)
     layer = nn.Linear(48, 64, bias=False)
@@ -96,10 +121,12 @@ def test_warm_state_converges_within_two_iterations_where_a_cold_start_cannot() 
 
     records = by_tag(probe.measure(1))
     assert records["weights/spectral_norm_residual/model"] <= 1e-3  # met tol within the 2-iteration budget
-    assert records["weights/spectral_norm/model"] == pytest.approx(reference_singular_values(layer.weight)[0],
-                                                                  rel=1e-4)
-    cold = top_singular(layer.weight.detach()[None], tol=1e-3, max_iters=2,
-                        generator=torch.Generator().manual_seed(0))
+    assert records["weights/spectral_norm/model"] == pytest.approx(
+        reference_singular_values(layer.weight)[0], rel=1e-4
+    )
+    cold = top_singular(
+        layer.weight.detach()[None], tol=1e-3, max_iters=2, generator=torch.Generator().manual_seed(0)
+    )
     assert float(cold.info.residual[0, 0]) > 10 * 1e-3
 
 
@@ -134,8 +161,9 @@ def test_load_state_dict_tolerates_missing_and_extra_weights() -> None:
     restored = WeightProbe(model)
     restored.load_state_dict(state)
     records = by_tag(restored.measure(1))
-    assert records["weights/spectral_norm/1"] == pytest.approx(reference_singular_values(model[1].weight)[0],
-                                                               rel=RTOL)
+    assert records["weights/spectral_norm/1"] == pytest.approx(
+        reference_singular_values(model[1].weight)[0], rel=RTOL
+    )
     assert set(restored.state_dict()["right_vectors"]) == {"0", "1"}
 
 
@@ -148,8 +176,9 @@ def test_a_weight_that_changes_shape_or_disappears_restarts_cold_without_error()
     del model[2]
 
     records = by_tag(probe.measure(1))
-    assert records["weights/spectral_norm/0"] == pytest.approx(reference_singular_values(model[0].weight)[0],
-                                                               rel=RTOL)
+    assert records["weights/spectral_norm/0"] == pytest.approx(
+        reference_singular_values(model[0].weight)[0], rel=RTOL
+    )
     assert "weights/spectral_norm/2" not in records
     assert set(probe.state_dict()["right_vectors"]) == {"0"}
 
@@ -225,8 +254,16 @@ def test_multihead_attention_with_kdim_and_vdim_reads_the_separate_projections()
 
 def tiny_gpt2():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=4, n_positions=16, vocab_size=40,
-                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        vocab_size=40,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(9)
     return transformers.GPT2Model(config).eval()
 
@@ -243,8 +280,16 @@ def test_gpt2_c_attn_splits_into_the_query_key_value_the_model_computes() -> Non
     bias = model.h[1].attn.c_attn.bias
     for role, computed, role_bias in zip("qkv", seen["qkv"].split(16, dim=2), bias.split(16), strict=True):
         torch.testing.assert_close(seen["x"] @ matrices[f"h.1.attn.{role}"].T + role_bias, computed)
-    expected = attention_probabilities(seen["x"], seen["x"], matrices["h.1.attn.q"], matrices["h.1.attn.k"],
-                                       bias[:16], bias[16:32], 4, causal=True)
+    expected = attention_probabilities(
+        seen["x"],
+        seen["x"],
+        matrices["h.1.attn.q"],
+        matrices["h.1.attn.k"],
+        bias[:16],
+        bias[16:32],
+        4,
+        causal=True,
+    )
     torch.testing.assert_close(attentions[1], expected)  # the same heads, in the same order
 
     c_proj = model.h[1].attn.c_proj.weight  # Conv1D stores (in, out)
@@ -268,15 +313,23 @@ def test_grouped_query_heads_pair_each_query_head_with_its_key_head() -> None:
     query = torch.randn(4 * 3, 10, generator=generator, dtype=torch.float64)  # 4 query heads, d_k = 3
     key = torch.randn(2 * 3, 7, generator=generator, dtype=torch.float64)  # 2 key heads
     norms = query_key_spectral_norms(query, key, num_heads=4, num_key_value_heads=2)
-    dense = [reference_singular_values(query[3 * h : 3 * h + 3].T @ key[3 * (h // 2) : 3 * (h // 2) + 3])[0]
-             for h in range(4)]
+    dense = [
+        reference_singular_values(query[3 * h : 3 * h + 3].T @ key[3 * (h // 2) : 3 * (h // 2) + 3])[0]
+        for h in range(4)
+    ]
     np.testing.assert_allclose(norms.numpy(), dense, rtol=1e-12)
 
 
 def test_llama_separate_projections_with_grouped_keys_are_read_per_head() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=30)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=30,
+    )
     torch.manual_seed(12)
     attention = transformers.LlamaModel(config).layers[0].self_attn
     records = by_tag(WeightProbe(attention).measure(0))
@@ -302,8 +355,9 @@ class NanoGPTAttention(nn.Module):
         self.c_proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (part.unflatten(2, (self.n_head, -1)).transpose(1, 2)
-                   for part in self.c_attn(x).chunk(3, 2))
+        q, k, v = (
+            part.unflatten(2, (self.n_head, -1)).transpose(1, 2) for part in self.c_attn(x).chunk(3, 2)
+        )
         return self.c_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
 
 
@@ -330,8 +384,9 @@ def test_a_registered_reader_declares_an_attention_layout() -> None:
     model = nn.Sequential(HandWritten())
 
     def read(module: nn.Module) -> AttentionWeights:
-        return AttentionWeights(module.wq.weight.detach(), module.wk.weight.detach(), None, num_heads=2,
-                                replaces=("wq", "wk"))
+        return AttentionWeights(
+            module.wq.weight.detach(), module.wk.weight.detach(), None, num_heads=2, replaces=("wq", "wk")
+        )
 
     records = by_tag(WeightProbe(model, attention_readers={HandWritten: read}).measure(0))
     expected = {"weights/spectral_norm/0.q", "weights/spectral_norm/0.k", "weights/qk_spectral_norm/0/head_1"}
@@ -348,8 +403,9 @@ def test_include_and_exclude_select_by_module_name_and_report_patterns_that_matc
     torch.manual_seed(15)
     layer = nn.TransformerEncoderLayer(8, 2, 16)
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    probe = WeightProbe(model, include=["layers.*"], exclude=["layers.1.*", "*.self_attn", "no.such.*"],
-                        per_head=False)
+    probe = WeightProbe(
+        model, include=["layers.*"], exclude=["layers.1.*", "*.self_attn", "no.such.*"], per_head=False
+    )
     layers = {record.layer for record in probe.measure(0)}
     assert layers == {"layers.0.linear1", "layers.0.linear2", "layers.0.self_attn.out_proj"}
     assert probe.unmatched_patterns == ["no.such.*"]

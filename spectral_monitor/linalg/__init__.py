@@ -17,6 +17,7 @@ from spectral_monitor.linalg.operators import (
     FunctionOperator,
     GramOperator,
     ProjectedOperator,
+    StackedOperator,
     as_operator,
 )
 from spectral_monitor.linalg.quadrature import (
@@ -36,6 +37,7 @@ __all__ = [
     "FunctionOperator",
     "GramOperator",
     "ProjectedOperator",
+    "StackedOperator",
     "QuadratureNodes",
     "SingularResult",
     "TraceEstimate",

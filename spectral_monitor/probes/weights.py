@@ -33,9 +33,11 @@ the form at relative position 0. Histograms (:meth:`WeightProbe.distributions`) 
 ``<metric>_per_head``, so they never share a tag with a scalar.
 
 How. σ₁ comes from the batched block Lanczos of :mod:`spectral_monitor.linalg`, warm-started like
-``torch.nn.utils.parametrizations.spectral_norm``: each weight (and head) keeps its right singular vector
-between calls, so a logging step costs ``iterations_per_step`` block iterations, and weights of one shape run
-as one batch. A weight seen for the first time, or whose shape changed, starts cold and is solved to ``tol``.
+``torch.nn.utils.parametrizations.spectral_norm``: each weight (and head) keeps its top singular vector on
+its smaller side (right for a tall weight, left for a wide one) between calls, so a logging step costs
+``iterations_per_step`` block iterations, and all weights whose smaller sides agree run as one batch (one
+Lanczos run for the demo model's 25 weights of four shapes). A weight seen for the first time, or whose shape
+changed, starts cold and is solved to ``tol``.
 A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ from
 ``torch.linalg.svdvals`` instead (residual 0, no warm state): Krylov iteration buys nothing there.
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller); σ₁'s relative error is
@@ -66,8 +68,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from spectral_monitor.linalg import top_singular
-from spectral_monitor.linalg.operators import default_generator, working_dtype
+from spectral_monitor.linalg import lanczos_eigsh
+from spectral_monitor.linalg.operators import (
+    DenseOperator,
+    GramOperator,
+    StackedOperator,
+    default_generator,
+    working_dtype,
+)
 from spectral_monitor.metrics._common import stable_rank
 from spectral_monitor.probes.attention import ROOT_LAYER_NAME
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
@@ -307,7 +315,11 @@ class WeightProbe:
         return records
 
     def state_dict(self) -> dict[str, Any]:
-        """The warm vectors, keyed by layer (``layer/head_h`` per head), and the private generator's state."""
+        """The warm vectors, keyed by layer (``layer/head_h`` per head), and the private generator's state.
+
+        ``right_vectors`` holds each weight's top singular vector on its smaller side: the left one of a
+        wide weight (earlier checkpoints held its right one, which no longer fits: that weight starts
+        cold)."""
         return {
             "right_vectors": {key: vector.detach().clone() for key, vector in self._right_vectors.items()},
             "generator": self._generator.get_state(),
@@ -461,51 +473,86 @@ class WeightProbe:
         return targets
 
     def _estimate(self, targets: list[_Target]) -> dict[str, _Estimate]:
-        """σ₁, ‖·‖_F, stable rank and the residual of every target, one batched solve per shape; keeps the
-        warm vectors."""
+        """σ₁, ‖·‖_F, stable rank and the residual of every target; keeps the warm vectors.
+
+        The Gram operator of a weight is WᵀW or WWᵀ, whichever is smaller, and all weights with Gram
+        operators of one size go through one Lanczos run (``StackedOperator``): warm ones for
+        ``iterations_per_step`` iterations, new ones to ``tol``. At most ``_MAX_BATCH_BYTES`` of copies
+        wait for a run at once.
+        """
         estimates: dict[str, _Estimate] = {}
-        right_vectors: dict[str, Tensor] = {}
+        vectors: dict[str, Tensor] = {}
+        waiting: list[tuple[list[_Target], Tensor, Tensor]] = []  # (targets, their copies, ‖·‖_F)
+        waiting_bytes = 0
         for group in _batches(targets):
             matrices = _stacked_copy([target.matrix for target in group])
             frobenius = torch.linalg.matrix_norm(matrices)
-            rows, cols = matrices.shape[1:]
-            if min(rows, cols) <= _EXACT_MAX_SIZE:
+            if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
                 sigma = _largest_singular_values(matrices)
-                residual = torch.zeros_like(sigma)
-            else:
-                # A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN, and it restarts cold.
-                sigma = torch.full_like(frobenius, math.nan)
-                residual = torch.full_like(frobenius, math.nan)
-                finite = _finite_matrices(matrices).tolist()
-                warm = [i for i, target in enumerate(group) if finite[i] and self._fits(target.key, cols)]
-                cold = sorted({i for i in range(len(group)) if finite[i]} - set(warm))
-                for indices, is_warm in ((warm, True), (cold, False)):
-                    if not indices:
-                        continue
-                    init = None
-                    if is_warm:
-                        init = torch.stack([self._right_vectors[group[i].key] for i in indices])
-                        init = init.to(device=matrices.device, dtype=matrices.dtype)
-                    result = top_singular(
-                        matrices[indices],
-                        tol=self.tol,
-                        max_iters=self.iterations_per_step if is_warm else _COLD_START_MAX_ITERATIONS,
-                        init=init,
-                        generator=self._generator,
-                    )
-                    sigma[indices] = result.values[:, 0]
-                    residual[indices] = result.info.residual[:, 0]
-                    for position, i in enumerate(indices):
-                        right_vectors[group[i].key] = result.right[position].clone()
-            columns = torch.stack([sigma, frobenius, stable_rank(frobenius.square(), sigma), residual], dim=1)
-            for target, values in zip(group, columns.tolist(), strict=True):
-                estimates[target.key] = _Estimate(*values)
-        self._right_vectors = right_vectors  # weights gone or reshaped lose their state here
+                estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma)))
+                continue
+            size = matrices.numel() * matrices.element_size()
+            if waiting and waiting_bytes + size > _MAX_BATCH_BYTES:
+                estimates.update(self._solve(waiting, vectors))
+                waiting, waiting_bytes = [], 0
+            waiting.append((group, matrices, frobenius))
+            waiting_bytes += size
+        if waiting:
+            estimates.update(self._solve(waiting, vectors))
+        self._right_vectors = vectors  # weights gone or reshaped lose their state here
         return estimates
 
-    def _fits(self, key: str, cols: int) -> bool:
+    def _solve(
+        self, waiting: list[tuple[list[_Target], Tensor, Tensor]], vectors: dict[str, Tensor]
+    ) -> dict[str, _Estimate]:
+        """σ₁ of every finite matrix of ``waiting`` by one Lanczos run per Gram size and warmth; the new warm
+        vectors go into ``vectors``. A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN,
+        and it restarts cold."""
+        sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius in waiting]
+        residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius in waiting]
+        runs: dict[tuple[int, bool], dict[int, list[int]]] = {}  # (size, warm) -> item -> its elements
+        for item, (group, matrices, _) in enumerate(waiting):
+            finite = _finite_matrices(matrices).tolist()
+            size = min(matrices.shape[1:])
+            for element, target in enumerate(group):
+                if finite[element]:
+                    warm = self._fits(target.key, size)
+                    runs.setdefault((size, warm), {}).setdefault(item, []).append(element)
+        for (_, warm), members in runs.items():
+            order = [(item, element) for item, elements in members.items() for element in elements]
+            operator = StackedOperator(
+                [
+                    GramOperator(DenseOperator(waiting[item][1][elements]))
+                    for item, elements in members.items()
+                ]
+            )
+            init = None
+            if warm:
+                init = torch.stack(
+                    [self._right_vectors[waiting[item][0][element].key] for item, element in order]
+                )
+                init = init.to(device=operator.device, dtype=operator.dtype)
+            result = lanczos_eigsh(
+                operator,
+                1,
+                tol=self.tol,
+                max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
+                init=init,
+                generator=self._generator,
+            )
+            values = result.values[:, 0].clamp_min(0).sqrt()
+            for position, (item, element) in enumerate(order):
+                sigma[item][element] = values[position]
+                residual[item][element] = result.info.residual[position, 0]
+                vectors[waiting[item][0][element].key] = result.vectors[position].clone()
+        estimates: dict[str, _Estimate] = {}
+        for item, (group, _, frobenius) in enumerate(waiting):
+            estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item]))
+        return estimates
+
+    def _fits(self, key: str, size: int) -> bool:
         vector = self._right_vectors.get(key)
-        return vector is not None and vector.shape[0] == cols
+        return vector is not None and vector.shape[0] == size
 
     def _singular_values(self, step: int) -> list[Distribution]:
         targets = [_Target(layer, None, matrix) for layer, matrix in self.named_matrices()]
@@ -672,6 +719,13 @@ def _patterns(argument: str, patterns: Sequence[str] | None) -> tuple[str, ...] 
             f"(e.g. ['blocks.*.attn']), got {patterns!r}"
         )
     return tuple(patterns)
+
+
+def _estimates_of(
+    targets: list[_Target], sigma: Tensor, frobenius: Tensor, residual: Tensor
+) -> dict[str, _Estimate]:
+    columns = torch.stack([sigma, frobenius, stable_rank(frobenius.square(), sigma), residual], dim=1)
+    return {target.key: _Estimate(*values) for target, values in zip(targets, columns.tolist(), strict=True)}
 
 
 def _working_copy(matrix: Tensor) -> Tensor:
