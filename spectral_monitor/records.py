@@ -7,6 +7,7 @@ A record knows nothing of how it was computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class Measurement:
     value: float
     head: int | None = None
 
-    @property
+    @cached_property  # read by the alerts, the layout and every sink: ~2,000 times a demo logging step
     def tag(self) -> str:
         """The TensorBoard tag: grouped by family and metric first, so the Scalars tab reads by metric."""
         where = self.layer if self.head is None else f"{self.layer}/head_{self.head}"
@@ -43,6 +44,6 @@ class Distribution:
     layer: str
     values: np.ndarray = field(repr=False)
 
-    @property
+    @cached_property
     def tag(self) -> str:
         return f"{self.family}/{self.name}/{self.layer}"
