@@ -89,7 +89,7 @@ def test_weights_of_several_shapes_with_one_smaller_side_share_one_lanczos_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    # Gram side 40 for all three: a tall 96×40, a wide 40×96 (measured transposed) and a square 40×40.
+    # Gram side 40 for all three: a tall 96×40 (WᵀW), a wide 40×96 (WWᵀ) and a square 40×40.
     model = nn.Sequential(nn.Linear(40, 96), nn.Linear(96, 40), nn.Linear(40, 40))
     runs = []
     original = weights_module.lanczos_eigsh
