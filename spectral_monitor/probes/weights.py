@@ -38,8 +38,8 @@ its smaller side (right for a tall weight, left for a wide one) between calls, s
 ``iterations_per_step`` block iterations, and all weights whose smaller sides agree run as one batch (one
 Lanczos run for the demo model's 25 weights of four shapes). A weight seen for the first time, or whose shape
 changed, starts cold and is solved to ``tol``.
-A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ from
-``torch.linalg.svdvals`` instead (residual 0, no warm state): Krylov iteration buys nothing there.
+A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
+the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov iteration buys nothing there.
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller); σ₁'s relative error is
 then at most about half of it. ‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
 
@@ -92,7 +92,7 @@ __all__ = [
 WEIGHT_FAMILY = "weights"
 
 _COLD_START_MAX_ITERATIONS = 60  # once per weight, so it may cost what converging to ``tol`` costs
-# A matrix with a side this short (a head's rows, a small layer) gets its exact σ₁ from svdvals: there a few
+# A matrix with a side this short (a head's rows, a small layer) gets its exact σ₁ (eigvalsh): there a few
 # block Krylov iterations already span the whole space, so iterating buys nothing.
 _EXACT_MAX_SIZE = 32
 # Bounds the float32 copies held at once (a 7B model's q, k, v and o of all layers would be 8 GiB); a single
@@ -744,11 +744,18 @@ def _finite_matrices(matrices: Tensor) -> Tensor:
 
 
 def _largest_singular_values(matrices: Tensor) -> Tensor:
-    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN for one holding NaN or inf."""
+    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN for one holding NaN or inf.
+
+    From the top eigenvalue of the smaller Gram matrix: squaring loses the small singular values, never σ₁
+    (the rounding is relative to σ₁²), and the demo model's 48 head slices of 16 × 64 took 0.5 ms this way
+    against 1.7 ms by ``svdvals``.
+    """
     sigma = matrices.new_full(matrices.shape[:1], math.nan)
     finite = _finite_matrices(matrices)
     if finite.any():
-        sigma[finite] = torch.linalg.svdvals(matrices[finite])[:, 0]
+        kept = matrices[finite]
+        gram = kept.transpose(1, 2) @ kept if kept.shape[2] <= kept.shape[1] else kept @ kept.transpose(1, 2)
+        sigma[finite] = torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0).sqrt()
     return sigma
 
 
