@@ -598,7 +598,7 @@ class SpectralMonitor(Callback):
         together: dict[tuple[Any, ...], list[int]] = {}
         for index, (captured, sample) in enumerate(layers):
             if sample is not None and uses_exact_path(*sample.probs.shape[-2:], self.metric_method):
-                kind = (sample.probs.shape[1:], sample.probs.dtype, sample.causal)
+                kind = (sample.probs.shape[1:], sample.probs.dtype, sample.probs.device, sample.causal)
                 together.setdefault((*kind, sample.key_mask is None, sample.query_mask is None), []).append(
                     index
                 )

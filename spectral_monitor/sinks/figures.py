@@ -386,7 +386,7 @@ class RedrawnFigure:
     restores it and draws only ``changing``, in that order, over it (matplotlib's blitting, as its
     animations use). The caller updates the changing artists between renders and makes a new
     ``RedrawnFigure`` when anything else must change. On the demo's 64 × 64 attention heatmap: 150 ms to
-    create and draw afresh, 27 ms redrawn.
+    create and draw afresh, 30–50 ms redrawn (title, spines and colour bar included).
     """
 
     def __init__(self, figure: Figure, changing: Sequence[Artist]) -> None:
