@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 import matplotlib
 import numpy as np
@@ -55,21 +54,41 @@ def spectrum_figure(singular_values: Mapping[str, np.ndarray], title: str) -> Fi
     return _Spectrum(_checked_spectra(singular_values), title).figure
 
 
-class SpectrumImages:
+class _Redrawable(Protocol):
+    """A figure's parts: the figure, the artists a redraw changes, and how new data changes them."""
+
+    figure: Figure
+
+    def changing(self) -> list[Artist]: ...
+
+    def update(self, *data: Any) -> None: ...
+
+
+class _KeptFigure:
+    """The figure an ``*Images`` class keeps between steps, made anew when ``key`` (what a redraw cannot
+    change) differs from the kept figure's, else updated with the new data and redrawn."""
+
+    def __init__(self) -> None:
+        self._key: Hashable = None
+        self._parts: _Redrawable | None = None
+        self._redrawn: RedrawnFigure | None = None
+
+    def _image(self, key: Hashable, make: Callable[[], _Redrawable], *data: Any) -> np.ndarray:
+        if self._parts is None or self._redrawn is None or key != self._key:
+            self._parts = make()
+            self._key, self._redrawn = key, RedrawnFigure(self._parts.figure, self._parts.changing())
+        else:
+            self._parts.update(*data)
+        return self._redrawn.render()
+
+
+class SpectrumImages(_KeptFigure):
     """:func:`spectrum_figure` of successive steps as RGBA images, redrawn while the series' labels, the
     longest spectrum and the log axis stay the same (then the figure is made anew)."""
 
-    def __init__(self) -> None:
-        self._kept: _Kept[_Spectrum] | None = None
-
     def image(self, singular_values: Mapping[str, np.ndarray], title: str) -> np.ndarray:
         spectra = _checked_spectra(singular_values)
-        key = _Spectrum.static_key(spectra)
-        if self._kept is None or self._kept.key != key:
-            self._kept = _Kept.of(key, _Spectrum(spectra, title))
-        else:
-            self._kept.parts.update(spectra, title)
-        return self._kept.render()
+        return self._image(_Spectrum.static_key(spectra), lambda: _Spectrum(spectra, title), spectra, title)
 
 
 class _Spectrum:
@@ -163,20 +182,13 @@ def attention_heatmap_figure(
     return _AttentionHeatmap(*_shown_attention(probs, title, key_padding_mask)).figure
 
 
-class AttentionHeatmapImages:
+class AttentionHeatmapImages(_KeptFigure):
     """:func:`attention_heatmap_figure` of successive steps as RGBA images, redrawn while the matrix's
     shape stays the same."""
 
-    def __init__(self) -> None:
-        self._kept: _Kept[_AttentionHeatmap] | None = None
-
     def image(self, probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None) -> np.ndarray:
         shown, shape, title = _shown_attention(probs, title, key_padding_mask)
-        if self._kept is None or self._kept.key != shape:
-            self._kept = _Kept.of(shape, _AttentionHeatmap(shown, shape, title))
-        else:
-            self._kept.parts.update(shown, title)
-        return self._kept.render()
+        return self._image(shape, lambda: _AttentionHeatmap(shown, shape, title), shown, title)
 
 
 def _shown_attention(
@@ -253,12 +265,9 @@ def layer_head_heatmap_figure(
     return _LayerHeadHeatmap(values, tuple(layer_names), title, vmin, vmax).figure
 
 
-class LayerHeadHeatmapImages:
+class LayerHeadHeatmapImages(_KeptFigure):
     """:func:`layer_head_heatmap_figure` of successive steps as RGBA images, redrawn while the layers, the
     number of heads and the colour range stay the same."""
-
-    def __init__(self) -> None:
-        self._kept: _Kept[_LayerHeadHeatmap] | None = None
 
     def image(
         self,
@@ -269,12 +278,13 @@ class LayerHeadHeatmapImages:
         vmax: float | None = None,
     ) -> np.ndarray:
         values = _checked_grid(values, layer_names, vmin, vmax)
-        key = (tuple(layer_names), values.shape[1], vmin, vmax)
-        if self._kept is None or self._kept.key != key:
-            self._kept = _Kept.of(key, _LayerHeadHeatmap(values, tuple(layer_names), title, vmin, vmax))
-        else:
-            self._kept.parts.update(values, title)
-        return self._kept.render()
+        names = tuple(layer_names)
+        return self._image(
+            (names, values.shape[1], vmin, vmax),
+            lambda: _LayerHeadHeatmap(values, names, title, vmin, vmax),
+            values,
+            title,
+        )
 
 
 def _checked_grid(
@@ -352,31 +362,6 @@ class _LayerHeadHeatmap:
     def changing(self) -> list[Artist]:
         colour_bar = [] if self.fixed_scale else [self.colorbar_axes]
         return [self.image, *self.axes.spines.values(), *self.annotations, *colour_bar, self.title]
-
-
-class _Redrawable(Protocol):
-    figure: Figure
-
-    def changing(self) -> list[Artist]: ...
-
-
-_Parts = TypeVar("_Parts", bound=_Redrawable)
-
-
-@dataclass
-class _Kept(Generic[_Parts]):
-    """A figure kept for redrawing: what it cannot change (``key``), its parts, its rendered background."""
-
-    key: Hashable
-    parts: _Parts
-    redrawn: RedrawnFigure
-
-    @classmethod
-    def of(cls, key: Hashable, parts: _Parts) -> _Kept[_Parts]:
-        return cls(key, parts, RedrawnFigure(parts.figure, parts.changing()))
-
-    def render(self) -> np.ndarray:
-        return self.redrawn.render()
 
 
 class RedrawnFigure:
