@@ -522,7 +522,7 @@ class WeightProbe:
             order = [(item, element) for item, elements in members.items() for element in elements]
             operator = StackedOperator(
                 [
-                    GramOperator(DenseOperator(waiting[item][1][elements]))
+                    GramOperator(DenseOperator(_rows(waiting[item][1], elements)))
                     for item, elements in members.items()
                 ]
             )
@@ -719,6 +719,11 @@ def _patterns(argument: str, patterns: Sequence[str] | None) -> tuple[str, ...] 
             f"(e.g. ['blocks.*.attn']), got {patterns!r}"
         )
     return tuple(patterns)
+
+
+def _rows(matrices: Tensor, elements: list[int]) -> Tensor:
+    """``matrices[elements]``, without copying the batch when that is all of it (the common case)."""
+    return matrices if len(elements) == matrices.shape[0] else matrices[elements]
 
 
 def _estimates_of(
