@@ -61,15 +61,17 @@ def measure(case: AttentionCase, dtype: torch.dtype = torch.float64, **options) 
     return {name: value.detach().to(torch.float64).numpy() for name, value in result.items()}
 
 
-def assert_metrics_match(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], label: str,
-                         rtol: float, atol: float) -> None:
+def assert_metrics_match(
+    actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], label: str, rtol: float, atol: float
+) -> None:
     missing = set(expected) - set(actual)
     assert not missing, f"{label}: metrics missing from the result: {sorted(missing)}"
     for name, want in expected.items():
         got = actual[name]
         assert got.shape == want.shape, f"{label}: {name} has shape {got.shape}, expected {want.shape}"
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True,
-                                   err_msg=f"{label}: {name}")
+        np.testing.assert_allclose(
+            got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=f"{label}: {name}"
+        )
 
 
 def assert_float32_metrics_match(case: AttentionCase, dtype: torch.dtype) -> None:
@@ -151,9 +153,18 @@ def as_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 def test_uniform_attention_is_rank_one_with_full_entropy(n: int) -> None:
     metrics = closed_form(uniform_attention(n))
     expected = {
-        "effective_rank": 1.0, "stable_rank": 1.0, "rank_one_residual": 0.0, "entropy": 1.0,
-        "spectral_gap": 1.0, "dobrushin": 0.0, "sigma1": 1.0, "sigma2": 0.0, "eigen_gap": 1.0,
-        "threshold_rank": 1.0, "effective_rank_ratio": 1.0 / n, "self_attention": 1.0 / n,
+        "effective_rank": 1.0,
+        "stable_rank": 1.0,
+        "rank_one_residual": 0.0,
+        "entropy": 1.0,
+        "spectral_gap": 1.0,
+        "dobrushin": 0.0,
+        "sigma1": 1.0,
+        "sigma2": 0.0,
+        "eigen_gap": 1.0,
+        "threshold_rank": 1.0,
+        "effective_rank_ratio": 1.0 / n,
+        "self_attention": 1.0 / n,
     }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, abs=1e-12), name
@@ -163,9 +174,18 @@ def test_uniform_attention_is_rank_one_with_full_entropy(n: int) -> None:
 def test_identity_attention_has_full_rank_zero_entropy_and_no_mixing(n: int) -> None:
     metrics = closed_form(np.eye(n))
     expected = {
-        "effective_rank": n, "stable_rank": n, "effective_rank_ratio": 1.0, "threshold_rank": n,
-        "entropy": 0.0, "dobrushin": 1.0, "self_attention": 1.0, "sigma1": 1.0, "sigma2": 1.0,
-        "spectral_gap": 0.0, "eigen_gap": 0.0, "rank_one_residual": math.sqrt((n - 1) / n),
+        "effective_rank": n,
+        "stable_rank": n,
+        "effective_rank_ratio": 1.0,
+        "threshold_rank": n,
+        "entropy": 0.0,
+        "dobrushin": 1.0,
+        "self_attention": 1.0,
+        "sigma1": 1.0,
+        "sigma2": 1.0,
+        "spectral_gap": 0.0,
+        "eigen_gap": 0.0,
+        "rank_one_residual": math.sqrt((n - 1) / n),
     }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, abs=1e-12), name
@@ -176,8 +196,17 @@ def test_permutation_attention_has_the_spectra_of_the_identity(permutation: list
     n = len(permutation)
     metrics = closed_form(permutation_attention(permutation))
     identity = closed_form(np.eye(n))
-    for name in ("sigma1", "sigma2", "spectral_gap", "stable_rank", "effective_rank", "threshold_rank",
-                 "entropy", "dobrushin", "rank_one_residual"):
+    for name in (
+        "sigma1",
+        "sigma2",
+        "spectral_gap",
+        "stable_rank",
+        "effective_rank",
+        "threshold_rank",
+        "entropy",
+        "dobrushin",
+        "rank_one_residual",
+    ):
         assert metrics[name] == pytest.approx(identity[name], abs=1e-12), name
     # Its eigenvalues are roots of unity, all of modulus one; its diagonal holds its fixed points.
     assert metrics["eigen_gap"] == pytest.approx(0.0, abs=1e-12)
@@ -191,9 +220,16 @@ def test_rank_one_attention_has_one_singular_value_and_identical_rows() -> None:
     metrics = closed_form(rank_one_attention(row, n))
     entropy = -np.sum(row * np.log(row)) / np.log(row.size)
     expected = {
-        "sigma1": math.sqrt(n) * np.linalg.norm(row), "sigma2": 0.0, "spectral_gap": 1.0,
-        "stable_rank": 1.0, "effective_rank": 1.0, "threshold_rank": 1.0, "rank_one_residual": 0.0,
-        "dobrushin": 0.0, "entropy": entropy, "effective_rank_ratio": 1.0 / n,
+        "sigma1": math.sqrt(n) * np.linalg.norm(row),
+        "sigma2": 0.0,
+        "spectral_gap": 1.0,
+        "stable_rank": 1.0,
+        "effective_rank": 1.0,
+        "threshold_rank": 1.0,
+        "rank_one_residual": 0.0,
+        "dobrushin": 0.0,
+        "entropy": entropy,
+        "effective_rank_ratio": 1.0 / n,
     }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, abs=1e-12), name
@@ -216,8 +252,9 @@ def test_near_degenerate_top_singular_values_are_resolved() -> None:
     assert metrics["sigma1"] == pytest.approx(1.0, abs=1e-9)
     assert metrics["sigma2"] == pytest.approx(1.0 - leak, abs=1e-9)
     assert metrics["eigen_gap"] == pytest.approx(leak, rel=1e-3)
-    assert metrics["spectral_gap"] == pytest.approx(1.0 - singular_values(attn)[1] / singular_values(attn)[0],
-                                                    abs=1e-12)
+    assert metrics["spectral_gap"] == pytest.approx(
+        1.0 - singular_values(attn)[1] / singular_values(attn)[0], abs=1e-12
+    )
 
 
 def test_causal_entropy_normalises_each_row_by_its_own_number_of_keys() -> None:
@@ -285,8 +322,12 @@ def test_orthonormal_tokens_are_uncorrelated_and_full_rank() -> None:
     n = 6
     orthonormal, _ = np.linalg.qr(np.random.default_rng(4).standard_normal((10, n)))
     metrics = as_floats(token_metrics(as_tensor(orthonormal.T)))
-    expected = {"cosine_similarity": 0.0, "token_residual": math.sqrt((n - 1) / n), "stable_rank": n,
-                "effective_rank": n}
+    expected = {
+        "cosine_similarity": 0.0,
+        "token_residual": math.sqrt((n - 1) / n),
+        "stable_rank": n,
+        "effective_rank": n,
+    }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, abs=1e-10), name
 
@@ -325,8 +366,9 @@ def test_weight_spectral_norm_is_found_without_a_full_svd(method: str) -> None:
     expected = weight_reference_batch(weights)
     result = weight_metrics(as_tensor(weights), method=method)
     for name in ("spectral_norm", "frobenius_norm", "stable_rank"):
-        np.testing.assert_allclose(result[name].to(torch.float64).numpy(), expected[name], rtol=1e-3,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            result[name].to(torch.float64).numpy(), expected[name], rtol=1e-3, err_msg=name
+        )
 
 
 def test_orthogonal_weight_lies_below_its_bulk_edge() -> None:
@@ -334,8 +376,13 @@ def test_orthogonal_weight_lies_below_its_bulk_edge() -> None:
     orthogonal, _ = np.linalg.qr(np.random.default_rng(10).standard_normal((n, n)))
     metrics = as_floats(weight_metrics(as_tensor(orthogonal), method="exact"))
     # σ̂ = 1/√n, so the edge is (1/√n)(√n + √n) = 2: every singular value (1) lies below it.
-    expected = {"spectral_norm": 1.0, "frobenius_norm": math.sqrt(n), "stable_rank": n, "mp_edge": 2.0,
-                "mp_spikes": 0.0}
+    expected = {
+        "spectral_norm": 1.0,
+        "frobenius_norm": math.sqrt(n),
+        "stable_rank": n,
+        "mp_edge": 2.0,
+        "mp_spikes": 0.0,
+    }
     for name, value in expected.items():
         assert metrics[name] == pytest.approx(value, abs=1e-12), name
 
@@ -401,8 +448,13 @@ def structured_attention(kind: str, n: int, seed: int) -> AttentionCase:
 
 
 def float32_case(case: AttentionCase) -> AttentionCase:
-    return AttentionCase(case.name, case.attn.astype(np.float32).astype(np.float64), case.key_mask,
-                         case.query_mask, case.causal)
+    return AttentionCase(
+        case.name,
+        case.attn.astype(np.float32).astype(np.float64),
+        case.key_mask,
+        case.query_mask,
+        case.causal,
+    )
 
 
 def assert_krylov_accuracy(case: AttentionCase, seed: int) -> None:
@@ -471,17 +523,20 @@ def test_krylov_effective_rank_standard_error_covers_the_truth() -> None:
     whose low effective rank is the costliest to estimate, has its standard error checked above.)
     """
     n, trials = 256, 40
-    attn = np.concatenate([
-        softmax_attention(seed=101, shape=(1, n, n)),
-        softmax_attention(seed=102, shape=(1, n, n), scale=2.0),
-        float32_case(structured_attention("local_band", n, seed=104)).attn,
-    ])
+    attn = np.concatenate(
+        [
+            softmax_attention(seed=101, shape=(1, n, n)),
+            softmax_attention(seed=102, shape=(1, n, n), scale=2.0),
+            float32_case(structured_attention("local_band", n, seed=104)).attn,
+        ]
+    )
     truth = AttentionCase("coverage", attn).reference()["effective_rank"]
     misses = 0
     for seed in range(trials):
         with one_intra_op_thread():
-            result = attention_metrics(as_tensor(attn, torch.float32), method="krylov",
-                                       generator=torch.Generator().manual_seed(seed))
+            result = attention_metrics(
+                as_tensor(attn, torch.float32), method="krylov", generator=torch.Generator().manual_seed(seed)
+            )
         estimate = result["effective_rank"].to(torch.float64).numpy()
         standard_error = result["effective_rank_se"].to(torch.float64).numpy()
         assert (standard_error <= 0.1 * estimate).all(), f"seed {seed}: se {standard_error} is vacuous"
@@ -498,3 +553,28 @@ def _binomial_upper_quantile(count: int, probability: float, level: float) -> in
         if cumulative >= level:
             return k
         k += 1
+
+
+def test_on_the_exact_path_concatenated_layers_give_each_layers_own_metrics() -> None:
+    # The callback measures same-shaped layers in one call and splits the results back.
+    generator = torch.Generator().manual_seed(21)
+    future = torch.ones(48, 48, dtype=torch.bool).triu(1)
+    layers = [
+        torch.softmax(
+            scale * torch.randn(2, 3, 48, 48, generator=generator).masked_fill(future, -math.inf), -1
+        )
+        for scale in (0.5, 2.0, 6.0)
+    ]
+    key_masks = [torch.rand(2, 3, 48, generator=generator) > 0.1 for _ in layers]
+    together = attention_metrics(torch.cat(layers), key_mask=torch.cat(key_masks), causal=True)
+    for position, (layer, key_mask) in enumerate(zip(layers, key_masks, strict=True)):
+        alone = attention_metrics(layer, key_mask=key_mask, causal=True)
+        for name, values in alone.items():
+            torch.testing.assert_close(
+                together[name][2 * position : 2 * position + 2], values, rtol=1e-6, atol=1e-7, equal_nan=True
+            )
+    states = [torch.randn(2, 48, 32, generator=generator) for _ in range(3)]
+    stacked = token_metrics(torch.stack(states))
+    for position, state in enumerate(states):
+        for name, values in token_metrics(state).items():
+            torch.testing.assert_close(stacked[name][position], values, rtol=1e-6, atol=1e-7)
