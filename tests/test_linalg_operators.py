@@ -1,12 +1,31 @@
-"""A stack of operators multiplies, restricts and rejects mismatches like the batch it stands for."""
+"""Operators multiply like the matrices they stand for: a dense batch's one-sweep Gram product, and a stack
+of operators that multiplies, restricts and rejects mismatches like the batch it stands for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spectral_monitor.linalg import lanczos_eigsh
+from spectral_monitor.linalg import lanczos_eigsh, operators
 from spectral_monitor.linalg.operators import DenseOperator, GramOperator, StackedOperator
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 10, 64])
+def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
+    monkeypatch: pytest.MonkeyPatch, rows_per_block: int
+) -> None:
+    """Blocks of rows that do not divide the 10 rows (the last is short), one row, all rows; rectangular and
+    restricted to scattered elements."""
+    matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * 5 * 7 * 8)
+    block = torch.randn(5, 7, 3, dtype=torch.float64)
+    expected = matrices.transpose(1, 2) @ matrices @ block
+    dense = DenseOperator(matrices)
+    torch.testing.assert_close(dense.gram_matmat(block), expected, rtol=1e-12, atol=1e-12)
+    kept = torch.tensor([0, 2, 3])
+    torch.testing.assert_close(
+        dense.restrict(kept).gram_matmat(block[kept]), expected[kept], rtol=1e-12, atol=1e-12
+    )
 
 
 def stack_of_three_shapes() -> tuple[StackedOperator, list[torch.Tensor]]:

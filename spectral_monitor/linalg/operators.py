@@ -77,6 +77,11 @@ class DenseOperator(BatchedOperator):
     with the transposed *view* Aᵀy reads it with a stride and cost 2–4× as much (measured on CPU), and a
     contiguous copy of Aᵀ would double the memory held.
 
+    ``gram_matmat`` forms AᵀA x in one sweep over A on the CPU: Σ over blocks of rows of A_bᵀ (A_b x), with
+    the rows of a block, across the batch, small enough (``GRAM_SWEEP_BYTES``) that its second product reads
+    them from cache. Memory-bound as these products are, that makes it 1.4× faster than two separate
+    products for 64 matrices of 1024² and 1.7× for 2048² (4 columns, 2-core EPYC with a 32 MiB L3).
+
     ``restrict`` copies nothing: the restricted operator multiplies the kept matrices where they are, one
     batched product per run of consecutive kept elements (a copy of what is kept cost about a product each
     time, and held a second batch in memory: 1.9 GiB at peak for 64 matrices of 2048² instead of 0.6).
@@ -109,6 +114,11 @@ class DenseOperator(BatchedOperator):
             lambda matrices, part: torch.bmm(part.transpose(1, 2).contiguous(), matrices).transpose(1, 2),
         )
 
+    def gram_matmat(self, x: Tensor) -> Tensor:
+        if self.device.type != "cpu":
+            return super().gram_matmat(x)
+        return self._per_run(x, _gram_sweep)
+
     def restrict(self, index: Tensor) -> DenseOperator:
         kept = torch.cat([torch.arange(run.start, run.stop) for run in self._runs])[index.cpu()].tolist()
         restricted = DenseOperator.__new__(DenseOperator)
@@ -126,6 +136,24 @@ class DenseOperator(BatchedOperator):
         return torch.cat(
             [product(self.matrices[run], part) for run, part in zip(self._runs, parts, strict=True)]
         )
+
+
+GRAM_SWEEP_BYTES = 4 * 2**20
+"""Bytes of A (over the whole batch) a CPU Gram sweep multiplies by both sides while they are in cache:
+2–4 MiB measured fastest on the development machine (1 MiB of L2 per core, 32 MiB of L3)."""
+
+
+def _gram_sweep(matrices: Tensor, x: Tensor) -> Tensor:
+    batch, rows, cols = matrices.shape
+    rows_per_block = max(1, GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()))
+    x = _column_major(x)
+    if rows_per_block >= rows:  # the whole batch is one block: nothing to share between the products
+        return torch.bmm(torch.bmm(matrices, x).transpose(1, 2).contiguous(), matrices).transpose(1, 2)
+    transposed = x.new_zeros((batch, x.shape[2], cols))
+    for start in range(0, rows, rows_per_block):
+        block = matrices[:, start : start + rows_per_block]
+        transposed.baddbmm_(torch.bmm(block, x).transpose(1, 2).contiguous(), block)
+    return transposed.transpose(1, 2)
 
 
 def _consecutive_runs(elements: list[int]) -> list[slice]:
