@@ -28,7 +28,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor.callback import SpectralMonitor, _AttentionImages, _DrawnHead
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe
@@ -127,6 +127,34 @@ def monitor_warnings(record: list[warnings.WarningMessage], text: str) -> list[s
 
 
 # Every argument's bad values: tests/test_configuration.py.
+
+
+def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers() -> None:
+    """The first and last layers' heatmaps are drawn on one kept figure while their shapes agree, and only
+    the shapes of the last figure step are kept; every image is the fresh figure of its own layer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from spectral_monitor.sinks.figures import attention_heatmap_figure
+
+    rng = np.random.default_rng(0)
+
+    def head(layer: str, queries: int) -> _DrawnHead:
+        attention = rng.random((queries, 8))
+        attention /= attention.sum(axis=1, keepdims=True)
+        return _DrawnHead(layer, attention, None, np.linalg.svd(attention, compute_uv=False), None)
+
+    images = _AttentionImages()
+    for step, last_queries in ((0, 8), (10, 8), (20, 6), (30, 8)):
+        heads = [head("l0", 8), head("l1", 8), head("l2", last_queries)]
+        drawn = dict(images.drawn(step, heads))
+        assert len(images.heatmaps) == (1 if last_queries == 8 else 2)
+        for drawn_head in (heads[0], heads[2]):
+            image = drawn[f"attention/figures/heatmap/{drawn_head.layer}"]()
+            canvas = FigureCanvasAgg(
+                attention_heatmap_figure(drawn_head.attention, f"{drawn_head.layer}, head 0, step {step}")
+            )
+            canvas.draw()
+            assert np.array_equal(image, np.array(canvas.buffer_rgba())), (drawn_head.layer, step)
 
 
 def test_an_unknown_family_is_reported_with_the_allowed_ones() -> None:

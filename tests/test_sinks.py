@@ -259,7 +259,8 @@ def test_spectrum_figure_plots_sorted_singular_values_and_their_cumulative_energ
     assert values_axes.get_yscale() == "log"
     # Decades in plain text: six below σ₁ = 3 rounded up to the half decade 10^0.5.
     low, high = values_axes.get_ylim()
-    shown = [label.get_text() for label in values_axes.get_yticklabels() if low <= label.get_position()[1] <= high]
+    labels = values_axes.get_yticklabels()
+    shown = [label.get_text() for label in labels if low <= label.get_position()[1] <= high]
     assert shown == ["10⁻⁵", "10⁻⁴", "10⁻³", "10⁻²", "10⁻¹", "10⁰"]
     assert values_axes.yaxis.get_minorticklocs().size == 0
     energy_line, level_line = energy_axes.get_lines()
