@@ -18,7 +18,7 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
     restricted to scattered elements."""
     matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * 5 * 7 * 8)
-    block = torch.randn(5, 7, 3, dtype=torch.float64)
+    block = torch.randn(5, 7, operators.GRAM_SWEEP_MAX_COLUMNS, dtype=torch.float64)
     expected = matrices.transpose(1, 2) @ matrices @ block
     dense = DenseOperator(matrices)
     torch.testing.assert_close(dense.gram_matmat(block), expected, rtol=1e-12, atol=1e-12)

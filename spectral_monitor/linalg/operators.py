@@ -77,10 +77,12 @@ class DenseOperator(BatchedOperator):
     with the transposed *view* Aᵀy reads it with a stride and cost 2–4× as much (measured on CPU), and a
     contiguous copy of Aᵀ would double the memory held.
 
-    ``gram_matmat`` forms AᵀA x in one sweep over A on the CPU: Σ over blocks of rows of A_bᵀ (A_b x), with
-    the rows of a block, across the batch, small enough (``GRAM_SWEEP_BYTES``) that its second product reads
-    them from cache. Memory-bound as these products are, that makes it 1.4× faster than two separate
-    products for 64 matrices of 1024² and 1.7× for 2048² (4 columns, 2-core EPYC with a 32 MiB L3).
+    ``gram_matmat`` forms AᵀA x for a narrow x in one sweep over A on the CPU: Σ over blocks of rows of
+    A_bᵀ (A_b x), with the rows of a block, across the batch, small enough (``GRAM_SWEEP_BYTES``) that its
+    second product reads them from cache. Memory-bound as narrow products are, that makes it 1.4× faster than
+    two separate products for 64 matrices of 1024² and 1.7× for 2048² (4 columns, 2-core EPYC with a 32 MiB
+    L3). Wider blocks are closer to compute-bound and the small products of a sweep lose to two large ones:
+    16 columns took 150 against 132 ms at 1024², 704 against 516 ms at 2048² (``GRAM_SWEEP_MAX_COLUMNS``).
 
     ``restrict`` copies nothing: the restricted operator multiplies the kept matrices where they are, one
     batched product per run of consecutive kept elements (a copy of what is kept cost about a product each
@@ -115,7 +117,7 @@ class DenseOperator(BatchedOperator):
         )
 
     def gram_matmat(self, x: Tensor) -> Tensor:
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" or x.shape[2] > GRAM_SWEEP_MAX_COLUMNS:
             return super().gram_matmat(x)
         return self._per_run(x, _gram_sweep)
 
@@ -141,6 +143,8 @@ class DenseOperator(BatchedOperator):
 GRAM_SWEEP_BYTES = 4 * 2**20
 """Bytes of A (over the whole batch) a CPU Gram sweep multiplies by both sides while they are in cache:
 2–4 MiB measured fastest on the development machine (1 MiB of L2 per core, 32 MiB of L3)."""
+GRAM_SWEEP_MAX_COLUMNS = 8
+"""The widest block a Gram sweep is used for: the two ways tied at 8 columns for 64 matrices of 2048²."""
 
 
 def _gram_sweep(matrices: Tensor, x: Tensor) -> Tensor:
