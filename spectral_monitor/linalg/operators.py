@@ -151,8 +151,6 @@ def _gram_sweep(matrices: Tensor, x: Tensor) -> Tensor:
     batch, rows, cols = matrices.shape
     rows_per_block = max(1, GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()))
     x = _column_major(x)
-    if rows_per_block >= rows:  # the whole batch is one block: nothing to share between the products
-        return torch.bmm(torch.bmm(matrices, x).transpose(1, 2).contiguous(), matrices).transpose(1, 2)
     transposed = x.new_zeros((batch, x.shape[2], cols))
     for start in range(0, rows, rows_per_block):
         block = matrices[:, start : start + rows_per_block]
