@@ -262,7 +262,8 @@ class WeightProbe:
         self.per_head = per_head
         self.attention_readers = dict(attention_readers or {})
         self._generator = default_generator(torch.device("cpu"))
-        self._right_vectors: dict[str, Tensor] = {}
+        # Each weight's top singular vector on its smaller side; saved as "right_vectors" (its old name).
+        self._warm_vectors: dict[str, Tensor] = {}
         self._latest_histograms: tuple[int, list[Distribution]] | None = None
 
     @property
@@ -321,7 +322,7 @@ class WeightProbe:
         wide weight (earlier checkpoints held its right one, which no longer fits: that weight starts
         cold)."""
         return {
-            "right_vectors": {key: vector.detach().clone() for key, vector in self._right_vectors.items()},
+            "right_vectors": {key: vector.detach().clone() for key, vector in self._warm_vectors.items()},
             "generator": self._generator.get_state(),
         }
 
@@ -339,7 +340,7 @@ class WeightProbe:
             for key, vector in vectors.items()
         ):
             raise ValueError("state_dict['right_vectors'] must map layer names to (n, r) tensors")
-        self._right_vectors = {key: vector.detach().clone() for key, vector in vectors.items()}
+        self._warm_vectors = {key: vector.detach().clone() for key, vector in vectors.items()}
         if "generator" in state_dict:
             self._generator.set_state(state_dict["generator"])
         self._latest_histograms = None
@@ -499,7 +500,7 @@ class WeightProbe:
             waiting_bytes += size
         if waiting:
             estimates.update(self._solve(waiting, vectors))
-        self._right_vectors = vectors  # weights gone or reshaped lose their state here
+        self._warm_vectors = vectors  # weights gone or reshaped lose their state here
         return estimates
 
     def _solve(
@@ -529,7 +530,7 @@ class WeightProbe:
             init = None
             if warm:
                 init = torch.stack(
-                    [self._right_vectors[waiting[item][0][element].key] for item, element in order]
+                    [self._warm_vectors[waiting[item][0][element].key] for item, element in order]
                 )
                 init = init.to(device=operator.device, dtype=operator.dtype)
             result = lanczos_eigsh(
@@ -551,7 +552,7 @@ class WeightProbe:
         return estimates
 
     def _fits(self, key: str, size: int) -> bool:
-        vector = self._right_vectors.get(key)
+        vector = self._warm_vectors.get(key)
         return vector is not None and vector.shape[0] == size
 
     def _singular_values(self, step: int) -> list[Distribution]:
