@@ -35,6 +35,7 @@ from reference_metrics import (
     with_garbage,
 )
 
+from spectral_monitor.metrics import attention as attention_module
 from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
 
 CASES = attention_cases()
@@ -134,6 +135,29 @@ def test_key_mask_broadcasts_over_heads() -> None:
     case = AttentionCase("heads_share_a_key_mask", attn, key_mask=key_mask)
     assert_metrics_match(measure(case, method="exact"), case.reference(), case.name, **FLOAT64_TOLERANCE)
 
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_one_pass_members_summed_over_blocks_of_rows_match_the_reference(
+    case: AttentionCase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Blocks of 3 rows of one matrix, as for matrices larger than a cache-sized block (n > 1024 in float32).
+    monkeypatch.setattr(attention_module, "ONE_PASS_CHUNK_BYTES", 3 * 8 * case.attn.shape[-1])
+    assert_metrics_match(measure(case, method="exact"), case.reference(), case.name, **FLOAT64_TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["softmax_heads", "padded_sequences", "padded_queries_cross"])
+def test_the_farthest_point_walk_over_blocks_of_rows_matches_the_walk_over_whole_matrices(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = next(case for case in CASES if case.name == name)
+    monkeypatch.setattr(attention_module, "DOBRUSHIN_EXACT_MAX_ROWS", 0)  # the estimate at every size
+    whole = measure(case, method="krylov")["dobrushin"]
+    monkeypatch.setattr(attention_module, "ONE_PASS_CHUNK_BYTES", 2 * 8 * case.attn.shape[-1])
+    blocked = measure(case, method="krylov")["dobrushin"]
+    np.testing.assert_allclose(blocked, whole, rtol=1e-12, atol=0)
+    exact = case.reference()["dobrushin"]
+    assert np.all(blocked <= exact + 1e-12) and np.all(blocked >= exact / 2 - 1e-12)
 
 # --------------------------------------------------------------------------------------------------------
 # Closed forms

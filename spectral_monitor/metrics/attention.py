@@ -9,7 +9,7 @@ touches each matrix a few dozen times instead of factorising it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -159,14 +159,18 @@ def attention_metrics(
     valid_rows = queries.sum(dim=1).to(work)
     valid_keys = keys.sum(dim=1).to(work)
 
-    exact_dobrushin = method == "exact" or n <= DOBRUSHIN_EXACT_MAX_ROWS
-    pieces = [
-        _one_pass_metrics(
-            matrices[part], keys[part], queries[part], causal, valid_rows[part], exact_dobrushin
-        )
-        for part in _cache_sized_parts(matrices)
-    ]
-    metrics = {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}
+    scratch = Scratch()
+    blocks = _cache_sized_blocks(matrices)
+    metrics = one_pass_members(
+        lambda: ((elements, start, stop, matrices[elements, start:stop]) for elements, start, stop in blocks),
+        keys,
+        queries,
+        causal,
+        scratch,
+    )
+    metrics["dobrushin"] = _dobrushin(
+        matrices, queries, blocks, scratch, exact=method == "exact" or n <= DOBRUSHIN_EXACT_MAX_ROWS
+    )
     if uses_exact_path(n, m, method):
         metrics.update(_exact_spectral_metrics(matrices, causal, include_rank_sums))
     else:
@@ -226,44 +230,108 @@ def _nonfinite_elements(matrices: Tensor) -> Tensor:
     return flagged
 
 
-def _cache_sized_parts(matrices: Tensor) -> list[slice]:
-    """Consecutive slices of the batch of about ``ONE_PASS_CHUNK_BYTES`` each (at least one matrix).
+def _cache_sized_blocks(matrices: Tensor) -> list[tuple[slice, int, int]]:
+    """(elements, start, stop) of consecutive blocks ``matrices[elements, start:stop]`` of about
+    ``ONE_PASS_CHUNK_BYTES`` each: several whole matrices, or rows of one matrix larger than that."""
+    batch, n, m = matrices.shape
+    matrix_bytes = n * m * matrices.element_size()
+    if matrix_bytes <= ONE_PASS_CHUNK_BYTES:
+        per_block = ONE_PASS_CHUNK_BYTES // matrix_bytes
+        return [(slice(first, first + per_block), 0, n) for first in range(0, batch, per_block)]
+    rows = max(1, ONE_PASS_CHUNK_BYTES // (m * matrices.element_size()))
+    return [
+        (slice(element, element + 1), start, min(start + rows, n))
+        for element in range(batch)
+        for start in range(0, n, rows)
+    ]
 
-    The one-pass members make temporaries the size of their input; made for a whole batch they are fresh
-    allocations the size of the batch, whose page faults cost more than the arithmetic (measured: 10× for
-    the Dobrushin walk on 16 matrices of 1024²). A part at a time they stay in cache and are reused.
+
+class Scratch:
+    """One buffer for the temporaries of successive blocks, grown to the largest block.
+
+    Temporaries made afresh for each block are fresh allocations whose page faults cost more than the
+    arithmetic (measured: 10× for the Dobrushin walk on 16 matrices of 1024²); reused, the buffer and its
+    block stay in cache.
     """
-    batch, n, m = matrices.shape
-    per_part = max(1, ONE_PASS_CHUNK_BYTES // (n * m * matrices.element_size()))
-    return [slice(start, start + per_part) for start in range(0, batch, per_part)]
+
+    def __init__(self) -> None:
+        self._buffer: Tensor | None = None
+
+    def like(self, block: Tensor) -> Tensor:
+        """A contiguous tensor of ``block``'s shape, dtype and device, overwriting earlier ones."""
+        size = block.numel()
+        buffer = self._buffer
+        if (
+            buffer is None
+            or buffer.numel() < size
+            or (buffer.dtype, buffer.device) != (block.dtype, block.device)
+        ):
+            buffer = self._buffer = torch.empty(size, dtype=block.dtype, device=block.device)
+        return buffer[:size].view(block.shape)
 
 
-def _one_pass_metrics(
-    matrices: Tensor, keys: Tensor, queries: Tensor, causal: bool, valid_rows: Tensor, exact_dobrushin: bool
+def one_pass_members(
+    blocks: Callable[[], Iterator[tuple[slice, int, int, Tensor]]],
+    keys: Tensor,
+    queries: Tensor,
+    causal: bool,
+    scratch: Scratch,
 ) -> dict[str, Tensor]:
-    """The members that need a pass over A: entropy, rank-one residual, self-attention, Dobrushin, ‖A‖_F."""
-    batch, n, m = matrices.shape
-    work = matrices.dtype
-    # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
-    # denormal; about twice as fast as ``xlogy`` on CPU (one temporary, updated in place).
-    row_entropy = -torch.add(matrices, torch.finfo(work).tiny).log_().mul_(matrices).sum(dim=2)
-    entropy = normalised_entropy(row_entropy, keys, queries, causal)
+    """Entropy, ‖A‖_F, rank-one residual and self-attention of a batch of attention matrices (B, n, m) seen
+    in blocks, for the dense path and for blocks recomputed from q and k alike.
 
-    mean_row = matrices.sum(dim=1) / valid_rows.clamp_min(1)[:, None]
-    centred = matrices - queries[:, :, None] * mean_row[:, None, :]
-    frobenius = torch.linalg.vector_norm(matrices, dim=(1, 2))
-    residual = rank_one_residual(torch.linalg.vector_norm(centred, dim=(1, 2)), frobenius)
+    ``blocks()`` yields ``(elements, start, stop, A[elements, start:stop])`` covering every row of every
+    element once; it is called twice, since the centred norm ‖A − 1āᵀ‖_F needs the mean row first. Sums
+    across blocks accumulate in float64, so the hundreds of partial sums of a long matrix add no more
+    rounding than one pass over the whole matrix would; every temporary is ``scratch``'s.
+    """
+    (batch, n), m = queries.shape, keys.shape[1]
+    device = queries.device
+    row_entropy: Tensor | None = None
+    squared_norm = torch.zeros(batch, dtype=torch.float64, device=device)
+    column_sums = torch.zeros((batch, m), dtype=torch.float64, device=device)
+    trace = torch.zeros(batch, dtype=torch.float64, device=device)
+    for elements, start, stop, block in blocks():
+        if row_entropy is None:
+            row_entropy = block.new_empty((batch, n))
+        # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
+        # denormal; about twice as fast as ``xlogy`` on CPU.
+        logs = torch.add(block, torch.finfo(block.dtype).tiny, out=scratch.like(block)).log_()
+        row_entropy[elements, start:stop] = -logs.mul_(block).sum(dim=2)
+        squared_norm[elements] += torch.linalg.vector_norm(block, dim=(1, 2)).double().square()
+        # Summed in the block's dtype, then in float64: ``sum(dtype=float64)`` converts a copy of the block
+        # first (6× slower on CPU).
+        column_sums[elements] += block.sum(dim=1).double()
+        if n == m:
+            trace[elements] += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1).double()
+    assert row_entropy is not None, "blocks() yielded no block"
+    work = row_entropy.dtype
 
-    self_attention = (
-        matrices.diagonal(dim1=1, dim2=2).sum(dim=1) / valid_rows.clamp_min(1)
-        if n == m
-        else torch.full((batch,), float("nan"), dtype=work, device=matrices.device)
-    )
+    valid_rows = queries.sum(dim=1)
+    mean_row = (column_sums / valid_rows.clamp_min(1)[:, None]).to(work)
+    every_query = bool(queries.all())
+    centred_squared_norm = torch.zeros_like(squared_norm)
+    for elements, start, stop, block in blocks():
+        centred = scratch.like(block)
+        if every_query:
+            torch.sub(block, mean_row[elements, None, :], out=centred)
+        else:  # padded queries' rows are zero and stay so
+            torch.addcmul(
+                block,
+                queries[elements, start:stop, None].to(work),
+                mean_row[elements, None, :],
+                value=-1,
+                out=centred,
+            )
+        centred_squared_norm[elements] += torch.linalg.vector_norm(centred, dim=(1, 2)).double().square()
+
+    frobenius = squared_norm.sqrt().to(work)
     return {
-        "entropy": entropy,
-        "rank_one_residual": residual,
-        "self_attention": self_attention,
-        "dobrushin": _dobrushin(matrices, queries, exact=exact_dobrushin),
+        "entropy": normalised_entropy(row_entropy, keys, queries, causal),
+        "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
+        "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
+        if n == m
+        else torch.full((batch,), float("nan"), dtype=work, device=device),
         "frobenius": frobenius,
     }
 
@@ -302,21 +370,36 @@ def rank_one_residual(centred_norm: Tensor, frobenius: Tensor) -> Tensor:
     )
 
 
-def _dobrushin(matrices: Tensor, queries: Tensor, *, exact: bool) -> Tensor:
-    """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁."""
+def _dobrushin(
+    matrices: Tensor, queries: Tensor, blocks: list[tuple[slice, int, int]], scratch: Scratch, *, exact: bool
+) -> Tensor:
+    """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁: exactly, or by the farthest-point walk over ``blocks``."""
+    batch, n, _ = matrices.shape
     if exact:
-        return exact_dobrushin(matrices, queries)
-    return farthest_point_dobrushin(
-        lambda anchor: torch.cdist(
-            matrices, matrices[torch.arange(matrices.shape[0]), anchor][:, None, :], p=1
-        ).squeeze(2),
-        queries,
-    )
+        # Whole matrices a cache-sized part at a time: the (part, n, n) distances stay small.
+        per_part = max(1, ONE_PASS_CHUNK_BYTES // (n * n * matrices.element_size()))
+        return torch.cat(
+            [
+                exact_dobrushin(matrices[first : first + per_part], queries[first : first + per_part])
+                for first in range(0, batch, per_part)
+            ]
+        )
+
+    def distances_from(anchor: Tensor) -> Tensor:
+        anchors = matrices[torch.arange(batch, device=matrices.device), anchor]
+        distances = matrices.new_empty((batch, n))
+        for elements, start, stop in blocks:
+            block = matrices[elements, start:stop]
+            difference = torch.sub(block, anchors[elements, None, :], out=scratch.like(block))
+            distances[elements, start:stop] = difference.abs_().sum(dim=2)
+        return distances
+
+    return farthest_point_dobrushin(distances_from, queries)
 
 
 def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
     """½ max over all valid row pairs of ‖Aᵢ − Aⱼ‖₁ (B,), from every pairwise distance (0 without valid
-    rows). One batched ``cdist``: callers pass cache-sized parts, so the (B, n, n) distances stay small."""
+    rows): one batched ``cdist`` of (B, n, n) distances."""
     distances = torch.cdist(matrices, matrices, p=1)
     valid_pairs = queries[:, :, None] & queries[:, None, :]
     return torch.where(valid_pairs, distances, torch.zeros_like(distances)).amax(dim=(1, 2)) / 2

@@ -31,13 +31,13 @@ from spectral_monitor.metrics._common import check_method, flat_mask, working_dt
 from spectral_monitor.metrics.attention import (
     DOBRUSHIN_EXACT_MAX_ROWS,
     KrylovState,
+    Scratch,
     attention_metrics,
     exact_dobrushin,
     farthest_point_dobrushin,
     finished_metrics,
     krylov_spectral_metrics,
-    normalised_entropy,
-    rank_one_residual,
+    one_pass_members,
     uses_exact_path,
 )
 
@@ -191,49 +191,22 @@ def _blocked_members(
 def _blocked_one_pass(
     operator: SoftmaxAttentionOperator, keys: Tensor, queries: Tensor, causal: bool
 ) -> dict[str, Tensor]:
-    """Entropy, ‖A‖_F, rank-one residual, self-attention and Dobrushin in passes over blocks of rows.
-
-    Norms and sums across blocks accumulate in float64, so the hundreds of partial sums of a long matrix add
-    no more rounding than one pass over the dense matrix would.
-    """
-    batch, n, m = operator.batch, operator.rows, operator.cols
-    work = operator.dtype
-    tiny = torch.finfo(work).tiny
-    row_entropy = torch.empty((batch, n), dtype=work, device=operator.device)
-    squared_norm = torch.zeros(batch, dtype=torch.float64, device=operator.device)
-    column_sums = torch.zeros((batch, m), dtype=torch.float64, device=operator.device)
-    trace = torch.zeros(batch, dtype=torch.float64, device=operator.device)
-    for start, stop in operator.blocks():
-        block = operator.probabilities(start, stop)
-        squared_norm += torch.linalg.vector_norm(block, dim=(1, 2)).double().square()
-        column_sums += block.sum(dim=1, dtype=torch.float64)
-        if n == m:
-            trace += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1, dtype=torch.float64)
-        # As the dense path: −Σ a log(a + tiny), 0 log 0 = 0.
-        row_entropy[:, start:stop] = -torch.add(block, tiny).log_().mul_(block).sum(dim=2)
-
-    valid_rows = queries.sum(dim=1)
-    mean_row = (column_sums / valid_rows.clamp_min(1)[:, None]).to(work)
-    centred_squared_norm = torch.zeros_like(squared_norm)
-    for start, stop in operator.blocks():
-        block = operator.probabilities(start, stop)
-        block.addcmul_(queries[:, start:stop, None].to(work), mean_row[:, None, :], value=-1)
-        centred_squared_norm += torch.linalg.vector_norm(block, dim=(1, 2)).double().square()
-
-    frobenius = squared_norm.sqrt().to(work)
+    """Entropy, ‖A‖_F, rank-one residual, self-attention and Dobrushin in passes over blocks of rows."""
+    every_element = slice(None)
+    members = one_pass_members(
+        lambda: ((every_element, *rows, operator.probabilities(*rows)) for rows in operator.blocks()),
+        keys,
+        queries,
+        causal,
+        Scratch(),
+    )
+    n = operator.rows
     if n <= DOBRUSHIN_EXACT_MAX_ROWS:  # the dense path's rule: exact below this many rows
         dobrushin = exact_dobrushin(operator.probabilities(0, n), queries)
     else:
         dobrushin = farthest_point_dobrushin(operator.distances_from_rows, queries)
-    return {
-        "entropy": normalised_entropy(row_entropy, keys, queries, causal),
-        "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
-        "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
-        if n == m
-        else torch.full((batch,), float("nan"), dtype=work, device=operator.device),
-        "dobrushin": dobrushin.to(work),
-        "frobenius": frobenius,
-    }
+    members["dobrushin"] = dobrushin.to(operator.dtype)
+    return members
 
 
 class SoftmaxAttentionOperator(BatchedOperator):
