@@ -8,7 +8,9 @@ so the monitor's work in any hook is inside), the time spent inside the monitor'
 resident memory. The table gives medians over pairs and the ratios on vs off: the whole run, logging
 steps, and non-logging steps (which should cost ~nothing). The time inside the hooks is the monitor's
 direct cost; on a shared 2-core machine whole runs of the same configuration differ by 10-20% from one
-process to the next, far more than the few percent measured, so it is the steadier figure.
+process to the next, far more than the few percent measured, so it is the steadier figure. It is also
+split into what a run pays once (setup and the first logging step, where every figure is drawn new) and
+the rest, which grows with the run's length: the share a long run converges to.
 
     python benchmarks/bench_overhead.py --steps 300 --pairs 2
 """
@@ -22,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from _common import describe_machine, markdown_table
@@ -53,9 +56,12 @@ def worker(monitor: bool, steps: int, every: int | None) -> dict[str, object]:
 
     clock = StepClock()
     callbacks: list[pl.Callback] = [clock]
-    inside_hooks = [0.0]
+    # Seconds inside the hooks by step: -1 before the first batch (setup), else the batch's index.
+    hook_seconds: dict[int, float] = {}
     if monitor:
-        callbacks.append(timed_hooks(SpectralMonitor(**arguments), inside_hooks))
+        callbacks.append(
+            timed_hooks(SpectralMonitor(**arguments), hook_seconds, lambda: len(clock.starts) - 1)
+        )
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -83,7 +89,10 @@ def worker(monitor: bool, steps: int, every: int | None) -> dict[str, object]:
         "logging_step_ms": 1000 * statistics.median(logging),
         "quiet_step_ms": 1000 * statistics.median(quiet),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "hook_seconds": inside_hooks[0],
+        "hook_seconds": sum(hook_seconds.values()),
+        # What a run pays once (setup, and the first logging step: every figure drawn new, the cold weight
+        # solves), and the rest, which grows with the run's length.
+        "one_time_hook_seconds": hook_seconds.get(-1, 0.0) + hook_seconds.get(0, 0.0),
     }
 
 
@@ -97,8 +106,8 @@ HOOKS = (
 )
 
 
-def timed_hooks(callback, total: list[float]):
-    """``callback`` with each of its ``HOOKS`` adding its wall time to ``total[0]``."""
+def timed_hooks(callback, seconds: dict[int, float], step: Callable[[], int]):
+    """``callback`` with each of its ``HOOKS`` adding its wall time to ``seconds[step()]``."""
     for name in HOOKS:
         hook = getattr(callback, name)
 
@@ -107,7 +116,8 @@ def timed_hooks(callback, total: list[float]):
             try:
                 return hook(*args, **kwargs)
             finally:
-                total[0] += time.perf_counter() - start
+                key = step()
+                seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
 
         setattr(callback, name, timed)
     return callback
@@ -167,8 +177,14 @@ def main() -> None:
     )
     print(markdown_table(["measure", "without monitor", "with monitor", "ratio"], rows))
     hooks, plain_fit = median(True, "hook_seconds"), median(False, "fit_seconds")
+    one_time = median(True, "one_time_hook_seconds")
+    recurring = statistics.median(r["hook_seconds"] - r["one_time_hook_seconds"] for r in results[True])
     share = 100 * hooks / plain_fit
     print(f"\ntime inside the monitor's hooks: {hooks:.2f} s, {share:.1f}% of the fit without it")
+    print(
+        f"of which once per run (setup and the first logging step): {one_time:.2f} s; "
+        f"the rest: {recurring:.2f} s, {100 * recurring / plain_fit:.1f}% of the fit without it"
+    )
 
 
 if __name__ == "__main__":
