@@ -27,6 +27,7 @@ from spectral_monitor.linalg.operators import default_generator, gaussian, radem
 from spectral_monitor.linalg.quadrature import QuadratureNodes
 from spectral_monitor.metrics._common import (
     ENERGY_LEVEL,
+    all_singular_values,
     check_matrices,
     check_method,
     effective_rank_from_singular_values,
@@ -423,7 +424,7 @@ def farthest_point_dobrushin(distances_from: Callable[[Tensor], Tensor], queries
 
 
 def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: bool) -> dict[str, Tensor]:
-    singular_values = torch.linalg.svdvals(matrices)
+    singular_values = all_singular_values(matrices)
     sigma2 = (
         singular_values[:, 1] if singular_values.shape[1] > 1 else torch.zeros_like(singular_values[:, 0])
     )

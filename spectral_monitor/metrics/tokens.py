@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from spectral_monitor.metrics._common import (
+    all_singular_values,
     check_matrices,
     effective_rank_from_singular_values,
     flat_mask,
@@ -22,7 +23,7 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     ``cosine_similarity`` (mean over pairs i ≠ j of cos(xᵢ, xⱼ), Noci et al. 2022; NaN with < 2 tokens),
     ``token_residual`` (‖X − 1x̄ᵀ‖_F / ‖X‖_F, Dong et al. 2021), ``stable_rank`` (‖X‖_F²/σ₁²),
     ``effective_rank`` (Roy & Vetterli), and ``nonfinite`` (True where x had a NaN/Inf; that element's
-    metrics are NaN). Exact (``svdvals``): sampled sequences are short enough.
+    metrics are NaN). Exact (every singular value): sampled sequences are short enough.
     """
     x = check_matrices(x, "x")
     batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]
@@ -47,7 +48,7 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
         torch.full_like(frobenius, float("nan")),
     )
 
-    singular_values = torch.linalg.svdvals(states)
+    singular_values = all_singular_values(states)
     metrics = {
         "cosine_similarity": cosine,
         "token_residual": residual,
