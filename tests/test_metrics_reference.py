@@ -37,6 +37,7 @@ from reference_metrics import (
 
 from spectral_monitor.metrics import attention as attention_module
 from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
+from spectral_monitor.metrics._common import all_singular_values
 
 CASES = attention_cases()
 FLOAT64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
@@ -115,6 +116,24 @@ def test_float32_attention_is_measured_to_float32_accuracy(case: AttentionCase) 
     assert_float32_metrics_match(rounded_to(case, torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("shape", [(6, 40, 40), (6, 30, 50), (6, 50, 30)])
+def test_singular_values_of_float32_matrices_are_found_to_float32_rounding_of_sigma1(
+    shape: tuple[int, int, int],
+) -> None:
+    # Singular values from 1 down to 1e-7: float32 svdvals misses them by 1.2e-7–2.4e-7 here, twice its
+    # rounding of σ₁ = 1 (6e-8); the float64 Gram route stays within that rounding.
+    generator = torch.Generator().manual_seed(sum(shape))
+    batch, rows, cols = shape
+    k = min(rows, cols)
+    left, _ = torch.linalg.qr(torch.randn(batch, rows, k, generator=generator, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(batch, cols, k, generator=generator, dtype=torch.float64))
+    matrices = ((left * torch.logspace(0, -7, k, dtype=torch.float64)) @ right.transpose(1, 2)).float()
+    truth = torch.linalg.svdvals(matrices.double())
+    found = all_singular_values(matrices)
+    assert found.dtype == torch.float32
+    assert (found.double() - truth).abs().max() <= 7e-8
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_input_is_measured_in_at_least_float32(dtype: torch.dtype) -> None:
     case = next(case for case in CASES if case.name == "padded_sequences")
@@ -134,7 +153,6 @@ def test_key_mask_broadcasts_over_heads() -> None:
     attn = with_garbage(attn, key_mask, None, rng)
     case = AttentionCase("heads_share_a_key_mask", attn, key_mask=key_mask)
     assert_metrics_match(measure(case, method="exact"), case.reference(), case.name, **FLOAT64_TOLERANCE)
-
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
@@ -158,6 +176,7 @@ def test_the_farthest_point_walk_over_blocks_of_rows_matches_the_walk_over_whole
     np.testing.assert_allclose(blocked, whole, rtol=1e-12, atol=0)
     exact = case.reference()["dobrushin"]
     assert np.all(blocked <= exact + 1e-12) and np.all(blocked >= exact / 2 - 1e-12)
+
 
 # --------------------------------------------------------------------------------------------------------
 # Closed forms
