@@ -186,6 +186,7 @@ def test_non_finite_inputs_make_only_their_elements_nan() -> None:
     [
         ({"q": torch.ones(2, 8, 4), "k": torch.ones(2, 8, 5)}, "share their leading dims and d"),
         ({"q": torch.ones(8, 4, dtype=torch.long), "k": torch.ones(8, 4)}, "q must be a floating tensor"),
+        ({"q": torch.ones(0, 8, 4), "k": torch.ones(0, 8, 4)}, "q must hold at least one sequence"),
         ({"max_bytes": 0}, "max_bytes must be a positive int"),
         ({"block_rows": 0}, "block_rows must be a positive int"),
         ({"scale": math.inf}, "scale must be a finite number"),

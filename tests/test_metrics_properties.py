@@ -296,6 +296,7 @@ SQUARE = torch.full((2, 3, 3), 1 / 3)
     [
         (lambda: attention_metrics(torch.rand(5)), "attn"),
         (lambda: attention_metrics(torch.ones(3, 3, dtype=torch.int64)), "attn"),
+        (lambda: attention_metrics(torch.ones(2, 0, 3, 3)), "attn"),
         (lambda: attention_metrics(SQUARE, key_mask=torch.ones(4, dtype=torch.bool)), "key_mask"),
         (lambda: attention_metrics(SQUARE, key_mask=torch.ones(3, 3, dtype=torch.bool)), "key_mask"),
         (lambda: attention_metrics(SQUARE, query_mask=torch.ones(2, dtype=torch.bool)), "query_mask"),
@@ -308,7 +309,7 @@ SQUARE = torch.full((2, 3, 3), 1 / 3)
         (lambda: weight_metrics(torch.rand(3, 4), method="power"), "method"),
     ],
     ids=[
-        "attn_1d", "attn_integer", "key_mask_length", "key_mask_batch", "query_mask_length", "method",
+        "attn_1d", "attn_integer", "attn_no_matrix", "key_mask_length", "key_mask_batch", "query_mask_length", "method",
         "x_1d", "x_integer", "token_mask_length", "w_1d", "w_integer", "weight_method",
     ],
 )

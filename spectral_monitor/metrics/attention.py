@@ -144,6 +144,8 @@ def attention_metrics(
     default, so the global RNG is never touched).
     """
     attn = check_matrices(attn, "attn")
+    if attn.numel() == 0:
+        raise ValueError(f"attn must hold at least one (n, m) matrix, got shape {tuple(attn.shape)}")
     method = check_method(method)
     batch_shape, (n, m) = attn.shape[:-2], attn.shape[-2:]
     work = working_dtype_of(attn)
@@ -167,6 +169,7 @@ def attention_metrics(
         keys,
         queries,
         causal,
+        work,
         scratch,
     )
     metrics["dobrushin"] = _dobrushin(
@@ -276,25 +279,24 @@ def one_pass_members(
     keys: Tensor,
     queries: Tensor,
     causal: bool,
+    work: torch.dtype,
     scratch: Scratch,
 ) -> dict[str, Tensor]:
     """Entropy, ‖A‖_F, rank-one residual and self-attention of a batch of attention matrices (B, n, m) seen
     in blocks, for the dense path and for blocks recomputed from q and k alike.
 
     ``blocks()`` yields ``(elements, start, stop, A[elements, start:stop])`` covering every row of every
-    element once; it is called twice, since the centred norm ‖A − 1āᵀ‖_F needs the mean row first. Sums
-    across blocks accumulate in float64, so the hundreds of partial sums of a long matrix add no more
-    rounding than one pass over the whole matrix would; every temporary is ``scratch``'s.
+    element once, in dtype ``work``; it is called twice, since the centred norm ‖A − 1āᵀ‖_F needs the mean
+    row first. Sums across blocks accumulate in float64, so the hundreds of partial sums of a long matrix
+    add no more rounding than one pass over the whole matrix would; every temporary is ``scratch``'s.
     """
     (batch, n), m = queries.shape, keys.shape[1]
     device = queries.device
-    row_entropy: Tensor | None = None
+    row_entropy = torch.empty((batch, n), dtype=work, device=device)
     squared_norm = torch.zeros(batch, dtype=torch.float64, device=device)
     column_sums = torch.zeros((batch, m), dtype=torch.float64, device=device)
     trace = torch.zeros(batch, dtype=torch.float64, device=device)
     for elements, start, stop, block in blocks():
-        if row_entropy is None:
-            row_entropy = block.new_empty((batch, n))
         # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
         # denormal; about twice as fast as ``xlogy`` on CPU.
         logs = torch.add(block, torch.finfo(block.dtype).tiny, out=scratch.like(block)).log_()
@@ -305,8 +307,6 @@ def one_pass_members(
         column_sums[elements] += block.sum(dim=1).double()
         if n == m:
             trace[elements] += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1).double()
-    assert row_entropy is not None, "blocks() yielded no block"
-    work = row_entropy.dtype
 
     valid_rows = queries.sum(dim=1)
     mean_row = (column_sums / valid_rows.clamp_min(1)[:, None]).to(work)

@@ -198,6 +198,7 @@ def _blocked_one_pass(
         keys,
         queries,
         causal,
+        operator.dtype,
         Scratch(),
     )
     n = operator.rows
@@ -415,6 +416,8 @@ def _checked_qk(q: object, k: object) -> tuple[Tensor, Tensor]:
             )
         if value.shape[-1] == 0 or value.shape[-2] == 0:
             raise ValueError(f"{name} must have tokens and a head dimension, got shape {tuple(value.shape)}")
+        if value.numel() == 0:
+            raise ValueError(f"{name} must hold at least one sequence, got shape {tuple(value.shape)}")
     assert isinstance(q, Tensor) and isinstance(k, Tensor)
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
