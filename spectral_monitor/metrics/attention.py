@@ -22,7 +22,7 @@ from spectral_monitor.linalg import (
     lanczos_quadrature,
     top_singular,
 )
-from spectral_monitor.linalg.lanczos import orthonormal_columns, reorthogonalise
+from spectral_monitor.linalg.lanczos import orthonormal_rows, reorthogonalise
 from spectral_monitor.linalg.operators import default_generator, gaussian, rademacher
 from spectral_monitor.linalg.quadrature import QuadratureNodes
 from spectral_monitor.metrics._common import (
@@ -478,7 +478,13 @@ def krylov_spectral_metrics(
     ):
         warm = state.vectors
     top = top_singular(
-        operator, 2, block_size=SINGULAR_BLOCK, tol=SINGULAR_TOL, init=warm, generator=singular_draws
+        operator,
+        2,
+        block_size=SINGULAR_BLOCK,
+        tol=SINGULAR_TOL,
+        init=warm,
+        generator=singular_draws,
+        return_vectors="right",
     )
     if state is not None:
         state.vectors = top.right
@@ -816,20 +822,22 @@ def _second_eigenvalue_modulus(
     max_blocks = max(1, min(ARNOLDI_MAX_BLOCKS, n // width))
     draw = gaussian((batch, n, width), dtype=work, device=device, generator=generator)
     scale = torch.ones(batch, dtype=work, device=device)
-    basis, _ = orthonormal_columns(draw * ones[:, :, None], None, scale, generator)
+    basis, _ = orthonormal_rows((draw * ones[:, :, None]).mT, None, scale, generator)
     moduli = torch.full((batch,), float("nan"), dtype=work, device=device)
     active = torch.arange(batch, device=device)
     previous: Tensor | None = None
 
-    def deflated(block: Tensor) -> Tensor:
-        return operator.matmat(block) - ones[:, :, None] * (weights[:, None, :] @ block)
+    # The basis and its images are rows (B, k, n), as in lanczos_eigsh, which says why.
+    def deflated(rows: Tensor) -> Tensor:
+        block = rows.mT
+        return (operator.matmat(block) - ones[:, :, None] * (weights[:, None, :] @ block)).mT.contiguous()
 
     images = deflated(basis)
     for blocks in range(1, max_blocks + 1):
         last = blocks == max_blocks
         due = blocks >= ARNOLDI_FIRST_CHECK and (blocks - ARNOLDI_FIRST_CHECK) % ARNOLDI_CHECK_EVERY == 0
         if due or last:
-            outermost = torch.linalg.eigvals(basis.transpose(1, 2) @ images).abs().amax(dim=1).to(work)
+            outermost = torch.linalg.eigvals(basis @ images.mT).abs().amax(dim=1).to(work)
             finished = torch.full_like(outermost, last, dtype=torch.bool)
             if previous is not None:
                 finished |= (outermost - previous).abs() <= ARNOLDI_TOL
@@ -844,9 +852,7 @@ def _second_eigenvalue_modulus(
                 active, basis, images, ones, weights, scale, previous = (
                     t[going] for t in (active, basis, images, ones, weights, scale, previous)
                 )
-        latest, _ = orthonormal_columns(
-            reorthogonalise(images[:, :, -width:], basis), basis, scale, generator
-        )
-        basis = torch.cat([basis, latest], dim=2)
-        images = torch.cat([images, deflated(latest)], dim=2)
+        latest, _ = orthonormal_rows(reorthogonalise(images[:, -width:], basis), basis, scale, generator)
+        basis = torch.cat([basis, latest], dim=1)
+        images = torch.cat([images, deflated(latest)], dim=1)
     return moduli.clamp(max=1.0)

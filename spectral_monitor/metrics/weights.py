@@ -44,7 +44,7 @@ def weight_metrics(
         metrics["mp_edge"] = edge
         metrics["mp_spikes"] = (singular_values > edge[:, None]).sum(dim=1).to(matrices.dtype)
     else:
-        sigma1 = top_singular(matrices, 1, tol=1e-5, generator=generator).values[:, 0]
+        sigma1 = top_singular(matrices, 1, tol=1e-5, generator=generator, return_vectors=False).values[:, 0]
     metrics["spectral_norm"] = sigma1
     metrics["stable_rank"] = stable_rank(frobenius_squared, sigma1)
     return {name: value.reshape(batch_shape) for name, value in metrics.items()}

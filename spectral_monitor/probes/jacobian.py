@@ -226,5 +226,14 @@ def _spectral_norm(
         device=linear.x.device,
     )
     init = warm[None] if warm is not None and warm.shape[0] == linear.size else None
-    result = top_singular(op, 1, block_size=2, tol=tol, max_iters=max_iters, init=init, generator=generator)
+    result = top_singular(
+        op,
+        1,
+        block_size=2,
+        tol=tol,
+        max_iters=max_iters,
+        init=init,
+        generator=generator,
+        return_vectors="right",
+    )
     return float(result.values[0, 0]), bool(result.info.converged.all()), result.right[0].detach().clone()

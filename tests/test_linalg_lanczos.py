@@ -1,0 +1,110 @@
+"""The block Lanczos engine against float64 eigendecompositions: largest- and smallest-algebraic eigenpairs
+of indefinite batches, singular triplets of rectangular ones, invariant subspaces, and what each side of
+the singular vectors costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spectral_monitor.linalg import FunctionOperator, lanczos_eigsh, top_singular
+
+
+def indefinite_batch(batch: int, n: int, seed: int) -> torch.Tensor:
+    """Symmetric float64 matrices whose largest-magnitude eigenvalue is negative (−9 against a top of 5)."""
+    generator = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(batch, n, n, generator=generator, dtype=torch.float64)).Q
+    spectrum = torch.linspace(-1.0, 1.0, n, dtype=torch.float64).repeat(batch, 1)
+    spectrum[:, 0], spectrum[:, -3:] = -9.0, torch.tensor([3.0, 4.0, 5.0], dtype=torch.float64)
+    return basis @ torch.diag_embed(spectrum) @ basis.transpose(1, 2)
+
+
+@pytest.mark.parametrize("which", ["largest", "smallest"])
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_extreme_algebraic_eigenpairs_of_indefinite_batches_match_eigvalsh(
+    which: str, block_size: int
+) -> None:
+    matrices = indefinite_batch(3, 40, seed=0)
+    result = lanczos_eigsh(
+        matrices, 3, which=which, block_size=block_size, tol=1e-10, generator=torch.Generator().manual_seed(1)
+    )
+    reference = torch.linalg.eigvalsh(matrices)
+    expected = reference[:, -3:].flip(1) if which == "largest" else reference[:, :3]
+    torch.testing.assert_close(result.values, expected, rtol=1e-8, atol=1e-8)
+    assert bool(result.info.converged.all())
+    # Orthonormal eigenvectors with the eigenvalues returned.
+    gram = result.vectors.transpose(1, 2) @ result.vectors
+    torch.testing.assert_close(gram, torch.eye(3, dtype=torch.float64).expand(3, 3, 3), atol=1e-8, rtol=0)
+    torch.testing.assert_close(
+        matrices @ result.vectors, result.vectors * result.values[:, None, :], atol=1e-6, rtol=0
+    )
+
+
+def test_an_invariant_krylov_space_is_extended_by_filler_directions_not_a_breakdown() -> None:
+    """Top 3 of rank-one matrices by single-vector Lanczos: the Krylov space is invariant after two vectors,
+    so the third direction must be a random one orthogonal to both, and the third value is then exactly 0."""
+    generator = torch.Generator().manual_seed(3)
+    u = torch.nn.functional.normalize(torch.randn(2, 30, 1, generator=generator, dtype=torch.float64), dim=1)
+    matrices = u @ u.mT * torch.tensor([7.0, 0.5], dtype=torch.float64)[:, None, None]
+    result = lanczos_eigsh(matrices, 3, block_size=1, tol=1e-12, generator=generator)
+    expected = torch.tensor([[7.0, 0.0, 0.0], [0.5, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(result.values, expected, atol=1e-12, rtol=0)
+    gram = result.vectors.mT @ result.vectors
+    torch.testing.assert_close(gram, torch.eye(3, dtype=torch.float64).expand(2, 3, 3), atol=1e-10, rtol=0)
+
+
+def test_warm_vectors_that_span_the_answer_converge_in_one_block() -> None:
+    matrices = indefinite_batch(2, 50, seed=4)
+    cold = lanczos_eigsh(matrices, 2, tol=1e-10, generator=torch.Generator().manual_seed(5))
+    warm = lanczos_eigsh(
+        matrices, 2, tol=1e-10, init=cold.vectors, generator=torch.Generator().manual_seed(6)
+    )
+    assert warm.info.iterations.tolist() == [1, 1]
+    torch.testing.assert_close(warm.values, cold.values, atol=1e-9, rtol=0)
+
+
+def counted(matrices: torch.Tensor) -> tuple[FunctionOperator, list[int]]:
+    """A rectangular batch as a function operator that counts the columns of the blocks it multiplies by,
+    either side (one block product for the whole batch)."""
+    spent = [0]
+
+    def matmat(x: torch.Tensor) -> torch.Tensor:
+        spent[0] += x.shape[2]
+        return matrices @ x
+
+    def rmatmat(y: torch.Tensor) -> torch.Tensor:
+        spent[0] += y.shape[2]
+        return matrices.transpose(1, 2) @ y
+
+    batch, rows, cols = matrices.shape
+    op = FunctionOperator(matmat, rmatmat=rmatmat, batch=batch, rows=rows, cols=cols, dtype=matrices.dtype)
+    return op, spent
+
+
+@pytest.mark.parametrize("shape", [(30, 12), (12, 30)], ids=["tall", "wide"])
+def test_singular_triplets_of_rectangular_batches_and_the_cost_of_each_side(shape: tuple[int, int]) -> None:
+    matrices = torch.randn(3, *shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    expected = torch.linalg.svdvals(matrices)[:, :2]
+    results, spent = {}, {}
+    for wanted in (True, "left", "right", False):
+        op, products = counted(matrices)
+        results[wanted] = top_singular(
+            op, 2, tol=1e-12, generator=torch.Generator().manual_seed(8), return_vectors=wanted
+        )
+        spent[wanted] = products[0]
+        torch.testing.assert_close(results[wanted].values, expected, rtol=1e-9, atol=0)
+    both = results[True]
+    assert both.left is not None and both.right is not None
+    torch.testing.assert_close(matrices @ both.right, both.left * both.values[:, None, :], atol=1e-8, rtol=0)
+    assert results["left"].right is None and results["right"].left is None
+    assert results[False].left is None and results[False].right is None
+    # The Gram operator's own side (right for a tall matrix, left for a wide one) costs nothing more; the
+    # other costs one batched product of width k = 2.
+    free, paid = ("right", "left") if shape[0] >= shape[1] else ("left", "right")
+    assert spent[free] == spent[False]
+    assert spent[paid] == spent[True] == spent[False] + 2
+
+
+def test_an_unknown_return_vectors_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="return_vectors"):
+        top_singular(torch.randn(1, 4, 4), 1, return_vectors="both")  # type: ignore[arg-type]
