@@ -548,7 +548,7 @@ class SpectralMonitor(Callback):
             if progress.draw_figures and sample.probs[0, _FIGURE_HEAD].isfinite().all():
                 drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
         if drawn_heads:
-            progress.figures += self._attention_images.drawn(progress.step, drawn_heads)
+            progress.figures += self._attention_images.drawn(drawn_heads)
         if _due(self.head_diversity_every_n_logs, self._logging_steps_done):
             with self._reports.failures_of("measuring head diversity"):
                 records, pairs = head_diversity_records(progress.step, diversity_samples)
@@ -838,14 +838,14 @@ class _AttentionImages:
         self.heatmaps: dict[tuple[int, ...], AttentionHeatmapImages] = {}
         self.effective_rank = LayerHeadHeatmapImages()
 
-    def drawn(self, step: int, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
+    def drawn(self, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
         """(tag, draw) of each attention image; drawing is deferred to the sinks that keep figures."""
         images: list[tuple[str, Callable[[], np.ndarray]]] = [
             (
                 "attention/figures/spectrum",
                 lambda: self.spectrum.image(
                     {head.layer: head.singular_values for head in heads},
-                    f"attention singular values, head {_FIGURE_HEAD} of sequence 0, step {step}",
+                    f"attention singular values, head {_FIGURE_HEAD} of sequence 0",
                 ),
             )
         ]
@@ -861,7 +861,7 @@ class _AttentionImages:
                 (
                     f"attention/figures/heatmap/{head.layer}",
                     lambda head=head, heatmap=heatmap: heatmap.image(
-                        head.attention, f"{head.layer}, head {_FIGURE_HEAD}, step {step}", head.key_padding
+                        head.attention, f"{head.layer}, head {_FIGURE_HEAD}", head.key_padding
                     ),
                 )
             )
@@ -876,7 +876,7 @@ class _AttentionImages:
                     lambda: self.effective_rank.image(
                         grid,
                         [head.layer for head in ratios],
-                        f"effective rank / n, step {step}",
+                        "effective rank / n",
                         vmin=0.0,
                         vmax=1.0,
                     ),

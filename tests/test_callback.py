@@ -146,12 +146,12 @@ def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers()
     images = _AttentionImages()
     for step, last_queries in ((0, 8), (10, 8), (20, 6), (30, 8)):
         heads = [head("l0", 8), head("l1", 8), head("l2", last_queries)]
-        drawn = dict(images.drawn(step, heads))
+        drawn = dict(images.drawn(heads))
         assert len(images.heatmaps) == (1 if last_queries == 8 else 2)
         for drawn_head in (heads[0], heads[2]):
             image = drawn[f"attention/figures/heatmap/{drawn_head.layer}"]()
             canvas = FigureCanvasAgg(
-                attention_heatmap_figure(drawn_head.attention, f"{drawn_head.layer}, head 0, step {step}")
+                attention_heatmap_figure(drawn_head.attention, f"{drawn_head.layer}, head 0")
             )
             canvas.draw()
             assert np.array_equal(image, np.array(canvas.buffer_rgba())), (drawn_head.layer, step)

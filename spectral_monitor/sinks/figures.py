@@ -11,7 +11,10 @@ and use no mathtext: the constrained layout engine and TeX-like labels were half
 A monitor draws the same figures every few hundred steps with new data. :class:`SpectrumImages`,
 :class:`AttentionHeatmapImages` and :class:`LayerHeadHeatmapImages` keep each figure and redraw only what
 changes over its rendered axes, ticks and labels (:class:`RedrawnFigure`): with matplotlib 3.11 the text
-of ticks and labels is most of a figure's cost, and redrawn it is paid once.
+of ticks and labels is most of a figure's cost, and redrawn it is paid once. For that the spectrum's legend
+sits beside its panels rather than over the curves, and the titles of the spectrum and layer × head
+figures are part of what is kept (a new title makes a new figure): the step a figure belongs to is shown
+by TensorBoard with each image, so it is not in the titles.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
@@ -88,13 +92,14 @@ class SpectrumImages(_KeptFigure):
 
     def image(self, singular_values: Mapping[str, np.ndarray], title: str) -> np.ndarray:
         spectra = _checked_spectra(singular_values)
-        return self._image(_Spectrum.static_key(spectra), lambda: _Spectrum(spectra, title), spectra, title)
+        return self._image((_Spectrum.static_key(spectra), title), lambda: _Spectrum(spectra, title), spectra)
 
 
 class _Spectrum:
     def __init__(self, spectra: dict[str, np.ndarray], title: str) -> None:
-        figure = Figure(figsize=(8.0, 3.2), dpi=_DPI)
-        figure.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.86, wspace=0.28)
+        figure = Figure(figsize=(9.0, 3.2), dpi=_DPI)
+        # The right margin holds the legend, clear of the curves, so it is drawn once with the axes.
+        figure.subplots_adjust(left=0.07, right=0.8, bottom=0.15, top=0.86, wspace=0.28)
         values_axes, energy_axes = figure.subplots(1, 2)
         colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(spectra)))
         labelled = _legend_labels(list(spectra))
@@ -120,7 +125,7 @@ class _Spectrum:
         values_axes.yaxis.set_minor_locator(NullLocator())
         values_axes.set_ylabel("σₖ")
         values_axes.grid(True, which="major", alpha=0.3)
-        self.legend = values_axes.legend(fontsize="x-small", loc="upper right")
+        figure.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(0.805, 0.5), frameon=False)
 
         self.energy_level = energy_axes.axhline(ENERGY_LEVEL, color="tab:red", linestyle="--", linewidth=1.0)
         self.energy_label = energy_axes.annotate(
@@ -136,9 +141,9 @@ class _Spectrum:
         energy_axes.set_ylim(0.0, 1.02)
         energy_axes.set_ylabel("Σᵢ≤ₖ σᵢ² / Σᵢ σᵢ²")
         energy_axes.grid(True, alpha=0.3)
-        self.title = figure.suptitle(title)
+        figure.suptitle(title)
         self.figure = figure
-        self.update(spectra, title)
+        self.update(spectra)
 
     @staticmethod
     def static_key(spectra: dict[str, np.ndarray]) -> tuple[tuple[str, ...], int, tuple[int, int]]:
@@ -150,7 +155,7 @@ class _Spectrum:
         high = math.ceil(2 * math.log10(largest)) if largest > 0 else 0
         return tuple(spectra), max(sigma.size for sigma in spectra.values()), (high - 2 * LOG_DECADES, high)
 
-    def update(self, spectra: dict[str, np.ndarray], title: str) -> None:
+    def update(self, spectra: dict[str, np.ndarray]) -> None:
         for sigma, value_line, energy_line in zip(
             spectra.values(), self.value_lines, self.energy_lines, strict=True
         ):
@@ -159,14 +164,12 @@ class _Spectrum:
             energy = np.cumsum(sigma**2)
             share = energy / energy[-1] if energy[-1] > 0 else np.full(sigma.size, np.nan)
             energy_line.set_data(index, share)
-        self.title.set_text(title)
 
     def changing(self) -> list[Artist]:
-        # In the order a fresh figure draws them (by z-order): the 99% line, the spines and the legend over
-        # the curves.
+        # In the order a fresh figure draws them (by z-order): the 99% line and the spines over the curves.
         spines = [spine for axes in self.figure.axes for spine in axes.spines.values()]
         lines = [*self.value_lines, *self.energy_lines, self.energy_level]
-        return [*lines, *spines, self.energy_label, self.legend, self.title]
+        return [*lines, *spines, self.energy_label]
 
 
 _SUPERSCRIPTS = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
@@ -186,7 +189,12 @@ def _index_limits(longest: int) -> tuple[float, float]:
 def attention_heatmap_figure(
     probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None
 ) -> Figure:
-    """One attention matrix as a heatmap: queries down, keys across, colour from 0 to its largest weight.
+    """One attention matrix as a heatmap: queries down, keys across, colour by weight from 0 to 1 on a
+    square-root scale (``HEATMAP_GAMMA``).
+
+    The scale is the same for every matrix, so heatmaps of different layers and steps compare (a map that
+    brightens has sharpened), and the colour bar is drawn once with the axes; the square root keeps diffuse
+    rows visible (1/64 is an eighth of the way up, where a linear scale leaves it black).
 
     ``key_padding_mask`` follows ``nn.MultiheadAttention``: shape (m,), ``True`` where a key is padding
     and ignored; those columns are drawn grey. A matrix with more than 128 queries or keys is shown as
@@ -230,6 +238,11 @@ def _shown_attention(
     return shown, (n_queries, n_keys), title
 
 
+HEATMAP_GAMMA = 0.5
+"""Exponent of the attention heatmap's colour scale: colour ∝ weight ** HEATMAP_GAMMA."""
+_HEATMAP_TICKS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
 class _AttentionHeatmap:
     def __init__(self, shown: np.ndarray, shape: tuple[int, int], title: str) -> None:
         n_queries, n_keys = shape
@@ -239,6 +252,7 @@ class _AttentionHeatmap:
         self.image = axes.imshow(
             np.ma.masked_invalid(shown),
             cmap=cmap,
+            norm=PowerNorm(HEATMAP_GAMMA, vmin=0.0, vmax=1.0),
             interpolation="nearest",
             aspect="auto",
             extent=(-0.5, n_keys - 0.5, n_queries - 0.5, -0.5),
@@ -246,19 +260,19 @@ class _AttentionHeatmap:
         axes.set_xlabel("key")
         axes.set_ylabel("query")
         self.title = axes.set_title(title, fontsize="medium")
-        figure.colorbar(self.image, cax=colorbar_axes, label="attention weight")
-        self.axes, self.colorbar_axes, self.figure = axes, colorbar_axes, figure
+        colorbar = figure.colorbar(self.image, cax=colorbar_axes, label="attention weight (√ scale)")
+        colorbar.set_ticks(_HEATMAP_TICKS, labels=[f"{tick:g}" for tick in _HEATMAP_TICKS])
+        self.axes, self.figure = axes, figure
         self.update(shown, title)
 
     def update(self, shown: np.ndarray, title: str) -> None:
-        largest = np.nanmax(shown) if np.any(np.isfinite(shown)) else 0.0
         self.image.set_data(np.ma.masked_invalid(shown))
-        self.image.set_clim(0.0, largest if largest > 0 else 1.0)
         self.title.set_text(title)
 
     def changing(self) -> list[Artist]:
-        # A fresh figure draws the spines over the image; the colour bar's ticks follow the largest weight.
-        return [self.image, *self.axes.spines.values(), self.colorbar_axes, self.title]
+        # A fresh figure draws the spines over the image. The title changes: layers of one shape share a
+        # figure (the callback's heatmaps of the first and last layer).
+        return [self.image, *self.axes.spines.values(), self.title]
 
 
 def layer_head_heatmap_figure(
@@ -280,7 +294,7 @@ def layer_head_heatmap_figure(
 
 class LayerHeadHeatmapImages(_KeptFigure):
     """:func:`layer_head_heatmap_figure` of successive steps as RGBA images, redrawn while the layers, the
-    number of heads and the colour range stay the same."""
+    number of heads, the title and the colour range stay the same."""
 
     def image(
         self,
@@ -293,10 +307,9 @@ class LayerHeadHeatmapImages(_KeptFigure):
         values = _checked_grid(values, layer_names, vmin, vmax)
         names = tuple(layer_names)
         return self._image(
-            (names, values.shape[1], vmin, vmax),
+            (names, values.shape[1], title, vmin, vmax),
             lambda: _LayerHeadHeatmap(values, names, title, vmin, vmax),
             values,
-            title,
         )
 
 
@@ -343,7 +356,7 @@ class _LayerHeadHeatmap:
         axes.set_yticks(range(n_layers), list(layer_names))
         axes.tick_params(labelsize="small")
         axes.set_xlabel("head")
-        self.title = axes.set_title(title)
+        axes.set_title(title)
         figure.colorbar(self.image, cax=colorbar_axes)
         self.fixed_scale = vmin is not None and vmax is not None
         self.annotations: list[Text] = []
@@ -354,9 +367,9 @@ class _LayerHeadHeatmap:
                 for row, column in np.ndindex(values.shape)
             ]
         self.axes, self.colorbar_axes, self.figure = axes, colorbar_axes, figure
-        self.update(values, title)
+        self.update(values)
 
-    def update(self, values: np.ndarray, title: str) -> None:
+    def update(self, values: np.ndarray) -> None:
         self.image.set_data(np.ma.masked_invalid(values))
         if not self.fixed_scale:
             finite = values[np.isfinite(values)]
@@ -370,11 +383,10 @@ class _LayerHeadHeatmap:
             else:
                 annotation.set_color("black")
                 annotation.set_text("–")
-        self.title.set_text(title)
 
     def changing(self) -> list[Artist]:
         colour_bar = [] if self.fixed_scale else [self.colorbar_axes]
-        return [self.image, *self.axes.spines.values(), *self.annotations, *colour_bar, self.title]
+        return [self.image, *self.axes.spines.values(), *self.annotations, *colour_bar]
 
 
 class RedrawnFigure:
