@@ -108,3 +108,29 @@ def test_singular_triplets_of_rectangular_batches_and_the_cost_of_each_side(shap
 def test_an_unknown_return_vectors_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="return_vectors"):
         top_singular(torch.randn(1, 4, 4), 1, return_vectors="both")  # type: ignore[arg-type]
+
+
+def test_each_wanted_eigenvalue_can_be_judged_against_itself() -> None:
+    """Eigenvalues 1000 and 1 over a bulk below 0.9: against the largest, the second stops a few 1e-4 short
+    of 1 (its error is small next to 1000); against itself it is resolved to the tolerance."""
+    generator = torch.Generator().manual_seed(0)
+    n = 200
+    basis = torch.linalg.qr(torch.randn(3, n, n, generator=generator, dtype=torch.float64)).Q
+    spectrum = 0.9 * torch.rand(3, n, generator=generator, dtype=torch.float64)
+    spectrum[:, -2:] = torch.tensor([1.0, 1000.0], dtype=torch.float64)
+    matrices = basis @ torch.diag_embed(spectrum) @ basis.mT
+    second = {
+        relative_to: lanczos_eigsh(
+            matrices,
+            2,
+            block_size=1,
+            tol=1e-5,
+            relative_to=relative_to,
+            generator=torch.Generator().manual_seed(1),
+        ).values[:, 1]
+        for relative_to in ("largest", "each")
+    }
+    assert float((second["largest"] - 1).abs().max()) > 1e-4
+    torch.testing.assert_close(second["each"], torch.ones(3, dtype=torch.float64), atol=1e-8, rtol=0)
+    with pytest.raises(ValueError, match="relative_to"):
+        lanczos_eigsh(matrices, 1, relative_to="smallest")  # type: ignore[arg-type]

@@ -31,6 +31,11 @@ from spectral_monitor.linalg.operators import (
 Which = Literal["largest", "smallest"]
 StopCriterion = Literal["residual", "eigenvalue"]
 STOP_CRITERIA = ("residual", "eigenvalue")
+RelativeTo = Literal["largest", "each"]
+RELATIVE_TO = ("largest", "each")
+EACH_FLOOR = 1e-3
+"""With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
+instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
 
 
 @dataclass
@@ -112,6 +117,7 @@ def lanczos_eigsh(
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
     criterion: StopCriterion = "residual",
+    relative_to: RelativeTo = "largest",
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
@@ -120,7 +126,10 @@ def lanczos_eigsh(
     θ: a bound on the error, usually far above it); ``"eigenvalue"``, the estimated eigenvalue error
     min(r, r²/gap) with the gap to the nearest other Ritz value (the Kato–Temple bound with the Ritz gap
     standing in for the unknown true one: an estimate, not a bound, that stops as soon as the eigenvalue is
-    good enough instead of its vector). An element whose product is non-finite stops with NaN values, not
+    good enough instead of its vector). ``relative_to="each"`` judges each wanted pair against its own |θᵢ|
+    (floored at ``EACH_FLOOR`` · max|θ|) instead of the largest: a small wanted eigenvalue next to a large one
+    (σ₂² of attention with a sink, 2e-3 σ₁²) is then resolved to ``tol`` of itself, not of the large one.
+    An element whose product is non-finite stops with NaN values, not
     converged. A ``block_size`` below ``k`` is allowed (single-vector Lanczos
     needs the fewest products when exact multiplicities are not expected). ``init`` (B, n, r) warm-starts
     from earlier vectors (the module docstring says why it is safe).
@@ -140,6 +149,8 @@ def lanczos_eigsh(
         raise ValueError(f"max_iters must be >= 1, got {max_iters}")
     if criterion not in STOP_CRITERIA:
         raise ValueError(f"criterion must be one of {STOP_CRITERIA}, got {criterion!r}")
+    if relative_to not in RELATIVE_TO:
+        raise ValueError(f"relative_to must be one of {RELATIVE_TO}, got {relative_to!r}")
     work = working_dtype(op.dtype, dtype)
     sign = 1.0 if which == "largest" else -1.0
     generator = generator if generator is not None else default_generator(op.device)
@@ -234,7 +245,11 @@ def lanczos_eigsh(
         res = (next_coupling @ wanted_vectors[:, -width_now:, :]).norm(dim=1)
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
         relative = res / magnitude[:, None]
-        error = relative if criterion == "residual" else _eigenvalue_error(theta, res, k) / magnitude[:, None]
+        judged_against = magnitude[:, None]
+        if relative_to == "each":
+            judged_against = torch.maximum(wanted_theta.abs(), EACH_FLOOR * judged_against)
+        estimate = res if criterion == "residual" else _eigenvalue_error(theta, res, k)
+        error = estimate / judged_against
         exhausted = room <= 0
         met = active_op.agreed((error <= tol).all(dim=1))
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
@@ -302,12 +317,15 @@ def top_singular(
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
     return_vectors: bool | Literal["left", "right"] = True,
+    criterion: StopCriterion = "residual",
+    relative_to: RelativeTo = "largest",
 ) -> SingularResult:
     """The ``k`` largest singular triplets of a batch of (possibly rectangular) matrices ``(B, m, n)``.
 
     Block Lanczos on the Gram operator (AᵀA or AAᵀ, whichever is smaller); ``init`` holds earlier right
     singular vectors (B, n, r) for a warm start. Tolerance is on the Gram operator's Ritz residual, relative
-    to σ₁². ``return_vectors`` says which singular vectors to return (``True``: both, as scipy's ``svds``):
+    to σ₁² (``criterion`` and ``relative_to`` as :func:`lanczos_eigsh` has them, on σᵢ²). ``return_vectors``
+    says which singular vectors to return (``True``: both, as scipy's ``svds``):
     the Gram operator's own side comes free, the other costs one more product.
     """
     if return_vectors not in (True, False, "left", "right"):
@@ -327,6 +345,8 @@ def top_singular(
         init=side_init,
         generator=generator,
         dtype=work,
+        criterion=criterion,
+        relative_to=relative_to,
     )
     sigma = result.values.clamp_min(0).sqrt()
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]

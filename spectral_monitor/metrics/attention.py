@@ -48,9 +48,13 @@ SINGULAR_BLOCK = 4
 width needs about the same number of products to resolve it; narrow blocks waste fewest (measured at n = 1024:
 42 Gram products per matrix at width 4, 67 at width 16, for the same accuracy)."""
 ARNOLDI_WIDTH = 4
-SINGULAR_TOL = 1e-4
-"""Ritz residual of σ₁², σ₂² relative to σ₁². At 3e-4 σ₂ of softmax attention at n = 2048 came out 1.1e-3
-off (σ₂ shrinks against σ₁ as n grows, and the tolerance is relative to σ₁²); at 1e-4, 1.5e-5."""
+SINGULAR_TOL = 3e-4
+"""Estimated error of each of σ₁², σ₂² relative to itself (``criterion="eigenvalue"``, ``relative_to="each"``
+of :func:`~spectral_monitor.linalg.lanczos_eigsh`). The Ritz residual relative to σ₁², the rule before, let
+σ₂ of attention with a sink (σ₂² ≈ 2e-3 σ₁²) stop after 3 blocks 9.2e-4 off; judged against itself it is
+1.1e-5 off after 3.3. Measured on 62 matrices (softmax at n = 1024 and 2048, logits ×2, sinks, causal and
+local bands at 256 and 1024, seeded): the worst σ error 9.2e-4 → 3.2e-5 in 10.2 blocks at n = 1024, as
+before; at tol 2e-3 the sink case fails again, at 1e-3 the worst is 2.8e-4."""
 ERANK_QUADRATURE_RTOL = 0.004
 """Quadrature steps go on until the effective rank's estimated quadrature error is below this (relative)."""
 EXTRAPOLATION_SAFETY = 2.0
@@ -485,6 +489,8 @@ def krylov_spectral_metrics(
         init=warm,
         generator=singular_draws,
         return_vectors="right",
+        criterion="eigenvalue",
+        relative_to="each",
     )
     if state is not None:
         state.vectors = top.right
