@@ -13,6 +13,15 @@ split into what a run pays once (setup and the first logging step, where every f
 the rest, which grows with the run's length: the share a long run converges to.
 
     python benchmarks/bench_overhead.py --steps 300 --pairs 2
+
+``--interleaved`` measures in one process instead, where the drift between processes cannot enter: one fit,
+its steps in alternating blocks of ``2 * every_n_steps`` without and with the monitor (its per-step hooks
+skip the "off" blocks, so each "on" block holds two logging steps at the default cadence, and a figure step
+every tenth logging step as in a real run). The whole step is timed, the armed forward and backward
+included, which the hook time leaves out. The first pair of blocks, where the first logging step draws every
+figure new, is left out of the ratio and reported as the once-per-run cost.
+
+    python benchmarks/bench_overhead.py --interleaved --steps 4000
 """
 
 from __future__ import annotations
@@ -123,6 +132,94 @@ def timed_hooks(callback, seconds: dict[int, float], step: Callable[[], int]):
     return callback
 
 
+PER_STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_train_batch_end")
+
+
+def interleaved(steps: int, every: int | None) -> None:
+    """One fit with the monitor on in every other block of ``2 * every`` steps; prints the ratio table."""
+    import pytorch_lightning as pl
+    import yaml
+
+    from spectral_monitor import SpectralMonitor
+    from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
+
+    config = yaml.safe_load(CONFIG.read_text())
+    monitor = SpectralMonitor(**({} if every is None else {"every_n_steps": every}))
+    block = 2 * monitor.every_n_steps
+    if steps < 4 * block:
+        raise SystemExit(f"--steps must be at least {4 * block} (two pairs of blocks of {block})")
+
+    starts: list[float] = []
+    step = {"now": 0}
+
+    class StepClock(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+            starts.append(time.perf_counter())
+            step["now"] = trainer.global_step
+
+        def on_train_end(self, *args: object) -> None:
+            starts.append(time.perf_counter())
+
+    def monitored(index: int) -> bool:
+        return (index // block) % 2 == 1
+
+    hook_seconds: dict[int, float] = {}  # by step; -1 before the first (setup, on_fit_start)
+    timed_hooks(monitor, hook_seconds, lambda: len(starts) - 1)
+    for name in PER_STEP_HOOKS:
+        hook = getattr(monitor, name)
+
+        def gated(*args, hook=hook, **kwargs):
+            return hook(*args, **kwargs) if monitored(step["now"]) else None
+
+        setattr(monitor, name, gated)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        log_every_n_steps=monitor.every_n_steps,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepClock(), monitor],
+        logger=pl.loggers.TensorBoardLogger("/tmp/spectral_monitor_bench_overhead/interleaved"),
+    )
+    trainer.fit(
+        DemoTransformer(**config["model"]["init_args"]), SyntheticDataModule(**config["data"]["init_args"])
+    )
+    durations = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    pairs = len(durations) // (2 * block)
+    kept = range(2 * block, 2 * block * pairs)  # whole pairs after the first
+    off = sum(durations[i] for i in kept if not monitored(i))
+    on = sum(durations[i] for i in kept if monitored(i))
+    first_off = sum(durations[:block])
+    first_on = sum(durations[block : 2 * block])
+    logging_steps = sum(1 for i in kept if monitored(i) and (i + 1) % monitor.every_n_steps == 0)
+    print(describe_machine())
+    print(
+        f"\ndemo model ({CONFIG.name}), {steps} steps in one process, monitor every "
+        f"{monitor.every_n_steps} steps, on in every other block of {block} steps; "
+        f"{pairs - 1} pairs of blocks compared, the first pair apart\n"
+    )
+    rows = [
+        ["training time of the compared blocks (s)", f"{off:.2f}", f"{on:.2f}", f"{on / off:.4f}"],
+        [
+            "the first pair of blocks (s)",
+            f"{first_off:.2f}",
+            f"{first_on:.2f}",
+            f"{first_on / first_off:.4f}",
+        ],
+    ]
+    print(markdown_table(["measure", "without monitor", "with monitor", "ratio"], rows))
+    print(
+        f"\nextra per logging step in the compared blocks: {1000 * (on - off) / logging_steps:.1f} ms "
+        f"({logging_steps} logging steps), of which in the hooks "
+        f"{1000 * sum(hook_seconds.get(i, 0.0) for i in kept) / logging_steps:.1f} ms; once per run: "
+        f"{hook_seconds.get(-1, 0.0):.2f} s of setup and "
+        f"{first_on - first_off - (on - off) / (pairs - 1):.2f} s in the first pair over the others' rate"
+    )
+
+
 def run_worker(monitor: bool, steps: int, every: int | None) -> dict[str, float]:
     cadence = [] if every is None else ["--every", str(every)]
     output = subprocess.run(
@@ -143,7 +240,13 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=None, help="every_n_steps (default: the monitor's)")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interleaved", action="store_true", help="one process, alternating blocks (module docstring)"
+    )
     args = parser.parse_args()
+    if args.interleaved:
+        interleaved(args.steps, args.every)
+        return
     if args.worker:
         print(json.dumps(worker(args.worker == "on", args.steps, args.every)))
         return
