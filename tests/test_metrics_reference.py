@@ -565,6 +565,29 @@ def test_sigma2_next_to_an_attention_sink_is_resolved_to_its_own_accuracy(seed: 
     np.testing.assert_allclose(actual["sigma2"], expected["sigma2"], rtol=1e-4)
 
 
+def test_a_warm_start_from_the_last_steps_vectors_keeps_sigma2_accurate() -> None:
+    """σ₁, σ₂ of the next step's attention (q and k moved by 1%) warm-started from this step's vectors: the
+    stopping rule's estimate must not take the warm block's wide-looking Ritz gap at its word (at 3e-4 it
+    stopped after one block, 8e-4 off, on these matrices)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(16, 512, 64, generator=generator) for _ in range(2))
+    moved = [x + 0.01 * torch.randn(x.shape, generator=generator) for x in (q, k)]
+    state = attention_module.KrylovState()
+    with one_intra_op_thread():
+        attention_metrics(torch.softmax(q @ k.mT / 8, dim=-1), method="krylov", state=state)
+        attn = torch.softmax(moved[0] @ moved[1].mT / 8, dim=-1)
+        warm = attention_metrics(
+            attn,
+            method="krylov",
+            state=state,
+            include_rank_sums=False,
+            generator=torch.Generator().manual_seed(1),
+        )
+    expected = torch.linalg.svdvals(attn.double())[:, :2]
+    np.testing.assert_allclose(warm["sigma1"].double(), expected[:, 0], rtol=2e-4)
+    np.testing.assert_allclose(warm["sigma2"].double(), expected[:, 1], rtol=2e-4)
+
+
 @pytest.mark.slow
 def test_krylov_effective_rank_standard_error_covers_the_truth() -> None:
     """|estimate − truth| ≤ 2·se holds as often as a 95% interval should.
