@@ -350,20 +350,19 @@ def top_singular(
     )
     sigma = result.values.clamp_min(0).sqrt()
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]
-    wanted = {"left", "right"} if return_vectors is True else {return_vectors} - {False}
     left = right = None
     if gram.side == "right":
         right = result.vectors
-        if "left" in wanted:
+        if return_vectors in (True, "left"):
             left = op.matmat(right.to(op.dtype)).to(work) / safe
     else:
         left = result.vectors
-        if "right" in wanted:
+        if return_vectors in (True, "right"):
             right = op.rmatmat(left.to(op.dtype)).to(work) / safe
     return SingularResult(
         values=sigma,
-        left=left if "left" in wanted else None,
-        right=right if "right" in wanted else None,
+        left=left if return_vectors in (True, "left") else None,
+        right=right if return_vectors in (True, "right") else None,
         info=result.info,
     )
 
