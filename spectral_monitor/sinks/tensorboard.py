@@ -18,6 +18,7 @@ from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks.figures import release_figure
 from spectral_monitor.sinks.layout import Layout, check_layout, merged_layout
 from spectral_monitor.sinks.logger import Capability, Sink, SinkError, check_tag_and_step
+from spectral_monitor.sinks.tfrecord import use_vectorised_checksums
 
 
 class SummaryWriterLike(Protocol):
@@ -110,13 +111,20 @@ class TensorBoardSink(Sink):
         )
 
     def _write_one_event_per_step(self, values: Iterable[tuple[int, Summary.Value]], what: str) -> None:
-        """``(step, value)`` pairs as one event per step, straight to the real ``SummaryWriter``'s file."""
+        """``(step, value)`` pairs as one event per step, straight to the real ``SummaryWriter``'s file.
+
+        That file's records are checksummed by :mod:`spectral_monitor.sinks.tfrecord` from then on (every
+        writer's, Lightning's included): TensorBoard's pure-Python checksum of a logging step's events held
+        the GIL for ≈ 20 ms.
+        """
         by_step: dict[int, list[Summary.Value]] = {}
         for step, value in values:
             by_step.setdefault(step, []).append(value)
         for step, step_values in by_step.items():
             with _failures_as_sink_error(f"{len(step_values)} {what} at step {step}"):
-                self._writer._get_file_writer().add_summary(Summary(value=step_values), step)
+                file_writer = self._writer._get_file_writer()
+                use_vectorised_checksums(file_writer)
+                file_writer.add_summary(Summary(value=step_values), step)
 
     def write_figure(self, tag: str, figure: Figure, step: int) -> None:
         """Render ``figure`` to an RGBA image under ``tag``, then release it (even if writing failed)."""

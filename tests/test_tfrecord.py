@@ -1,0 +1,108 @@
+"""The vectorised CRC-32C and TFRecord framing against TensorBoard's own, and the writer that uses them."""
+
+from __future__ import annotations
+
+import io
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_masked_crc32c
+from tensorboard.summary.writer.record_writer import RecordWriter
+from torch.utils.tensorboard import SummaryWriter
+
+from spectral_monitor.records import Measurement
+from spectral_monitor.sinks import TensorBoardSink
+from spectral_monitor.sinks.tfrecord import (
+    LANE_BYTES,
+    VECTORISED_FROM_BYTES,
+    crc32c,
+    masked_crc32c,
+    tfrecord,
+    use_vectorised_checksums,
+)
+
+
+def test_crc32c_gives_the_standard_check_value() -> None:
+    # RFC 3720 (iSCSI), B.4, and every CRC catalogue: CRC-32C of the ASCII digits 1-9.
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720, B.4: 32 bytes of zeros
+    assert crc32c(b"\xff" * 32) == 0x62A8AB43  # and of ones
+
+
+LENGTHS = sorted(
+    {0, 1, 3, 4, 5, LANE_BYTES - 1, LANE_BYTES, LANE_BYTES + 1}
+    | {VECTORISED_FROM_BYTES + d for d in (-1, 0, 1, LANE_BYTES, 3 * LANE_BYTES + 5)}
+    | {70_001, 262_144}
+)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_masked_checksum_is_tensorboards_for_every_length_around_the_lanes(length: int) -> None:
+    data = np.random.default_rng(length).integers(0, 256, length, dtype=np.uint8).tobytes()
+    assert masked_crc32c(data) == tensorboard_masked_crc32c(data)
+
+
+def test_leading_and_trailing_zeros_change_the_checksum() -> None:
+    # The lanes pad with zeros in front; a CRC from all ones must still see real zeros at either end.
+    data = np.random.default_rng(0).integers(0, 256, 3 * VECTORISED_FROM_BYTES, dtype=np.uint8).tobytes()
+    for variant in (b"\x00" + data, data + b"\x00", b"\x00" * LANE_BYTES + data):
+        assert masked_crc32c(variant) == tensorboard_masked_crc32c(variant) != masked_crc32c(data)
+
+
+def test_framing_is_byte_for_byte_tensorboards_record_writer() -> None:
+    payloads = [b"", b"x", bytes(range(256)) * 40]
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    reference = RecordWriter(theirs)
+    for payload in payloads:
+        ours.write(tfrecord(payload))
+        reference.write(payload)
+    assert ours.getvalue() == theirs.getvalue()
+
+
+def records_in(event_file: Path) -> list[bytes]:
+    """Each record's data, after checking both of its checksums with TensorBoard's own function."""
+    raw, records, offset = event_file.read_bytes(), [], 0
+    while offset < len(raw):
+        header = raw[offset : offset + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", raw[offset + 8 : offset + 12])
+        data = raw[offset + 12 : offset + 12 + length]
+        (data_crc,) = struct.unpack("<I", raw[offset + 12 + length : offset + 16 + length])
+        assert header_crc == tensorboard_masked_crc32c(header)
+        assert data_crc == tensorboard_masked_crc32c(data)
+        records.append(data)
+        offset += 16 + length
+    return records
+
+
+def test_the_sink_switches_its_writer_to_vectorised_checksums_and_tensorboard_verifies_them(
+    tmp_path: Path,
+) -> None:
+    writer = SummaryWriter(log_dir=str(tmp_path))
+    sink = TensorBoardSink(writer)
+    record_writer = writer._get_file_writer().event_writer._async_writer._writer
+    assert "write" not in vars(record_writer)
+    # Enough scalars for one event to take the lanes (the demo writes ≈ 70 KB a logging step).
+    records = [Measurement(7, "attention", "entropy", f"layers.{i}", i / 1000) for i in range(400)]
+    sink.write_measurements(records)
+    sink.write_text("alerts", "written by SummaryWriter itself, through the same record writer", 7)
+    sink.flush()
+    framed_write = vars(record_writer)["write"]
+    assert use_vectorised_checksums(writer._get_file_writer()) is True
+    assert vars(record_writer)["write"] is framed_write  # not wrapped twice
+    writer.close()
+
+    (event_file,) = tmp_path.glob("events.out.tfevents.*")
+    sizes = [len(data) for data in records_in(event_file)]
+    assert max(sizes) >= VECTORISED_FROM_BYTES
+    assert len(sizes) == 3  # the file version, the scalars' event, the text's
+
+
+def test_a_writer_laid_out_otherwise_is_left_alone() -> None:
+    class Elsewhere:
+        event_writer = None
+
+    assert use_vectorised_checksums(Elsewhere()) is False
+    assert use_vectorised_checksums(object()) is False
