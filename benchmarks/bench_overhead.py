@@ -194,7 +194,16 @@ def interleaved(steps: int, every: int | None) -> None:
     on = sum(durations[i] for i in kept if monitored(i))
     first_off = sum(durations[:block])
     first_on = sum(durations[block : 2 * block])
-    logging_steps = sum(1 for i in kept if monitored(i) and (i + 1) % monitor.every_n_steps == 0)
+
+    def is_logging(index: int) -> bool:
+        return (index + 1) % monitor.every_n_steps == 0
+
+    logging_steps = sum(1 for i in kept if monitored(i) and is_logging(i))
+
+    def median_ms(on_blocks: bool, logging: bool) -> float:
+        chosen = [durations[i] for i in kept if monitored(i) == on_blocks and is_logging(i) == logging]
+        return 1000 * statistics.median(chosen)
+
     print(describe_machine())
     print(
         f"\ndemo model ({CONFIG.name}), {steps} steps in one process, monitor every "
@@ -209,6 +218,18 @@ def interleaved(steps: int, every: int | None) -> None:
             f"{first_on:.2f}",
             f"{first_on / first_off:.4f}",
         ],
+        *(
+            [
+                label,
+                f"{median_ms(False, logging):.2f}",
+                f"{median_ms(True, logging):.2f}",
+                f"{median_ms(True, logging) / median_ms(False, logging):.4f}",
+            ]
+            for label, logging in [
+                ("logging step of the compared blocks (ms, median)", True),
+                ("non-logging step of the compared blocks (ms, median)", False),
+            ]
+        ),
     ]
     print(markdown_table(["measure", "without monitor", "with monitor", "ratio"], rows))
     print(
