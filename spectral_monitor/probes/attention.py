@@ -702,8 +702,8 @@ def _attendable_keys_and_queries(
         attendable = _attendable(mask, causal, sequences, num_queries, num_keys, device)
         assert attendable is not None
         return attendable.any(dim=(1, 2)), attendable.any(dim=(1, 3))
-    if mask is None and not causal:
-        return None, None
+    if mask is None and (not causal or num_keys <= num_queries):
+        return None, None  # causal: query 0 attends key 0, and every key j < m <= n has query j
     if mask is None:
         open_keys = torch.ones((sequences, 1, num_keys), dtype=torch.bool, device=device)
     else:
