@@ -76,8 +76,9 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def measure_in_fresh_process(build: Callable[[], Any], run: Callable[[Any], Any], *, repeats: int,
-                             threads: int) -> CaseMeasurement:
+def measure_in_fresh_process(
+    build: Callable[[], Any], run: Callable[[Any], Any], *, repeats: int, threads: int
+) -> CaseMeasurement:
     """``run(build())`` in a new interpreter: a warm-up call, ``repeats`` timed calls, one memory call.
 
     ``build`` makes the inputs (not measured); ``run`` must return something picklable. The warm-up takes
@@ -104,8 +105,9 @@ def measure_in_fresh_process(build: Callable[[], Any], run: Callable[[Any], Any]
     return payload
 
 
-def _measure_here(build: Callable[[], Any], run: Callable[[Any], Any], repeats: int, threads: int,
-                  sender: Any) -> None:
+def _measure_here(
+    build: Callable[[], Any], run: Callable[[Any], Any], repeats: int, threads: int, sender: Any
+) -> None:
     try:
         torch.set_num_threads(threads)
         inputs = build()

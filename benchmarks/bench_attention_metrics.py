@@ -65,8 +65,11 @@ def run_metrics(attn: torch.Tensor) -> dict[str, np.ndarray]:
 
 
 def run_metrics_without_rank_sums(attn: torch.Tensor) -> dict[str, np.ndarray]:
-    return to_numpy(attention_metrics(attn, method="krylov", include_rank_sums=False,
-                                      generator=torch.Generator().manual_seed(0)))
+    return to_numpy(
+        attention_metrics(
+            attn, method="krylov", include_rank_sums=False, generator=torch.Generator().manual_seed(0)
+        )
+    )
 
 
 def prime_warm_state(attn: torch.Tensor) -> KrylovState:
@@ -79,8 +82,14 @@ def prime_warm_state(attn: torch.Tensor) -> KrylovState:
 def run_warm(attn_perturbed: torch.Tensor, state: KrylovState) -> dict[str, np.ndarray]:
     # A copy per call: the state is updated in place, and every timed call must start from this step's
     # vectors, not from the previous repeat's (already converged on the same matrix).
-    return to_numpy(attention_metrics(attn_perturbed, method="krylov", state=copy.deepcopy(state),
-                                      generator=torch.Generator().manual_seed(0)))
+    return to_numpy(
+        attention_metrics(
+            attn_perturbed,
+            method="krylov",
+            state=copy.deepcopy(state),
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
 
 
 def build_cold(batch: int, n: int, seed: int) -> torch.Tensor:
@@ -124,8 +133,13 @@ def largest_relative_error(output: dict[str, np.ndarray], reference: dict[str, n
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 1024, 2048],
-                        help="sequence lengths n (attention matrices are n×n)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[128, 512, 1024, 2048],
+        help="sequence lengths n (attention matrices are n×n)",
+    )
     parser.add_argument("--batch", type=int, default=64, help="attention matrices per batch")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (median reported)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
@@ -139,18 +153,32 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(describe_machine())
-    print(f"Attention: softmax(QKᵀ/√{HEAD_DIM}) of seeded Gaussian q, k; float32; batch {args.batch}; "
-          f"median of {args.repeats} calls; peak = resident-memory growth over the inputs, fresh process.\n")
+    print(
+        f"Attention: softmax(QKᵀ/√{HEAD_DIM}) of seeded Gaussian q, k; float32; batch {args.batch}; "
+        f"median of {args.repeats} calls; peak = resident-memory growth over the inputs, fresh process.\n"
+    )
 
-    headers = ["n", "case", "median time (s)", "svdvals time / case time", "peak memory (MiB)",
-               "σ₁ rel. err", "σ₂ rel. err", "eff. rank rel. err"]
+    headers = [
+        "n",
+        "case",
+        "median time (s)",
+        "svdvals time / case time",
+        "peak memory (MiB)",
+        "σ₁ rel. err",
+        "σ₂ rel. err",
+        "eff. rank rel. err",
+    ]
     print(markdown_table(headers, []), flush=True)  # rows follow as each case finishes
     for n in args.sizes:
         baseline: CaseMeasurement | None = None
         for name, (build, run) in CASES.items():
             try:
-                result = measure_in_fresh_process(functools.partial(build, args.batch, n, args.seed), run,
-                                                  repeats=args.repeats, threads=args.threads)
+                result = measure_in_fresh_process(
+                    functools.partial(build, args.batch, n, args.seed),
+                    run,
+                    repeats=args.repeats,
+                    threads=args.threads,
+                )
             except (CaseSkipped, RuntimeError) as reason:
                 print(f"| {n} | {name} | {type(reason).__name__}: {reason} |" + " |" * 5, flush=True)
                 continue
@@ -166,8 +194,10 @@ def table_row(n: int, name: str, result: CaseMeasurement, baseline: CaseMeasurem
     else:
         exact = result.output.get("singular_values", baseline.output["singular_values"])
         reference = reference_from_singular_values(exact)
-        errors = [largest_relative_error(result.output, reference, metric)
-                  for metric in ("sigma1", "sigma2", "effective_rank")]
+        errors = [
+            largest_relative_error(result.output, reference, metric)
+            for metric in ("sigma1", "sigma2", "effective_rank")
+        ]
     peak = "n/a" if result.peak_bytes is None else f"{result.peak_bytes / 2**20:.1f}"
     speedup = baseline.median_seconds / result.median_seconds
     cells = [str(n), name, f"{result.median_seconds:.4f}", f"{speedup:.2f}", peak, *errors]

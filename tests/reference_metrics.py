@@ -94,8 +94,9 @@ def _all_true(size: int, mask: np.ndarray | None) -> np.ndarray:
     return np.ones(size, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
 
 
-def valid_submatrix(attn: np.ndarray, key_mask: np.ndarray | None = None,
-                    query_mask: np.ndarray | None = None) -> np.ndarray:
+def valid_submatrix(
+    attn: np.ndarray, key_mask: np.ndarray | None = None, query_mask: np.ndarray | None = None
+) -> np.ndarray:
     """S = A[valid queries, valid keys] of one (n, m) matrix: what every attention metric is computed on."""
     rows = _all_true(attn.shape[0], query_mask)
     cols = _all_true(attn.shape[1], key_mask)
@@ -316,8 +317,9 @@ def causal_uniform_attention(n: int) -> np.ndarray:
     return np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
 
 
-def with_garbage(attn: np.ndarray, key_mask: np.ndarray | None, query_mask: np.ndarray | None,
-                 rng: np.random.Generator) -> np.ndarray:
+def with_garbage(
+    attn: np.ndarray, key_mask: np.ndarray | None, query_mask: np.ndarray | None, rng: np.random.Generator
+) -> np.ndarray:
     """``attn`` with arbitrary finite values in every masked entry, which a metric must never read."""
     garbage = attn.copy()
     n, m = attn.shape[-2:]
@@ -380,13 +382,19 @@ def attention_cases() -> list[AttentionCase]:
         AttentionCase("identity", np.eye(8)[None]),
         AttentionCase(
             "permutation",
-            np.stack([permutation_attention([1, 2, 3, 4, 5, 6, 7, 0]),
-                      permutation_attention([0, 2, 1, 4, 3, 5, 7, 6])]),
+            np.stack(
+                [
+                    permutation_attention([1, 2, 3, 4, 5, 6, 7, 0]),
+                    permutation_attention([0, 2, 1, 4, 3, 5, 7, 6]),
+                ]
+            ),
         ),
-        AttentionCase("block_diagonal",
-                      np.stack([block_diagonal_attention(rng, [3, 5, 2]) for _ in range(2)])),
-        AttentionCase("causal_softmax", row_softmax(query_key_logits(rng, (3, 10, 10)), causal=True),
-                      causal=True),
+        AttentionCase(
+            "block_diagonal", np.stack([block_diagonal_attention(rng, [3, 5, 2]) for _ in range(2)])
+        ),
+        AttentionCase(
+            "causal_softmax", row_softmax(query_key_logits(rng, (3, 10, 10)), causal=True), causal=True
+        ),
         AttentionCase("causal_uniform", causal_uniform_attention(9)[None], causal=True),
         AttentionCase("near_degenerate", near_degenerate_attention(rng, [4, 6], leak=1e-7)[None]),
         AttentionCase("single_query_single_key", np.ones((2, 1, 1))),
@@ -401,31 +409,52 @@ def attention_cases() -> list[AttentionCase]:
         AttentionCase(
             # Nearly all mass on key 0 (rank one by design) plus a little generic attention.
             "attention_sink",
-            np.stack([(1 - eps) * rank_one_attention(np.eye(7)[0], 7)
-                      + eps * np.stack([random_distribution(rng, 7) for _ in range(7)])
-                      for eps in (1e-12, 1e-3)]),
+            np.stack(
+                [
+                    (1 - eps) * rank_one_attention(np.eye(7)[0], 7)
+                    + eps * np.stack([random_distribution(rng, 7) for _ in range(7)])
+                    for eps in (1e-12, 1e-3)
+                ]
+            ),
         ),
     ]
 
     key_mask = rng.random((3, 11)) > 0.35
     key_mask[:, 0] = True
     keys_only = row_softmax(query_key_logits(rng, (3, 8, 11)), key_mask=key_mask)
-    cases.append(AttentionCase("masked_keys", with_garbage(keys_only, key_mask, None, rng),
-                               key_mask=key_mask))
+    cases.append(
+        AttentionCase("masked_keys", with_garbage(keys_only, key_mask, None, rng), key_mask=key_mask)
+    )
 
     lengths = np.array([10, 7, 2, 1])
     padding = np.arange(10)[None, :] < lengths[:, None]
     padded = row_softmax(query_key_logits(rng, (4, 10, 10)), key_mask=padding)
-    cases.append(AttentionCase("padded_sequences", with_garbage(padded, padding, padding, rng),
-                               key_mask=padding, query_mask=padding))
+    cases.append(
+        AttentionCase(
+            "padded_sequences",
+            with_garbage(padded, padding, padding, rng),
+            key_mask=padding,
+            query_mask=padding,
+        )
+    )
     padded_causal = row_softmax(query_key_logits(rng, (4, 10, 10)), key_mask=padding, causal=True)
-    cases.append(AttentionCase("padded_causal", with_garbage(padded_causal, padding, padding, rng),
-                               key_mask=padding, query_mask=padding, causal=True))
+    cases.append(
+        AttentionCase(
+            "padded_causal",
+            with_garbage(padded_causal, padding, padding, rng),
+            key_mask=padding,
+            query_mask=padding,
+            causal=True,
+        )
+    )
 
     query_mask = np.array([True, False, True, True, False, True])
     cross_padded = row_softmax(query_key_logits(rng, (6, 9)))[None]
-    cases.append(AttentionCase("padded_queries_cross", with_garbage(cross_padded, None, query_mask, rng),
-                               query_mask=query_mask))
+    cases.append(
+        AttentionCase(
+            "padded_queries_cross", with_garbage(cross_padded, None, query_mask, rng), query_mask=query_mask
+        )
+    )
     return cases
 
 

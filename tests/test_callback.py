@@ -72,8 +72,15 @@ def previous_token_batches() -> DataLoader:
     return DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=4)
 
 
-def fit(model: pl.LightningModule, callbacks: list, logger, max_steps: int, data=None, ckpt_path=None,
-        **trainer_args) -> pl.Trainer:
+def fit(
+    model: pl.LightningModule,
+    callbacks: list,
+    logger,
+    max_steps: int,
+    data=None,
+    ckpt_path=None,
+    **trainer_args,
+) -> pl.Trainer:
     trainer = pl.Trainer(
         max_steps=max_steps,
         logger=logger,
@@ -321,8 +328,16 @@ def test_the_custom_scalars_layout_draws_one_line_per_layer_grouped_by_diagnosis
 @pytest.mark.slow
 def test_demo_transformer_scalars_share_the_step_axis_of_self_log(tmp_path: Path) -> None:
     model = DemoTransformer(vocab_size=24, d_model=32, n_layers=2, n_heads=2, seq_len=16)
-    data = SyntheticDataModule(vocab_size=24, seq_len=16, batch_size=4, num_batches=8, num_keys=4,
-                               num_values=2, num_pairs=2, num_queries=1)
+    data = SyntheticDataModule(
+        vocab_size=24,
+        seq_len=16,
+        batch_size=4,
+        num_batches=8,
+        num_keys=4,
+        num_values=2,
+        num_pairs=2,
+        num_queries=1,
+    )
     monitor = SpectralMonitor(every_n_steps=3, log_first_step=False, figures_every_n_logs=0)
     logger = tensorboard_logger(tmp_path)
     fit(model, [monitor], logger, max_steps=7, data=data, log_every_n_steps=3)
@@ -363,8 +378,14 @@ def test_nothing_is_installed_on_the_model_between_logging_steps(tmp_path: Path)
 
 
 def test_without_rank_sums_the_ranks_are_left_out_and_the_rest_is_written(tmp_path: Path) -> None:
-    monitor = SpectralMonitor(every_n_steps=2, metric_method="krylov", attention_rank_sums=False,
-                              families=["attention"], figures_every_n_logs=1, head_diversity_every_n_logs=0)
+    monitor = SpectralMonitor(
+        every_n_steps=2,
+        metric_method="krylov",
+        attention_rank_sums=False,
+        families=["attention"],
+        figures_every_n_logs=1,
+        head_diversity_every_n_logs=0,
+    )
     logger = tensorboard_logger(tmp_path)
     fit(TinyEncoder(), [monitor], logger, max_steps=2)
     tags = read_back(logger.log_dir).Tags()

@@ -55,8 +55,15 @@ def test_training_on_recall_drops_loss_below_the_no_lookup_floor(one_thread):
     model = DemoTransformer(vocab_size=task["vocab_size"], seq_len=24, lr=3e-3, seed=0)
     data = SyntheticDataModule(seq_len=24, batch_size=32, num_batches=150, seed=0, **task)
     losses = RecordLosses()
-    trainer = pl.Trainer(max_steps=150, accelerator="cpu", callbacks=[losses], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=150,
+        accelerator="cpu",
+        callbacks=[losses],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, data)
 
     first, last = sum(losses.losses[:10]) / 10, sum(losses.losses[-10:]) / 10
@@ -121,8 +128,15 @@ def test_model_initialisation_depends_on_its_seed_alone_and_leaves_the_global_rn
     ],
 )
 def test_scale_passed_to_sdpa_is_the_closed_form(scaling, gamma, train_seq_len, n, expected):
-    model = DemoTransformer(n_layers=2, d_model=64, n_heads=4, seq_len=64, logit_scaling=scaling,
-                            log_n_gamma=gamma, train_seq_len=train_seq_len)
+    model = DemoTransformer(
+        n_layers=2,
+        d_model=64,
+        n_heads=4,
+        seq_len=64,
+        logit_scaling=scaling,
+        log_n_gamma=gamma,
+        train_seq_len=train_seq_len,
+    )
     with RecordSDPACalls() as recorded:
         model(torch.zeros(2, n, dtype=torch.long))
 
@@ -134,8 +148,9 @@ def test_scale_passed_to_sdpa_is_the_closed_form(scaling, gamma, train_seq_len, 
 
 def test_length_scaled_attention_equals_softmax_of_scaled_logits():
     torch.manual_seed(0)
-    attention = LengthScaledAttention(d_model=32, n_heads=2, causal=True, logit_scaling="log_n",
-                                      log_n_gamma=0.5)
+    attention = LengthScaledAttention(
+        d_model=32, n_heads=2, causal=True, logit_scaling="log_n", log_n_gamma=0.5
+    )
     x = torch.randn(3, 10, 32, dtype=torch.float64)
     attention.double()
     q, k, v = attention.qkv(x).view(3, 10, 3, 2, 16).permute(2, 0, 3, 1, 4)

@@ -25,11 +25,19 @@ def sqrt_rule(nodes: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def test_an_element_that_stops_keeps_the_rules_of_its_step(restrictable: bool) -> None:
     matrices = gram_of_softmax(len(STOP_AT), 96)
     gram = GramOperator(DenseOperator(matrices))
-    op = gram if restrictable else FunctionOperator(
-        gram.matmat, batch=gram.batch, rows=gram.rows, cols=gram.cols, dtype=gram.dtype, symmetric=True
+    op = (
+        gram
+        if restrictable
+        else FunctionOperator(
+            gram.matmat, batch=gram.batch, rows=gram.rows, cols=gram.cols, dtype=gram.dtype, symmetric=True
+        )
     )
-    probes = rademacher((len(STOP_AT), 96, 6), dtype=torch.float64, device=torch.device("cpu"),
-                        generator=torch.Generator().manual_seed(1))
+    probes = rademacher(
+        (len(STOP_AT), 96, 6),
+        dtype=torch.float64,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(1),
+    )
     stop_at = torch.tensor(STOP_AT)
     seen_lengths = []
 
@@ -41,10 +49,18 @@ def test_an_element_that_stops_keeps_the_rules_of_its_step(restrictable: bool) -
     assert early.nodes.shape == (len(STOP_AT), 6, STEPS)
     assert seen_lengths == [8, 12, 16, 20]
     for element, steps in enumerate(STOP_AT):
-        alone = lanczos_quadrature(GramOperator(DenseOperator(matrices[element : element + 1])),
-                                   num_probes=6, probes=probes[element : element + 1], num_steps=steps)
-        torch.testing.assert_close(sqrt_rule(early.nodes[element], early.weights[element]),
-                                   sqrt_rule(alone.nodes[0], alone.weights[0]), rtol=1e-12, atol=1e-12)
+        alone = lanczos_quadrature(
+            GramOperator(DenseOperator(matrices[element : element + 1])),
+            num_probes=6,
+            probes=probes[element : element + 1],
+            num_steps=steps,
+        )
+        torch.testing.assert_close(
+            sqrt_rule(early.nodes[element], early.weights[element]),
+            sqrt_rule(alone.nodes[0], alone.weights[0]),
+            rtol=1e-12,
+            atol=1e-12,
+        )
         # Gauss–Radau solves a near-singular tridiagonal system: equal to what float64 lstsq resolves.
         torch.testing.assert_close(
             sqrt_rule(early.radau_nodes[element], early.radau_weights[element]),
@@ -67,6 +83,11 @@ def test_a_stopped_element_costs_no_more_products() -> None:
             return Counted(self.matrices[index], symmetric=True)
 
     op = Counted(matrices.transpose(1, 2) @ matrices, symmetric=True)
-    lanczos_quadrature(op, num_probes=4, num_steps=20, check_every=4,
-                       until=lambda quadrature: torch.tensor([True, False, False, True]))
+    lanczos_quadrature(
+        op,
+        num_probes=4,
+        num_steps=20,
+        check_every=4,
+        until=lambda quadrature: torch.tensor([True, False, False, True]),
+    )
     assert products == [4] * 8 + [2] * 12  # two elements leave after the check at step 8

@@ -29,14 +29,21 @@ from reference_metrics import (
 from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
 
 # Derandomized so CI sees the same examples on every run; modest counts keep the file fast on 2 cores.
-PROPERTIES = settings(max_examples=60, deadline=None, derandomize=True,
-                      suppress_health_check=[HealthCheck.too_slow])
+PROPERTIES = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 SLACK = 1e-9
 
 
 @st.composite
-def attention_matrices(draw: st.DrawFn, *, square: bool = False, causal: bool | None = None,
-                       masked: bool | None = None, size: int | None = None) -> AttentionCase:
+def attention_matrices(
+    draw: st.DrawFn,
+    *,
+    square: bool = False,
+    causal: bool | None = None,
+    masked: bool | None = None,
+    size: int | None = None,
+) -> AttentionCase:
     """One row-stochastic matrix, from nearly uniform to one-hot, optionally sparse, masked or causal.
 
     ``size`` fixes the number of queries; ``causal`` and ``masked`` of ``None`` let Hypothesis choose.
@@ -169,8 +176,9 @@ def test_normalised_metrics_lie_in_their_ranges(case: AttentionCase) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def assert_same_metrics(actual: dict[str, float], expected: dict[str, float], names=ATTENTION_METRICS,
-                        tolerance: float = 1e-10) -> None:
+def assert_same_metrics(
+    actual: dict[str, float], expected: dict[str, float], names=ATTENTION_METRICS, tolerance: float = 1e-10
+) -> None:
     for name in names:
         if math.isnan(expected[name]):
             assert math.isnan(actual[name]), name
@@ -202,13 +210,17 @@ def test_relabelling_the_tokens_changes_no_metric(case: AttentionCase, shuffler:
 
 @PROPERTIES
 @given(attention_matrices(causal=False), st.randoms(use_true_random=False))
-def test_reordering_the_keys_changes_no_metric_but_the_diagonal_ones(case: AttentionCase,
-                                                                    shuffler: Random) -> None:
+def test_reordering_the_keys_changes_no_metric_but_the_diagonal_ones(
+    case: AttentionCase, shuffler: Random
+) -> None:
     order = list(range(case.attn.shape[1]))
     shuffler.shuffle(order)
-    reordered = AttentionCase("reordered", case.attn[:, order],
-                              key_mask=None if case.key_mask is None else case.key_mask[order],
-                              query_mask=case.query_mask)
+    reordered = AttentionCase(
+        "reordered",
+        case.attn[:, order],
+        key_mask=None if case.key_mask is None else case.key_mask[order],
+        query_mask=case.query_mask,
+    )
     names = [name for name in ATTENTION_METRICS if name not in ("eigen_gap", "self_attention")]
     assert_same_metrics(measure(reordered), measure(case), names)
 
@@ -232,8 +244,11 @@ def test_masked_rows_and_columns_are_never_read(case: AttentionCase, seed: int, 
     padded = rng.uniform(0.0, 5.0, size=(rows, cols))
     padded[np.ix_(query_mask, key_mask)] = case.attn
     embedded = AttentionCase("embedded", padded, key_mask=key_mask, query_mask=query_mask)
-    names = ATTENTION_METRICS if padded_sequence else [
-        name for name in ATTENTION_METRICS if name not in ("eigen_gap", "self_attention")]
+    names = (
+        ATTENTION_METRICS
+        if padded_sequence
+        else [name for name in ATTENTION_METRICS if name not in ("eigen_gap", "self_attention")]
+    )
     assert_same_metrics(measure(embedded), measure(case), names)
 
 
@@ -243,8 +258,9 @@ def test_each_batch_element_is_measured_on_its_own(cases: list[AttentionCase]) -
     batch = attention_metrics(torch.from_numpy(np.stack([case.attn for case in cases])), method="exact")
     for index, case in enumerate(cases):
         alone = measure(case)
-        assert_same_metrics({name: float(value[index]) for name, value in batch.items()}, alone,
-                            tolerance=1e-12)
+        assert_same_metrics(
+            {name: float(value[index]) for name, value in batch.items()}, alone, tolerance=1e-12
+        )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -280,8 +296,14 @@ def test_a_nonfinite_entry_poisons_only_its_own_batch_element(method: str, bad_v
             # ~2e-5; its standard error (~1%), a jackknife of a regression on the control variate, moves by
             # ~1e-3 of itself.
             rtol = {"effective_rank": 1e-4, "effective_rank_ratio": 1e-4, "effective_rank_se": 2e-3}
-            torch.testing.assert_close(value[healthy], clean_result[name][healthy], rtol=rtol.get(name, 1e-5),
-                                       atol=1e-6, equal_nan=True, msg=name)
+            torch.testing.assert_close(
+                value[healthy],
+                clean_result[name][healthy],
+                rtol=rtol.get(name, 1e-5),
+                atol=1e-6,
+                equal_nan=True,
+                msg=name,
+            )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -309,12 +331,23 @@ SQUARE = torch.full((2, 3, 3), 1 / 3)
         (lambda: weight_metrics(torch.rand(3, 4), method="power"), "method"),
     ],
     ids=[
-        "attn_1d", "attn_integer", "attn_no_matrix", "key_mask_length", "key_mask_batch", "query_mask_length", "method",
-        "x_1d", "x_integer", "token_mask_length", "w_1d", "w_integer", "weight_method",
+        "attn_1d",
+        "attn_integer",
+        "attn_no_matrix",
+        "key_mask_length",
+        "key_mask_batch",
+        "query_mask_length",
+        "method",
+        "x_1d",
+        "x_integer",
+        "token_mask_length",
+        "w_1d",
+        "w_integer",
+        "weight_method",
     ],
 )
-def test_bad_input_raises_a_value_error_naming_the_argument(call: Callable[[], object],
-                                                            argument: str) -> None:
+def test_bad_input_raises_a_value_error_naming_the_argument(
+    call: Callable[[], object], argument: str
+) -> None:
     with pytest.raises(ValueError, match=rf"\b{argument}\b"):
         call()
-
