@@ -350,19 +350,20 @@ def top_singular(
     )
     sigma = result.values.clamp_min(0).sqrt()
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]
+    wants_left, wants_right = return_vectors in (True, "left"), return_vectors in (True, "right")
     left = right = None
     if gram.side == "right":
         right = result.vectors
-        if return_vectors in (True, "left"):
+        if wants_left:
             left = op.matmat(right.to(op.dtype)).to(work) / safe
     else:
         left = result.vectors
-        if return_vectors in (True, "right"):
+        if wants_right:
             right = op.rmatmat(left.to(op.dtype)).to(work) / safe
     return SingularResult(
         values=sigma,
-        left=left if return_vectors in (True, "left") else None,
-        right=right if return_vectors in (True, "right") else None,
+        left=left if wants_left else None,
+        right=right if wants_right else None,
         info=result.info,
     )
 

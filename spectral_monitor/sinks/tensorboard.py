@@ -113,9 +113,9 @@ class TensorBoardSink(Sink):
     def _write_one_event_per_step(self, values: Iterable[tuple[int, Summary.Value]], what: str) -> None:
         """``(step, value)`` pairs as one event per step, straight to the real ``SummaryWriter``'s file.
 
-        That file's records are checksummed by :mod:`spectral_monitor.sinks.tfrecord` from then on (every
-        writer's, Lightning's included): TensorBoard's pure-Python checksum of a logging step's events held
-        the GIL for ≈ 20 ms.
+        From then on every record of that file, Lightning's too, is checksummed by
+        :mod:`spectral_monitor.sinks.tfrecord`: TensorBoard's pure-Python checksum of a logging step's events
+        held the GIL for ≈ 20 ms.
         """
         by_step: dict[int, list[Summary.Value]] = {}
         for step, value in values:
