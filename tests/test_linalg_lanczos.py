@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spectral_monitor.linalg import FunctionOperator, lanczos_eigsh, top_singular
+from spectral_monitor.linalg.lanczos import GrowingRows
 
 
 def indefinite_batch(batch: int, n: int, seed: int) -> torch.Tensor:
@@ -134,3 +135,17 @@ def test_each_wanted_eigenvalue_can_be_judged_against_itself() -> None:
     torch.testing.assert_close(second["each"], torch.ones(3, dtype=torch.float64), atol=1e-8, rtol=0)
     with pytest.raises(ValueError, match="relative_to"):
         lanczos_eigsh(matrices, 1, relative_to="smallest")  # type: ignore[arg-type]
+
+
+def test_growing_rows_hold_what_concatenation_would_past_their_first_capacity() -> None:
+    generator = torch.Generator().manual_seed(3)
+    blocks = [torch.randn(5, 3, 7, generator=generator) for _ in range(6)]
+    rows = GrowingRows(blocks[0], capacity=4)
+    for block in blocks[1:]:
+        rows.append(block)
+    torch.testing.assert_close(rows.rows, torch.cat(blocks, dim=1), rtol=0, atol=0)
+    assert rows.count == 18
+    kept = torch.tensor([4, 1])
+    rows.keep(kept)
+    rows.append(blocks[0][kept])
+    torch.testing.assert_close(rows.rows, torch.cat(blocks + [blocks[0]], dim=1)[kept], rtol=0, atol=0)

@@ -33,6 +33,8 @@ StopCriterion = Literal["residual", "eigenvalue"]
 STOP_CRITERIA = ("residual", "eigenvalue")
 RelativeTo = Literal["largest", "each"]
 RELATIVE_TO = ("largest", "each")
+INITIAL_BASIS_BLOCKS = 12
+"""Blocks the Lanczos basis has room for before it grows: σ₁, σ₂ of softmax attention take 11–17."""
 EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
 instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
@@ -103,6 +105,46 @@ def reorthogonalise(block: Tensor, basis: Tensor) -> Tensor:
     for _ in range(2):
         block = torch.baddbmm(block, block @ basis.mT, basis, alpha=-1)
     return block
+
+
+class GrowingRows:
+    """Rows (B, k, n), block after block, in a buffer with room for more: appending copies only the new
+    block. ``torch.cat`` copied the whole basis into a fresh allocation each time, 86 ms for the 17 blocks of
+    64 Lanczos bases at n = 2048 against 4.5 ms for writing each block into room kept for it."""
+
+    GROWTH = 1.5
+
+    def __init__(self, first: Tensor, capacity: int) -> None:
+        batch, count, n = first.shape
+        self._buffer = first.new_empty((batch, max(capacity, count), n))
+        self._buffer[:, :count] = first
+        self._count = count
+
+    @property
+    def rows(self) -> Tensor:
+        """The rows so far, (B, k, n): a view, valid until the next ``append`` or ``keep``."""
+        return self._buffer[:, : self._count]
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def append(self, block: Tensor) -> None:
+        needed = self._count + block.shape[1]
+        capacity = self._buffer.shape[1]
+        if needed > capacity:
+            batch, _, n = self._buffer.shape
+            # An orthonormal basis of length-n rows never needs more than n of them.
+            grown_capacity = max(needed, min(int(capacity * self.GROWTH), n))
+            grown = self._buffer.new_empty((batch, grown_capacity, n))
+            grown[:, : self._count] = self.rows
+            self._buffer = grown
+        self._buffer[:, self._count : needed] = block
+        self._count = needed
+
+    def keep(self, index: Tensor) -> None:
+        """Drop every batch element but ``index``."""
+        self._buffer = self._buffer[index]
 
 
 def lanczos_eigsh(
@@ -190,7 +232,7 @@ def lanczos_eigsh(
     active_op = op
     scale = torch.zeros(batch, dtype=work, device=op.device)
     q, _ = orthonormal_rows(start.mT, None, torch.ones(batch, dtype=work, device=op.device), generator)
-    basis = q
+    basis = GrowingRows(q, min(n, q.shape[1] * min(max_iters, INITIAL_BASIS_BLOCKS)))
     previous: Tensor | None = None
     coupling: Tensor | None = None
     tridiagonal = torch.zeros((batch, 0, 0), dtype=work, device=op.device)
@@ -215,10 +257,10 @@ def lanczos_eigsh(
         w = torch.baddbmm(w, alpha, q, alpha=-1)
         if previous is not None and coupling is not None:
             w = torch.baddbmm(w, coupling, previous, alpha=-1)
-        w = reorthogonalise(w, basis)
-        room = n - basis.shape[1]
+        w = reorthogonalise(w, basis.rows)
+        room = n - basis.count
         if room >= w.shape[1]:
-            next_q, next_coupling = orthonormal_rows(w, basis, scale, generator)
+            next_q, next_coupling = orthonormal_rows(w, basis.rows, scale, generator)
         else:
             # The last block fits only ``room`` more directions; the residual lies in them (rank <= room).
             next_q = torch.linalg.svd(w.mT, full_matrices=False).U[:, :, : max(room, 0)].mT.contiguous()
@@ -236,7 +278,7 @@ def lanczos_eigsh(
         tridiagonal = grown
         if tridiagonal.shape[1] < k:  # a block narrower than k: not yet k Ritz values
             previous, q, coupling = q, next_q, next_coupling
-            basis = torch.cat([basis, next_q], dim=1)
+            basis.append(next_q)
             continue
 
         theta, ritz = (t.to(work) for t in torch.linalg.eigh(tridiagonal.double()))
@@ -257,7 +299,7 @@ def lanczos_eigsh(
         if bool(finishing.any()):
             done = active[finishing]
             values[done] = sign * wanted_theta[finishing]
-            vectors[done] = basis[finishing].mT @ wanted_vectors[finishing]
+            vectors[done] = basis.rows[finishing].mT @ wanted_vectors[finishing]
             residual[done] = relative[finishing]
             iterations[done] = iteration
             converged[done] = met[finishing] | exhausted
@@ -266,7 +308,7 @@ def lanczos_eigsh(
             break
 
         previous, q, coupling = q, next_q, next_coupling
-        basis = torch.cat([basis, next_q], dim=1)
+        basis.append(next_q)
         remaining = ~settled
         if bool(settled.any()):
             restricted = active_op.restrict(remaining.nonzero().squeeze(1))
@@ -278,7 +320,8 @@ def lanczos_eigsh(
                     q[remaining],
                     coupling[remaining],
                 )
-                basis, tridiagonal, scale = basis[remaining], tridiagonal[remaining], scale[remaining]
+                basis.keep(remaining)
+                tridiagonal, scale = tridiagonal[remaining], scale[remaining]
                 settled = settled[remaining]
 
     info = ConvergenceInfo(iterations=iterations, residual=residual, converged=converged, products=products)

@@ -22,7 +22,7 @@ from spectral_monitor.linalg import (
     lanczos_quadrature,
     top_singular,
 )
-from spectral_monitor.linalg.lanczos import orthonormal_rows, reorthogonalise
+from spectral_monitor.linalg.lanczos import GrowingRows, orthonormal_rows, reorthogonalise
 from spectral_monitor.linalg.operators import default_generator, gaussian, rademacher
 from spectral_monitor.linalg.quadrature import QuadratureNodes
 from spectral_monitor.metrics._common import (
@@ -830,7 +830,7 @@ def _second_eigenvalue_modulus(
     max_blocks = max(1, min(ARNOLDI_MAX_BLOCKS, n // width))
     draw = gaussian((batch, n, width), dtype=work, device=device, generator=generator)
     scale = torch.ones(batch, dtype=work, device=device)
-    basis, _ = orthonormal_rows((draw * ones[:, :, None]).mT, None, scale, generator)
+    first, _ = orthonormal_rows((draw * ones[:, :, None]).mT, None, scale, generator)
     moduli = torch.full((batch,), float("nan"), dtype=work, device=device)
     active = torch.arange(batch, device=device)
     previous: Tensor | None = None
@@ -840,12 +840,12 @@ def _second_eigenvalue_modulus(
         block = rows.mT
         return (operator.matmat(block) - ones[:, :, None] * (weights[:, None, :] @ block)).mT.contiguous()
 
-    images = deflated(basis)
+    basis, images = GrowingRows(first, width * max_blocks), GrowingRows(deflated(first), width * max_blocks)
     for blocks in range(1, max_blocks + 1):
         last = blocks == max_blocks
         due = blocks >= ARNOLDI_FIRST_CHECK and (blocks - ARNOLDI_FIRST_CHECK) % ARNOLDI_CHECK_EVERY == 0
         if due or last:
-            outermost = torch.linalg.eigvals(basis @ images.mT).abs().amax(dim=1).to(work)
+            outermost = torch.linalg.eigvals(basis.rows @ images.rows.mT).abs().amax(dim=1).to(work)
             finished = torch.full_like(outermost, last, dtype=torch.bool)
             if previous is not None:
                 finished |= (outermost - previous).abs() <= ARNOLDI_TOL
@@ -857,10 +857,13 @@ def _second_eigenvalue_modulus(
             restricted = operator.restrict(going) if bool(finished.any()) else None
             if restricted is not None:
                 operator = restricted
-                active, basis, images, ones, weights, scale, previous = (
-                    t[going] for t in (active, basis, images, ones, weights, scale, previous)
+                basis.keep(going)
+                images.keep(going)
+                active, ones, weights, scale, previous = (
+                    t[going] for t in (active, ones, weights, scale, previous)
                 )
-        latest, _ = orthonormal_rows(reorthogonalise(images[:, -width:], basis), basis, scale, generator)
-        basis = torch.cat([basis, latest], dim=1)
-        images = torch.cat([images, deflated(latest)], dim=1)
+        known = basis.rows
+        latest, _ = orthonormal_rows(reorthogonalise(images.rows[:, -width:], known), known, scale, generator)
+        basis.append(latest)
+        images.append(deflated(latest))
     return moduli.clamp(max=1.0)

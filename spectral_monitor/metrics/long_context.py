@@ -45,7 +45,7 @@ DEFAULT_MAX_BYTES = 256 * 2**20
 """Default budget of :func:`attention_metrics_from_qk`: memory it may use beyond its inputs and outputs."""
 KRYLOV_COLUMNS = 320
 """Length-n vectors one batch element's Krylov work holds at most: the block Lanczos basis for σ₁, σ₂ (up to
-60 iterations of width 4), or the Arnoldi basis and its images for |λ₂| (2 × 6 blocks of 16), or the
+60 iterations of width 4), or the Arnoldi basis and its images for |λ₂| (2 × 12 blocks of 4), or the
 quadrature's probes and three-term vectors, with room for their temporaries."""
 BLOCK_TEMPORARIES = 3
 """Blocks of rows alive at once: the block itself, and a temporary of its size in a pass (log, |Aᵢ − a|, the
