@@ -18,6 +18,7 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
     restricted to scattered elements."""
     matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * 5 * 7 * 8)
+    monkeypatch.setattr(operators, "GRAM_SWEEP_MIN_ROWS", 1)
     block = torch.randn(5, 7, operators.GRAM_SWEEP_MAX_COLUMNS, dtype=torch.float64)
     expected = matrices.transpose(1, 2) @ matrices @ block
     dense = DenseOperator(matrices)
@@ -69,3 +70,60 @@ def test_operators_of_different_shapes_cannot_be_stacked() -> None:
         StackedOperator([square, other])
     with pytest.raises(ValueError, match="operators must hold at least one"):
         StackedOperator([])
+
+
+def test_a_passenger_rides_in_the_gram_sweeps_it_shares_and_gets_every_product_it_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three requests on overlapping element sets: the first shares two of its three elements with the sweep
+    that carries it, the second all of them, the third is left to ``finish``. Only what no sweep shared is
+    multiplied on its own."""
+    generator = torch.Generator().manual_seed(3)
+    matrices = torch.randn(5, 10, 10, generator=generator, dtype=torch.float64)
+    dense = DenseOperator(matrices)
+    requests = ([0, 1, 2], [1, 3, 4], [3])
+
+    def steps():
+        received = []
+        for kept in requests:
+            block = torch.randn(len(kept), 10, 3, generator=generator, dtype=torch.float64)
+            product = yield dense.restrict(torch.tensor(kept)), block
+            received.append((kept, block, product))
+        return received
+
+    own_products: list[int] = []
+    plain_matmat = DenseOperator.matmat
+
+    def counted_matmat(self: DenseOperator, x: torch.Tensor) -> torch.Tensor:
+        own_products.append(self.batch)
+        return plain_matmat(self, x)
+
+    monkeypatch.setattr(DenseOperator, "matmat", counted_matmat)
+    passenger = operators.Passenger(steps())
+    carrier = dense.carrying(passenger)
+    for kept in ([0, 2, 3], [0, 1, 2, 3, 4]):
+        x = torch.randn(len(kept), 10, 4, generator=generator, dtype=torch.float64)
+        expected = matrices[kept].transpose(1, 2) @ matrices[kept] @ x
+        gram = carrier.restrict(torch.tensor(kept)).gram_matmat(x)
+        torch.testing.assert_close(gram, expected, rtol=1e-12, atol=1e-12)
+    assert passenger.pending is not None and passenger.pending[1].shape[0] == 1  # the third request
+    received = passenger.finish()
+    assert [kept for kept, _, _ in received] == list(requests)
+    for kept, block, product in received:
+        torch.testing.assert_close(product, matrices[kept] @ block, rtol=1e-12, atol=1e-12)
+    assert own_products == [1, 1]  # element 1 of the first request, then the whole third
+    with pytest.raises(RuntimeError, match="no product pending"):
+        passenger.deliver(torch.zeros(1, 10, 3))
+
+
+def test_an_operator_without_sweeps_leaves_its_passenger_to_finish() -> None:
+    matrices = torch.randn(2, 6, 6, dtype=torch.float64)
+    symmetric = GramOperator(DenseOperator(matrices))
+
+    def steps():
+        product = yield symmetric, torch.eye(6, dtype=torch.float64).expand(2, 6, 6)
+        return product
+
+    passenger = operators.Passenger(steps())
+    assert symmetric.carrying(passenger) is symmetric
+    torch.testing.assert_close(passenger.finish(), matrices.transpose(1, 2) @ matrices)

@@ -293,9 +293,9 @@ def test_a_nonfinite_entry_poisons_only_its_own_batch_element(method: str, bad_v
         else:
             # Elements share Krylov iterations, so a healthy one may differ by float32 rounding; the
             # effective rank's step extrapolation divides differences of quadratures and amplifies it to
-            # ~2e-5; its standard error (~1%), a jackknife of a regression on the control variate, moves by
-            # ~1e-3 of itself.
-            rtol = {"effective_rank": 1e-4, "effective_rank_ratio": 1e-4, "effective_rank_se": 2e-3}
+            # ~3e-5; its standard error (~1%), a jackknife of a regression on the control variate, moves by
+            # up to 3e-3 of itself (8-row Gram sweeps), far inside its own sampling spread of ~18%.
+            rtol = {"effective_rank": 1e-4, "effective_rank_ratio": 1e-4, "effective_rank_se": 5e-3}
             torch.testing.assert_close(
                 value[healthy],
                 clean_result[name][healthy],

@@ -35,6 +35,7 @@ from reference_metrics import (
     with_garbage,
 )
 
+from spectral_monitor.linalg.operators import DenseOperator, Passenger
 from spectral_monitor.metrics import attention as attention_module
 from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
 from spectral_monitor.metrics._common import all_singular_values
@@ -548,6 +549,24 @@ def test_the_krylov_eigen_gap_of_sharpened_softmax_attention_is_within_0_02() ->
         actual = measure(case, torch.float32, method="krylov", generator=torch.Generator().manual_seed(0))
     np.testing.assert_allclose(actual["eigen_gap"], expected["eigen_gap"], rtol=0, atol=0.02)
     np.testing.assert_allclose(actual["sigma2"], expected["sigma2"], rtol=1e-3)
+
+
+def test_the_arnoldi_riding_in_the_lanczos_sweeps_finds_what_it_finds_alone() -> None:
+    """The |λ₂| iteration takes its products from the σ Lanczos sweeps while both run, then its own; both
+    stop elements at different blocks, so the products change hands mid-batch. Sharing must not change what
+    it computes beyond float32 rounding."""
+    attn = as_tensor(softmax_attention(seed=5, shape=(6, 400, 400)), torch.float32)
+    attn[1] = torch.softmax(4 * torch.log(attn[1]), dim=-1)  # sharper: σ and |λ₂| converge at other blocks
+    queries = torch.ones(6, 400, dtype=torch.bool)
+    with one_intra_op_thread():
+        riding = attention_metrics(
+            attn, method="krylov", include_rank_sums=False, generator=torch.Generator().manual_seed(0)
+        )["eigen_gap"]
+        _, arnoldi_draws, _ = attention_module._independent_generators(torch.Generator().manual_seed(0), 3)
+        alone = Passenger(
+            attention_module._second_eigenvalue_modulus(DenseOperator(attn), queries, arnoldi_draws)
+        ).finish()
+    torch.testing.assert_close(riding, 1 - alone, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["attention_sink", "causal", "local_band", "padded"])

@@ -11,7 +11,8 @@ solvers), ``rows`` (m) and ``cols`` (n). ``matmat`` maps ``(B, n, k) -> (B, m, k
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,6 +52,11 @@ class BatchedOperator:
         attention that recomputes each block of rows) overrides it."""
         return self.rmatmat(self.matmat(x))
 
+    def carrying(self, passenger: Passenger) -> BatchedOperator:
+        """This operator, with ``passenger``'s products riding along on its sweeps over the matrices where it
+        can share them; ``passenger.finish()`` serves whatever is left. Here there are no sweeps to share."""
+        return self
+
     def restrict(self, index: Tensor) -> BatchedOperator | None:
         """The operator for the batch elements ``index`` only, or ``None`` if that is not cheaper.
 
@@ -81,8 +87,14 @@ class DenseOperator(BatchedOperator):
     A_bᵀ (A_b x), with the rows of a block, across the batch, small enough (``GRAM_SWEEP_BYTES``) that its
     second product reads them from cache. Memory-bound as narrow products are, that makes it 1.4× faster than
     two separate products for 64 matrices of 1024² and 1.7× for 2048² (4 columns, 2-core EPYC with a 32 MiB
-    L3). Wider blocks are closer to compute-bound and the small products of a sweep lose to two large ones:
-    16 columns took 150 against 132 ms at 1024², 704 against 516 ms at 2048² (``GRAM_SWEEP_MAX_COLUMNS``).
+    L3). On that machine 16 columns, in blocks of 4 MiB (16 rows at 1024²), took 150 against 132 ms at 1024²
+    and 704 against 516 ms at 2048²; on an AVX-512 Xeon blocks of 32 rows made 16 columns 1.2–1.3× faster than
+    two products (``GRAM_SWEEP_ROWS_PER_COLUMN`` has the table).
+
+    ``carrying`` lets another computation's products with A (a :class:`Passenger`: the Arnoldi iteration for
+    |λ₂| beside the Lanczos iteration for σ₁, σ₂) ride in the same sweep: its block joins x in the first
+    product of each block of rows, which costs little more than x alone, where a product of its own would read
+    A once more (64 matrices of 1024², 4 + 4 columns: 25.2 ms against 21.7 + 14.6 ms apart, AVX-512 Xeon).
 
     ``restrict`` copies nothing: the restricted operator multiplies the kept matrices where they are, one
     batched product per run of consecutive kept elements (a copy of what is kept cost about a product each
@@ -102,6 +114,7 @@ class DenseOperator(BatchedOperator):
         )
         self.matrices = matrices
         self._runs = [slice(0, matrices.shape[0])]  # of the elements of ``matrices`` this operator is
+        self._passenger: Passenger | None = None
 
     def matmat(self, x: Tensor) -> Tensor:
         return self._per_run(x, lambda matrices, part: torch.bmm(matrices, _column_major(part)))
@@ -119,43 +132,133 @@ class DenseOperator(BatchedOperator):
     def gram_matmat(self, x: Tensor) -> Tensor:
         if self.device.type != "cpu" or x.shape[2] > GRAM_SWEEP_MAX_COLUMNS:
             return super().gram_matmat(x)
-        return self._per_run(x, _gram_sweep)
+        riding = self._riding_request()
+        if riding is None:
+            return self._per_run(x, lambda matrices, part: _gram_sweep(matrices, part)[0])
+        return self._gram_matmat_serving(x, *riding)
+
+    def carrying(self, passenger: Passenger) -> DenseOperator:
+        carrier = self._over(self.elements)
+        carrier._passenger = passenger
+        return carrier
 
     def restrict(self, index: Tensor) -> DenseOperator:
-        kept = torch.cat([torch.arange(run.start, run.stop) for run in self._runs])[index.cpu()].tolist()
-        restricted = DenseOperator.__new__(DenseOperator)
-        BatchedOperator.__init__(
-            restricted, len(kept), self.rows, self.cols, self.dtype, self.device, self.symmetric
-        )
-        restricted.matrices = self.matrices
-        restricted._runs = _consecutive_runs(kept)
-        return restricted
+        return self._over(torch.tensor(self.elements)[index.cpu()].tolist())
 
-    def _per_run(self, x: Tensor, product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    @property
+    def elements(self) -> list[int]:
+        """The indices into ``matrices`` of this operator's batch elements, in order."""
+        return [element for run in self._runs for element in range(run.start, run.stop)]
+
+    def _over(self, elements: list[int]) -> DenseOperator:
+        """An operator over ``matrices[elements]``, without copying them, carrying this one's passenger."""
+        operator = DenseOperator.__new__(DenseOperator)
+        BatchedOperator.__init__(
+            operator, len(elements), self.rows, self.cols, self.dtype, self.device, self.symmetric
+        )
+        operator.matrices = self.matrices
+        operator._runs = _consecutive_runs(elements)
+        operator._passenger = self._passenger
+        return operator
+
+    def _riding_request(self) -> tuple[DenseOperator, Tensor] | None:
+        """The passenger's pending product if it can ride in this operator's Gram sweeps: a product with
+        the same matrices, narrow enough to share the sweep."""
+        request = None if self._passenger is None else self._passenger.pending
+        if request is None:
+            return None
+        operator, block = request
+        if (
+            not isinstance(operator, DenseOperator)
+            or operator.matrices is not self.matrices
+            or block.shape[2] > GRAM_SWEEP_MAX_COLUMNS
+        ):
+            return None
+        return operator, block
+
+    def _gram_matmat_serving(self, x: Tensor, operator: DenseOperator, block: Tensor) -> Tensor:
+        """AᵀA x, delivering ``operator``'s product with ``block`` to the passenger from the same sweeps:
+        elements both want share one sweep, the others get their own product."""
+        assert self._passenger is not None
+        mine, theirs = self.elements, operator.elements
+        my_position = {element: position for position, element in enumerate(mine)}
+        their_position = {element: position for position, element in enumerate(theirs)}
+        shared = [element for element in mine if element in their_position]
+        gram = x.new_empty(x.shape)
+        product = block.new_empty((block.shape[0], self.rows, block.shape[2]))
+
+        def positions(elements: list[int], of: dict[int, int]) -> Tensor:
+            return torch.tensor([of[element] for element in elements], dtype=torch.long, device=x.device)
+
+        if shared:
+            mine_shared, theirs_shared = positions(shared, my_position), positions(shared, their_position)
+            width = x.shape[2]
+            gram[mine_shared], product[theirs_shared] = self._over(shared)._per_run(
+                torch.cat([x[mine_shared], block[theirs_shared]], dim=2),
+                lambda matrices, part: _gram_sweep(matrices, part[:, :, :width], part[:, :, width:]),
+            )
+        only_mine = [element for element in mine if element not in their_position]
+        if only_mine:
+            gram[positions(only_mine, my_position)] = self._over(only_mine)._per_run(
+                x[positions(only_mine, my_position)], lambda matrices, part: _gram_sweep(matrices, part)[0]
+            )
+        only_theirs = [element for element in theirs if element not in my_position]
+        if only_theirs:
+            at = positions(only_theirs, their_position)
+            product[at] = operator._over(only_theirs).matmat(block[at])
+        self._passenger.deliver(product)
+        return gram
+
+    def _per_run(self, x: Tensor, product: Callable[[Tensor, Tensor], Any]) -> Any:
+        """``product(matrices, x)`` for this operator's elements, one call per run; a product may return a
+        tensor or a tuple of them."""
         if len(self._runs) == 1:
             return product(self.matrices[self._runs[0]], x)
         parts = x.split([run.stop - run.start for run in self._runs])
-        return torch.cat(
-            [product(self.matrices[run], part) for run, part in zip(self._runs, parts, strict=True)]
-        )
+        results = [product(self.matrices[run], part) for run, part in zip(self._runs, parts, strict=True)]
+        if isinstance(results[0], tuple):
+            return tuple(torch.cat(pieces) for pieces in zip(*results, strict=True))
+        return torch.cat(results)
 
 
-GRAM_SWEEP_BYTES = 4 * 2**20
-"""Bytes of A (over the whole batch) a CPU Gram sweep multiplies by both sides while they are in cache:
-2–4 MiB measured fastest on the development machine (1 MiB of L2 per core, 32 MiB of L3)."""
-GRAM_SWEEP_MAX_COLUMNS = 8
-"""The widest block a Gram sweep is used for: the two ways tied at 8 columns for 64 matrices of 2048²."""
+GRAM_SWEEP_BYTES = 2 * 2**20
+"""Bytes of A (over the batch) that a CPU Gram sweep multiplies by both sides while they are in cache, unless
+that is fewer rows than ``GRAM_SWEEP_MIN_ROWS`` or ``GRAM_SWEEP_ROWS_PER_COLUMN`` per column of x."""
+GRAM_SWEEP_MIN_ROWS = 8
+GRAM_SWEEP_ROWS_PER_COLUMN = 2
+"""Fewer rows of each matrix per block make the sweep's products too small to run at speed, and more so the
+wider x is. 64 matrices on an AVX-512 Xeon (2 MiB of L2 per core, 480 MiB of L3 shared with other tenants),
+fastest rows per block and their time against two separate products:
+
+| n | 4 columns | 8 columns | 16 columns |
+|---:|---|---|---|
+| 1024 | 8 rows: 22.8 ms (two products 30.2) | 32: 30.4 (37.1) | 32: 38.3 (45.7) |
+| 2048 | 8 rows: 101 ms (134) | 16–32: 123 (154) | 32: 144 (184) |
+
+On the 2-core EPYC of the earlier measurements (1 MiB of L2 per core, 32 MiB of L3) 2–4 MiB were fastest at
+1024² with 4 columns, which is 8–16 rows."""
+GRAM_SWEEP_MAX_COLUMNS = 16
+"""The widest block a Gram sweep is used for (the quadrature's 16 probes are the widest there are)."""
 
 
-def _gram_sweep(matrices: Tensor, x: Tensor) -> Tensor:
+def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(AᵀA x, A ``riding``) in one sweep over the rows of A; the second is empty without ``riding``."""
     batch, rows, cols = matrices.shape
-    rows_per_block = max(1, GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()))
-    x = _column_major(x)
-    transposed = x.new_zeros((batch, x.shape[2], cols))
+    width = x.shape[2]
+    both = _column_major(x if riding is None else torch.cat([x, riding], dim=2))
+    rows_per_block = max(
+        GRAM_SWEEP_MIN_ROWS,
+        GRAM_SWEEP_ROWS_PER_COLUMN * width,
+        GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()),
+    )
+    transposed = x.new_zeros((batch, width, cols))
+    ridden = x.new_empty((batch, rows, both.shape[2] - width))
     for start in range(0, rows, rows_per_block):
         block = matrices[:, start : start + rows_per_block]
-        transposed.baddbmm_(torch.bmm(block, x).transpose(1, 2).contiguous(), block)
-    return transposed.transpose(1, 2)
+        product = torch.bmm(block, both)
+        transposed.baddbmm_(product[:, :, :width].transpose(1, 2).contiguous(), block)
+        ridden[:, start : start + rows_per_block] = product[:, :, width:]
+    return transposed.transpose(1, 2), ridden
 
 
 def _consecutive_runs(elements: list[int]) -> list[slice]:
@@ -173,6 +276,40 @@ def _column_major(x: Tensor) -> Tensor:
     """``x`` with each matrix stored column by column: CPU BLAS multiplies a large matrix by a narrow block
     (2–8 columns) about 3× faster in that layout (measured on 1024² float32 matrices)."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+class Passenger:
+    """A computation that needs products with an operator one block at a time, so that they can ride along
+    on another computation's sweeps over the same matrices (:meth:`BatchedOperator.carrying`).
+
+    ``steps`` is a generator that yields ``(operator, block)``, is sent ``operator.matmat(block)`` back, and
+    returns its result; ``finish`` serves what no sweep carried and returns that result.
+    """
+
+    def __init__(self, steps: Generator[tuple[BatchedOperator, Tensor], Tensor, Any]) -> None:
+        self._steps = steps
+        self._result: Any = None
+        self.pending: tuple[BatchedOperator, Tensor] | None = None
+        self._advance(None)
+
+    def deliver(self, product: Tensor) -> None:
+        """The product the pending request asked for."""
+        if self.pending is None:
+            raise RuntimeError("deliver called with no product pending")
+        self._advance(product)
+
+    def finish(self) -> Any:
+        """Serve every request left with the operators' own products; the computation's result."""
+        while self.pending is not None:
+            operator, block = self.pending
+            self._advance(operator.matmat(block))
+        return self._result
+
+    def _advance(self, product: Tensor | None) -> None:
+        try:
+            self.pending = next(self._steps) if product is None else self._steps.send(product)
+        except StopIteration as stop:
+            self.pending, self._result = None, stop.value
 
 
 class FunctionOperator(BatchedOperator):
@@ -369,6 +506,7 @@ __all__ = [
     "DenseOperator",
     "FunctionOperator",
     "GramOperator",
+    "Passenger",
     "ProjectedOperator",
     "StackedOperator",
     "as_operator",

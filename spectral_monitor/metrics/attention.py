@@ -9,7 +9,7 @@ touches each matrix a few dozen times instead of factorising it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ from spectral_monitor.linalg import (
     top_singular,
 )
 from spectral_monitor.linalg.lanczos import GrowingRows, orthonormal_rows, reorthogonalise
-from spectral_monitor.linalg.operators import default_generator, gaussian, rademacher
+from spectral_monitor.linalg.operators import Passenger, default_generator, gaussian, rademacher
 from spectral_monitor.linalg.quadrature import QuadratureNodes
 from spectral_monitor.metrics._common import (
     ENERGY_LEVEL,
@@ -483,8 +483,13 @@ def krylov_spectral_metrics(
         and state.vectors.shape[:2] == (operator.batch, operator.cols)
     ):
         warm = state.vectors
+    # The Arnoldi iteration for |λ₂| rides in the Lanczos iteration's sweeps over A where the operator can
+    # share them (a dense batch on the CPU), and finishes on its own products.
+    arnoldi = None
+    if not causal and operator.rows == operator.cols:
+        arnoldi = Passenger(_second_eigenvalue_modulus(operator, queries, arnoldi_draws))
     top = top_singular(
-        operator,
+        operator if arnoldi is None else operator.carrying(arnoldi),
         2,
         block_size=SINGULAR_BLOCK,
         tol=SINGULAR_TOL,
@@ -498,10 +503,10 @@ def krylov_spectral_metrics(
         state.vectors = top.right
     sigma = top.values
     metrics = {"sigma1": sigma[:, 0], "sigma2": sigma[:, 1]}
-    if causal or operator.rows != operator.cols:
+    if arnoldi is None:
         metrics["eigen_gap"] = torch.full_like(sigma[:, 0], float("nan"))
     else:
-        metrics["eigen_gap"] = 1 - _second_eigenvalue_modulus(operator, queries, arnoldi_draws)
+        metrics["eigen_gap"] = 1 - arnoldi.finish()
     nan = torch.full_like(sigma[:, 0], float("nan"))
     if include_rank_sums:
         metrics.update(_rank_sums(operator, top.right, sigma, frobenius_squared, quadrature_draws))
@@ -812,7 +817,7 @@ def _threshold_rank_if_resolved(sigma: Tensor, frobenius_squared: Tensor) -> Ten
 
 def _second_eigenvalue_modulus(
     operator: BatchedOperator, queries: Tensor, generator: torch.Generator
-) -> Tensor:
+) -> Generator[tuple[BatchedOperator, Tensor], Tensor, Tensor]:
     """|λ₂| of row-stochastic A by block Arnoldi on the Wielandt deflation A − 1wᵀ (w = 1/n on valid rows),
     whose spectrum is A's with λ₁ = 1 replaced by 0; |λ₂| is then the outermost Ritz value's modulus.
 
@@ -822,6 +827,8 @@ def _second_eigenvalue_modulus(
     blocks of 16 missed |λ₂| by up to 0.057, 12 blocks of 4 by 0.014 in the same time. From block
     ``ARNOLDI_FIRST_CHECK`` on, an element is done when its outermost Ritz modulus moves less than
     ``ARNOLDI_TOL`` between checks ``ARNOLDI_CHECK_EVERY`` blocks apart.
+
+    A :class:`~spectral_monitor.linalg.operators.Passenger`'s steps: it yields each product with A it needs.
     """
     batch, n, work, device = operator.batch, operator.rows, operator.dtype, operator.device
     ones = queries.to(work)
@@ -836,11 +843,11 @@ def _second_eigenvalue_modulus(
     previous: Tensor | None = None
 
     # The basis and its images are rows (B, k, n), as in lanczos_eigsh, which says why.
-    def deflated(rows: Tensor) -> Tensor:
-        block = rows.mT
-        return (operator.matmat(block) - ones[:, :, None] * (weights[:, None, :] @ block)).mT.contiguous()
+    def deflated(rows: Tensor, product: Tensor) -> Tensor:
+        return (product - ones[:, :, None] * (weights[:, None, :] @ rows.mT)).mT.contiguous()
 
-    basis, images = GrowingRows(first, width * max_blocks), GrowingRows(deflated(first), width * max_blocks)
+    basis = GrowingRows(first, width * max_blocks)
+    images = GrowingRows(deflated(first, (yield operator, first.mT)), width * max_blocks)
     for blocks in range(1, max_blocks + 1):
         last = blocks == max_blocks
         due = blocks >= ARNOLDI_FIRST_CHECK and (blocks - ARNOLDI_FIRST_CHECK) % ARNOLDI_CHECK_EVERY == 0
@@ -865,5 +872,5 @@ def _second_eigenvalue_modulus(
         known = basis.rows
         latest, _ = orthonormal_rows(reorthogonalise(images.rows[:, -width:], known), known, scale, generator)
         basis.append(latest)
-        images.append(deflated(latest))
+        images.append(deflated(latest, (yield operator, latest.mT)))
     return moduli.clamp(max=1.0)
