@@ -551,6 +551,23 @@ def test_the_krylov_eigen_gap_of_sharpened_softmax_attention_is_within_0_02() ->
     np.testing.assert_allclose(actual["sigma2"], expected["sigma2"], rtol=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("mix", "by_difference"), [(0.02, [False, False]), (0.156, [True, False]), (0.3, [True, True])]
+)
+def test_the_rank_one_residual_is_float32_accurate_either_side_of_where_a_second_pass_takes_over(
+    mix: float, by_difference: list[bool]
+) -> None:
+    """Softmax attention mixed into uniform attention: rank-one residuals of 0.026 (from a second pass over
+    the centred rows), 0.201 and 0.197 (either side of the threshold, where the difference's rounding is
+    worst) and 0.36 (from ‖A‖_F² − n‖ā‖²)."""
+    n = 400
+    case = AttentionCase(f"mixed_{mix}", (1 - mix) / n + mix * softmax_attention(seed=3, shape=(2, n, n)))
+    expected = case.reference()["rank_one_residual"]
+    actual = measure(case, torch.float32, method="krylov", include_rank_sums=False)["rank_one_residual"]
+    assert (expected**2 >= attention_module.CENTRED_BY_DIFFERENCE_MIN).tolist() == by_difference
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
+
+
 def test_the_arnoldi_riding_in_the_lanczos_sweeps_finds_what_it_finds_alone() -> None:
     """The |λ₂| iteration takes its products from the σ Lanczos sweeps while both run, then its own; both
     stop elements at different blocks, so the products change hands mid-batch. Sharing must not change what
