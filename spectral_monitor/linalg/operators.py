@@ -88,13 +88,13 @@ class DenseOperator(BatchedOperator):
     second product reads them from cache. Memory-bound as narrow products are, that makes it 1.4× faster than
     two separate products for 64 matrices of 1024² and 1.7× for 2048² (4 columns, 2-core EPYC with a 32 MiB
     L3). On that machine 16 columns, in blocks of 4 MiB (16 rows at 1024²), took 150 against 132 ms at 1024²
-    and 704 against 516 ms at 2048²; on an AVX-512 Xeon blocks of 32 rows made 16 columns 1.2–1.3× faster than
-    two products (``GRAM_SWEEP_ROWS_PER_COLUMN`` has the table).
+    and 704 against 516 ms at 2048²; on an AVX-512 Xeon, with blocks of 16 rows, 16 columns took 40 against
+    48 ms and 152 against 184 ms (``GRAM_SWEEP_MIN_ROWS`` has the table).
 
     ``carrying`` lets another computation's products with A (a :class:`Passenger`: the Arnoldi iteration for
     |λ₂| beside the Lanczos iteration for σ₁, σ₂) ride in the same sweep: its block joins x in the first
     product of each block of rows, which costs little more than x alone, where a product of its own would read
-    A once more (64 matrices of 1024², 4 + 4 columns: 25.2 ms against 21.7 + 14.6 ms apart, AVX-512 Xeon).
+    A once more (64 matrices of 1024², 4 + 4 columns: 27–30 ms against 21 + 14.6 ms apart, AVX-512 Xeon).
 
     ``restrict`` copies nothing: the restricted operator multiplies the kept matrices where they are, one
     batched product per run of consecutive kept elements (a copy of what is kept cost about a product each
@@ -223,17 +223,20 @@ class DenseOperator(BatchedOperator):
 
 GRAM_SWEEP_BYTES = 2 * 2**20
 """Bytes of A (over the batch) that a CPU Gram sweep multiplies by both sides while they are in cache, unless
-that is fewer rows than ``GRAM_SWEEP_MIN_ROWS`` or ``GRAM_SWEEP_ROWS_PER_COLUMN`` per column of x."""
-GRAM_SWEEP_MIN_ROWS = 8
-GRAM_SWEEP_ROWS_PER_COLUMN = 2
-"""Fewer rows of each matrix per block make the sweep's products too small to run at speed, and more so the
-wider x is. 64 matrices on an AVX-512 Xeon (2 MiB of L2 per core, 480 MiB of L3 shared with other tenants),
-fastest rows per block and their time against two separate products:
+that is fewer rows of each matrix than ``GRAM_SWEEP_MIN_ROWS``."""
+GRAM_SWEEP_MIN_ROWS = 16
+"""Fewer rows of each matrix per block make the sweep's products too small to run at speed. 64 matrices on
+an AVX-512 Xeon (2 MiB of L2 per core, 480 MiB of L3 shared with other tenants), time of one sweep by rows per
+block, and of two separate products:
 
-| n | 4 columns | 8 columns | 16 columns |
-|---:|---|---|---|
-| 1024 | 8 rows: 22.8 ms (two products 30.2) | 32: 30.4 (37.1) | 32: 38.3 (45.7) |
-| 2048 | 8 rows: 101 ms (134) | 16–32: 123 (154) | 32: 144 (184) |
+| n | columns | 8 rows | 16 rows | 32 rows | two products |
+|---:|---:|---:|---:|---:|---:|
+| 1024 | 4 | 19.8 ms | 20.7 | 21.6 | 33.3 |
+| 1024 | 8 | 29.7 | 28.2 | 28.2 | 37.1 |
+| 1024 | 16 | 57.2 | 40.4 | 41.9 | 47.8 |
+| 2048 | 4 | 95.4 | 89.3 | 89.5 | 134 |
+| 2048 | 8 | 127 | 110 | 110 | 154 |
+| 2048 | 16 | 215 | 152 | 159 | 184 |
 
 On the 2-core EPYC of the earlier measurements (1 MiB of L2 per core, 32 MiB of L3) 2–4 MiB were fastest at
 1024² with 4 columns, which is 8–16 rows."""
@@ -245,20 +248,19 @@ def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tu
     """(AᵀA x, A ``riding``) in one sweep over the rows of A; the second is empty without ``riding``."""
     batch, rows, cols = matrices.shape
     width = x.shape[2]
-    both = _column_major(x if riding is None else torch.cat([x, riding], dim=2))
-    rows_per_block = max(
-        GRAM_SWEEP_MIN_ROWS,
-        GRAM_SWEEP_ROWS_PER_COLUMN * width,
-        GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()),
-    )
+    # Each block's first product is formed transposed, (A_b [x, riding])ᵀ, so its rows feed the second
+    # product as they are: 20.7 against 27.6 ms at 1024² with 4 columns and blocks of 16 rows, where A_b x
+    # was copied transposed.
+    both_rows = (x if riding is None else torch.cat([x, riding], dim=2)).transpose(1, 2).contiguous()
+    rows_per_block = max(GRAM_SWEEP_MIN_ROWS, GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()))
     transposed = x.new_zeros((batch, width, cols))
-    ridden = x.new_empty((batch, rows, both.shape[2] - width))
+    ridden = x.new_empty((batch, both_rows.shape[1] - width, rows))
     for start in range(0, rows, rows_per_block):
         block = matrices[:, start : start + rows_per_block]
-        product = torch.bmm(block, both)
-        transposed.baddbmm_(product[:, :, :width].transpose(1, 2).contiguous(), block)
-        ridden[:, start : start + rows_per_block] = product[:, :, width:]
-    return transposed.transpose(1, 2), ridden
+        product = torch.bmm(both_rows, block.transpose(1, 2))
+        transposed.baddbmm_(product[:, :width], block)
+        ridden[:, :, start : start + rows_per_block] = product[:, width:]
+    return transposed.transpose(1, 2), ridden.transpose(1, 2)
 
 
 def _consecutive_runs(elements: list[int]) -> list[slice]:
