@@ -19,6 +19,7 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
     matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * 5 * 7 * 8)
     monkeypatch.setattr(operators, "GRAM_SWEEP_MIN_ROWS", 1)
+    monkeypatch.setattr(operators, "GRAM_SWEEP_WIDE_MIN_BYTES", 0)
     block = torch.randn(5, 7, operators.GRAM_SWEEP_MAX_COLUMNS, dtype=torch.float64)
     expected = matrices.transpose(1, 2) @ matrices @ block
     dense = DenseOperator(matrices)
@@ -79,14 +80,14 @@ def test_a_passenger_rides_in_the_gram_sweeps_it_shares_and_gets_every_product_i
     that carries it, the second all of them, the third is left to ``finish``. Only what no sweep shared is
     multiplied on its own."""
     generator = torch.Generator().manual_seed(3)
-    matrices = torch.randn(5, 10, 10, generator=generator, dtype=torch.float64)
+    matrices = torch.randn(5, 10, 7, generator=generator, dtype=torch.float64)  # rectangular: A x is 10 long
     dense = DenseOperator(matrices)
     requests = ([0, 1, 2], [1, 3, 4], [3])
 
     def steps():
         received = []
         for kept in requests:
-            block = torch.randn(len(kept), 10, 3, generator=generator, dtype=torch.float64)
+            block = torch.randn(len(kept), 7, 3, generator=generator, dtype=torch.float64)
             product = yield dense.restrict(torch.tensor(kept)), block
             received.append((kept, block, product))
         return received
@@ -102,7 +103,7 @@ def test_a_passenger_rides_in_the_gram_sweeps_it_shares_and_gets_every_product_i
     passenger = operators.Passenger(steps())
     carrier = dense.carrying(passenger)
     for kept in ([0, 2, 3], [0, 1, 2, 3, 4]):
-        x = torch.randn(len(kept), 10, 4, generator=generator, dtype=torch.float64)
+        x = torch.randn(len(kept), 7, 4, generator=generator, dtype=torch.float64)
         expected = matrices[kept].transpose(1, 2) @ matrices[kept] @ x
         gram = carrier.restrict(torch.tensor(kept)).gram_matmat(x)
         torch.testing.assert_close(gram, expected, rtol=1e-12, atol=1e-12)
@@ -113,7 +114,7 @@ def test_a_passenger_rides_in_the_gram_sweeps_it_shares_and_gets_every_product_i
         torch.testing.assert_close(product, matrices[kept] @ block, rtol=1e-12, atol=1e-12)
     assert own_products == [1, 1]  # element 1 of the first request, then the whole third
     with pytest.raises(RuntimeError, match="no product pending"):
-        passenger.deliver(torch.zeros(1, 10, 3))
+        passenger.deliver(torch.zeros(1, 10, 3, dtype=torch.float64))
 
 
 def test_an_operator_without_sweeps_leaves_its_passenger_to_finish() -> None:
