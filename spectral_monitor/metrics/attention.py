@@ -48,15 +48,18 @@ SINGULAR_BLOCK = 4
 width needs about the same number of products to resolve it; narrow blocks waste fewest (measured at n = 1024:
 42 Gram products per matrix at width 4, 67 at width 16, for the same accuracy)."""
 ARNOLDI_WIDTH = 4
-SINGULAR_TOL = 1e-4
+SINGULAR_TOL = 1e-3
 """Estimated error of each of σ₁², σ₂² relative to itself (``criterion="eigenvalue"``, ``relative_to="each"``
-of :func:`~spectral_monitor.linalg.lanczos_eigsh`). The Ritz residual relative to σ₁², the rule before, let
-σ₂ of attention with a sink (σ₂² ≈ 2e-3 σ₁²) stop after 3 blocks 9.2e-4 off; judged against itself it is
-1.1e-5 off after 3.3. Measured on 62 seeded matrices (softmax at n = 1024 and 2048, logits ×2, sinks, causal
-and local bands at 256 and 1024): the worst σ error 9.2e-4 → 1.1e-5, for 10.7 blocks instead of 10.2 at
-n = 1024. Warm-started from the last step's vectors (the benchmark's 1% drift), 3e-4 stopped after one block
-6.5e-4 off (the random half of the block makes the Ritz gap look wider than it is); 1e-4 takes 1.8 blocks,
-7.5e-5 off."""
+of :func:`~spectral_monitor.linalg.lanczos_eigsh`) at which a cold start stops. The Ritz residual relative to
+σ₁², the rule before, let σ₂ of attention with a sink (σ₂² ≈ 2e-3 σ₁²) stop after 3 blocks 9.2e-4 off; judged
+against itself it is resolved to its own accuracy. From a cold start the estimate is pessimistic: on the
+benchmark's 64 softmax matrices 1e-3 left σ₂ at most 1.8e-4 off at n = 1024 and 6.2e-5 at 2048, after 9.7 and
+10.9 blocks, where 1e-4 took 11.0 and 12.5 blocks for 8.0e-6 and 1.1e-5; on 16 structured matrices (sinks,
+causal, local bands, padded queries at n = 256 and 1024) and logits ×2 at 1024, at most 2.3e-4 (a sink)."""
+WARM_SINGULAR_TOL = 1e-4
+"""The same, warm-started, where the estimate is optimistic: from the last step's vectors (the benchmark's 1%
+drift) 3e-4 stopped after one block 6.5e-4 off (the warm half of the block makes the Ritz gap look wider than
+it is), 5e-4 at n = 2048 4.7e-4 off; 1e-4 takes 1.3–1.8 blocks, 6.6e-5 to 7.9e-5 off."""
 ERANK_QUADRATURE_RTOL = 0.004
 """Quadrature steps go on until the effective rank's estimated quadrature error is below this (relative)."""
 EXTRAPOLATION_SAFETY = 2.0
@@ -174,6 +177,8 @@ def attention_metrics(
 
     scratch = Scratch()
     blocks = _cache_sized_blocks(matrices)
+    exact_dobrushin_wanted = method == "exact" or n <= DOBRUSHIN_EXACT_MAX_ROWS
+    walk_from = None if exact_dobrushin_wanted else matrices[torch.arange(len(matrices)), walk_start(queries)]
     metrics = one_pass_members(
         lambda: ((elements, start, stop, matrices[elements, start:stop]) for elements, start, stop in blocks),
         keys,
@@ -181,7 +186,9 @@ def attention_metrics(
         causal,
         work,
         scratch,
+        walk_from=walk_from,
     )
+    first_walk_distances = metrics.pop("walk_distances", None)
     # A masked NaN or inf stays one (× 0 is NaN), so the norm of what was measured screens the input.
     nonfinite = _nonfinite_elements(matrices, metrics["frobenius"])
     # Non-finite elements are replaced by a harmless matrix so batched factorisations cannot fail; their
@@ -191,7 +198,7 @@ def attention_metrics(
         matrices = torch.where(nonfinite[:, None, None], torch.full_like(matrices, 1.0 / m), matrices)
         frobenius_squared = torch.where(nonfinite, n / m, frobenius_squared)  # the stand-in's
     metrics["dobrushin"] = _dobrushin(
-        matrices, queries, blocks, scratch, exact=method == "exact" or n <= DOBRUSHIN_EXACT_MAX_ROWS
+        matrices, queries, blocks, scratch, exact=exact_dobrushin_wanted, first_distances=first_walk_distances
     )
     if uses_exact_path(n, m, method):
         metrics.update(_exact_spectral_metrics(matrices, causal, include_rank_sums))
@@ -299,9 +306,12 @@ def one_pass_members(
     causal: bool,
     work: torch.dtype,
     scratch: Scratch,
+    walk_from: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Entropy, ‖A‖_F, rank-one residual and self-attention of a batch of attention matrices (B, n, m) seen
-    in blocks, for the dense path and for blocks recomputed from q and k alike.
+    in blocks, for the dense path and for blocks recomputed from q and k alike; with ``walk_from`` (B, m),
+    one row per element, also ``"walk_distances"`` (B, n), every row's L1 distance from it (the first step
+    of the Dobrushin walk, which then needs no pass of its own).
 
     ``blocks()`` yields ``(elements, start, stop, A[elements, start:stop])`` covering every row of every
     element once, in dtype ``work``; it is called a second time only where the centred norm ‖A − 1āᵀ‖_F
@@ -315,6 +325,7 @@ def one_pass_members(
     squared_norm = torch.zeros(batch, dtype=torch.float64, device=device)
     column_sums = torch.zeros((batch, m), dtype=torch.float64, device=device)
     trace = torch.zeros(batch, dtype=torch.float64, device=device)
+    walk_distances = torch.empty((batch, n), dtype=work, device=device)
     for elements, start, stop, block in blocks():
         # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
         # denormal; about twice as fast as ``xlogy`` on CPU.
@@ -325,6 +336,9 @@ def one_pass_members(
         column_sums[elements] += (block.new_ones((1, block.shape[1])) @ block).squeeze(1).double()
         if n == m:
             trace[elements] += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1).double()
+        if walk_from is not None:
+            difference = torch.sub(block, walk_from[elements, None, :], out=scratch.like(block))
+            walk_distances[elements, start:stop] = difference.abs_().sum(dim=2)
 
     valid_rows = queries.sum(dim=1)
     mean_row = column_sums / valid_rows.clamp_min(1)[:, None]
@@ -355,7 +369,8 @@ def one_pass_members(
         centred_squared_norm = torch.where(cancelled, exact, centred_squared_norm)
 
     frobenius = squared_norm.sqrt().to(work)
-    return {
+    walk = {} if walk_from is None else {"walk_distances": walk_distances}
+    return walk | {
         "entropy": normalised_entropy(row_entropy, keys, queries, causal),
         "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
         "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
@@ -407,9 +422,16 @@ def rank_one_residual(centred_norm: Tensor, frobenius: Tensor) -> Tensor:
 
 
 def _dobrushin(
-    matrices: Tensor, queries: Tensor, blocks: list[tuple[slice, int, int]], scratch: Scratch, *, exact: bool
+    matrices: Tensor,
+    queries: Tensor,
+    blocks: list[tuple[slice, int, int]],
+    scratch: Scratch,
+    *,
+    exact: bool,
+    first_distances: Tensor | None = None,
 ) -> Tensor:
-    """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁: exactly, or by the farthest-point walk over ``blocks``."""
+    """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁: exactly, or by the farthest-point walk over ``blocks``
+    (whose first step's distances may be given)."""
     batch, n, _ = matrices.shape
     if exact:
         # Whole matrices a cache-sized part at a time: the (part, n, n) distances stay small.
@@ -430,7 +452,7 @@ def _dobrushin(
             distances[elements, start:stop] = difference.abs_().sum(dim=2)
         return distances
 
-    return farthest_point_dobrushin(distances_from, queries)
+    return farthest_point_dobrushin(distances_from, queries, first_distances)
 
 
 def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
@@ -441,21 +463,29 @@ def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
     return torch.where(valid_pairs, distances, torch.zeros_like(distances)).amax(dim=(1, 2)) / 2
 
 
-def farthest_point_dobrushin(distances_from: Callable[[Tensor], Tensor], queries: Tensor) -> Tensor:
+def farthest_point_dobrushin(
+    distances_from: Callable[[Tensor], Tensor], queries: Tensor, first_distances: Tensor | None = None
+) -> Tensor:
     """The farthest-point estimate of ½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁: (B,), at least half the true value.
 
     The row farthest from any row r is at least half the diameter away from r; the walk starts at the first
-    valid query and moves ``DOBRUSHIN_WALK_STEPS`` times to the farthest row. ``distances_from(anchor)`` maps
-    one row index per element (B,) to the L1 distances of every row from that row (B, n).
+    valid query (:func:`walk_start`) and moves ``DOBRUSHIN_WALK_STEPS`` times to the farthest row.
+    ``distances_from(anchor)`` maps one row index per element (B,) to the L1 distances of every row from that
+    row (B, n); ``first_distances``, where a pass already made them, are those of the first step.
     """
     best = torch.zeros(queries.shape[0], device=queries.device)
-    anchor = queries.to(torch.int8).argmax(dim=1)
-    for _ in range(DOBRUSHIN_WALK_STEPS):
-        distances = distances_from(anchor)
+    anchor = walk_start(queries)
+    for step in range(DOBRUSHIN_WALK_STEPS):
+        distances = first_distances if step == 0 and first_distances is not None else distances_from(anchor)
         distances = torch.where(queries, distances, torch.zeros_like(distances))
         farthest, anchor = distances.max(dim=1)
         best = torch.maximum(best.to(farthest.dtype), farthest)
     return best / 2
+
+
+def walk_start(queries: Tensor) -> Tensor:
+    """The row each element's Dobrushin walk starts from: its first valid query (B,)."""
+    return queries.to(torch.int8).argmax(dim=1)
 
 
 def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: bool) -> dict[str, Tensor]:
@@ -521,7 +551,7 @@ def krylov_spectral_metrics(
         operator if arnoldi is None else operator.carrying(arnoldi),
         2,
         block_size=SINGULAR_BLOCK,
-        tol=SINGULAR_TOL,
+        tol=SINGULAR_TOL if warm is None else WARM_SINGULAR_TOL,
         init=warm,
         generator=singular_draws,
         return_vectors="right",
