@@ -85,9 +85,12 @@ QUADRATURE_MAX_STEPS = 64
 ARNOLDI_MAX_BLOCKS = 12
 ARNOLDI_FIRST_CHECK = 6
 ARNOLDI_CHECK_EVERY = 2
-ARNOLDI_TOL = 1e-3
+ARNOLDI_TOL = 3e-3
 """Change of the outermost Ritz modulus between checks at which |λ₂| is taken as converged (``eigen_gap``
-is reported to 0.01)."""
+is reported to 0.01). On the benchmark's 64 softmax matrices at n = 1024, 1e-3 let 49 of them run to
+``ARNOLDI_MAX_BLOCKS``, 3e-3 stopped all but 7 by block 10, and the largest error against ``eigvals`` of 16
+of them went from 0.0057 to 0.0063 (mean 0.0016 to 0.0023). With logits ×2, where the cap is what bounds
+the error (0.017), the tolerance changed neither it nor when most of them stopped."""
 ONE_PASS_CHUNK_BYTES = 2**20
 """Bytes of A in one block of the passes for the entropy, norms and Dobrushin walk: a block and its temporary
 stay in a core's L2. At n = 2048 (64 matrices, AVX-512 Xeon with 2 MiB of L2 per core) the one pass and the
