@@ -58,8 +58,8 @@ benchmark's 64 softmax matrices 1e-3 left σ₂ at most 1.8e-4 off at n = 1024 a
 causal, local bands, padded queries at n = 256 and 1024) and logits ×2 at 1024, at most 2.3e-4 (a sink)."""
 WARM_SINGULAR_TOL = 1e-4
 """The same, warm-started, where the estimate is optimistic: from the last step's vectors (the benchmark's 1%
-drift) 3e-4 stopped after one block 6.5e-4 off (the warm half of the block makes the Ritz gap look wider than
-it is), 5e-4 at n = 2048 4.7e-4 off; 1e-4 takes 1.3–1.8 blocks, 6.6e-5 to 7.9e-5 off."""
+drift) 3e-4 stopped after one block 6.5e-4 off (the random half of the block makes the Ritz gap look wider
+than it is), 5e-4 at n = 2048 4.7e-4 off; 1e-4 takes 1.3–1.8 blocks, 6.6e-5 to 7.9e-5 off."""
 ERANK_QUADRATURE_RTOL = 0.004
 """Quadrature steps go on until the effective rank's estimated quadrature error is below this (relative)."""
 EXTRAPOLATION_SAFETY = 2.0
