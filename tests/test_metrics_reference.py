@@ -568,6 +568,21 @@ def test_the_rank_one_residual_is_float32_accurate_either_side_of_where_a_second
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("mix", [0.02, 0.3])
+def test_padded_queries_leave_the_rank_one_residual_exact_by_either_way(mix: float) -> None:
+    """Padded queries are zero rows that the mean row must not be subtracted from, in the second pass
+    (residual 0.026) as in the difference of sums (0.36)."""
+    n = 400
+    query_mask = np.ones((2, n), dtype=bool)
+    query_mask[:, 300:] = False
+    attn = (1 - mix) / n + mix * softmax_attention(seed=4, shape=(2, n, n))
+    case = AttentionCase(f"padded_mixed_{mix}", attn, query_mask=query_mask)
+    expected = case.reference()["rank_one_residual"]
+    actual = measure(case, torch.float32, method="krylov", include_rank_sums=False)["rank_one_residual"]
+    assert (expected**2 >= attention_module.CENTRED_BY_DIFFERENCE_MIN).all() == (mix > 0.1)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
+
+
 def test_the_arnoldi_riding_in_the_lanczos_sweeps_finds_what_it_finds_alone() -> None:
     """The |λ₂| iteration takes its products from the σ Lanczos sweeps while both run, then its own; both
     stop elements at different blocks, so the products change hands mid-batch. Sharing must not change what

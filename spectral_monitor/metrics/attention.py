@@ -328,7 +328,7 @@ def one_pass_members(
     squared_norm = torch.zeros(batch, dtype=torch.float64, device=device)
     column_sums = torch.zeros((batch, m), dtype=torch.float64, device=device)
     trace = torch.zeros(batch, dtype=torch.float64, device=device)
-    walk_distances = torch.empty((batch, n), dtype=work, device=device)
+    walk_distances = None if walk_from is None else torch.empty((batch, n), dtype=work, device=device)
     for elements, start, stop, block in blocks():
         # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
         # denormal; about twice as fast as ``xlogy`` on CPU.
@@ -339,7 +339,7 @@ def one_pass_members(
         column_sums[elements] += (block.new_ones((1, block.shape[1])) @ block).squeeze(1).double()
         if n == m:
             trace[elements] += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1).double()
-        if walk_from is not None:
+        if walk_from is not None and walk_distances is not None:
             difference = torch.sub(block, walk_from[elements, None, :], out=scratch.like(block))
             walk_distances[elements, start:stop] = difference.abs_().sum(dim=2)
 
@@ -372,7 +372,7 @@ def one_pass_members(
         centred_squared_norm = torch.where(cancelled, exact, centred_squared_norm)
 
     frobenius = squared_norm.sqrt().to(work)
-    walk = {} if walk_from is None else {"walk_distances": walk_distances}
+    walk = {} if walk_distances is None else {"walk_distances": walk_distances}
     return walk | {
         "entropy": normalised_entropy(row_entropy, keys, queries, causal),
         "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
