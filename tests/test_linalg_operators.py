@@ -10,16 +10,16 @@ from spectral_monitor.linalg import lanczos_eigsh, operators
 from spectral_monitor.linalg.operators import DenseOperator, GramOperator, StackedOperator
 
 
-@pytest.mark.parametrize("rows_per_block", [1, 3, 10, 64])
+@pytest.mark.parametrize(("group", "rows_per_block"), [(1, 1), (2, 3), (4, 10), (1, 64), (2, 1), (5, 4)])
 def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
-    monkeypatch: pytest.MonkeyPatch, rows_per_block: int
+    monkeypatch: pytest.MonkeyPatch, group: int, rows_per_block: int
 ) -> None:
-    """Blocks of rows that do not divide the 10 rows (the last is short), one row, all rows; rectangular and
-    restricted to scattered elements."""
+    """Groups of matrices and blocks of rows that do not divide the 5 matrices and their 10 rows (the last
+    is short), one row, all rows, whole matrices; rectangular and restricted to scattered elements."""
     matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * 5 * 7 * 8)
+    monkeypatch.setattr(operators, "GRAM_SWEEP_GROUP", group)
+    monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * group * 7 * 8)
     monkeypatch.setattr(operators, "GRAM_SWEEP_MIN_ROWS", 1)
-    monkeypatch.setattr(operators, "GRAM_SWEEP_WIDE_MIN_BYTES", 0)
     block = torch.randn(5, 7, operators.GRAM_SWEEP_MAX_COLUMNS, dtype=torch.float64)
     expected = matrices.transpose(1, 2) @ matrices @ block
     dense = DenseOperator(matrices)

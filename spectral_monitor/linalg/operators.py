@@ -84,12 +84,9 @@ class DenseOperator(BatchedOperator):
     contiguous copy of Aᵀ would double the memory held.
 
     ``gram_matmat`` forms AᵀA x for a narrow x in one sweep over A on the CPU: Σ over blocks of rows of
-    A_bᵀ (A_b x), with the rows of a block, across the batch, small enough (``GRAM_SWEEP_BYTES``) that its
-    second product reads them from cache. Memory-bound as narrow products are, that makes it 1.4× faster than
-    two separate products for 64 matrices of 1024² and 1.7× for 2048² (4 columns, 2-core EPYC with a 32 MiB
-    L3). On that machine 16 columns, in blocks of 4 MiB (16 rows at 1024²), took 150 against 132 ms at 1024²
-    and 704 against 516 ms at 2048²; on an AVX-512 Xeon, with blocks of 16 rows, 16 columns took 40 against
-    48 ms and 152 against 184 ms (``GRAM_SWEEP_MIN_ROWS`` has the table).
+    A_bᵀ (A_b x), each block (a few matrices' rows, ``GRAM_SWEEP_BYTES``) small enough that its second product
+    reads it from cache. Memory-bound as narrow products are, that makes it 1.5–2× faster than two separate
+    products (``GRAM_SWEEP_GROUP`` has the table).
 
     ``carrying`` lets another computation's products with A (a :class:`Passenger`: the Arnoldi iteration for
     |λ₂| beside the Lanczos iteration for σ₁, σ₂) ride in the same sweep: its block joins x in the first
@@ -130,12 +127,7 @@ class DenseOperator(BatchedOperator):
         )
 
     def gram_matmat(self, x: Tensor) -> Tensor:
-        held = self.batch * self.rows * self.cols * self.matrices.element_size()
-        if (
-            self.device.type != "cpu"
-            or x.shape[2] > GRAM_SWEEP_MAX_COLUMNS
-            or (x.shape[2] > GRAM_SWEEP_NARROW_COLUMNS and held < GRAM_SWEEP_WIDE_MIN_BYTES)
-        ):
+        if self.device.type != "cpu" or x.shape[2] > GRAM_SWEEP_MAX_COLUMNS:
             return super().gram_matmat(x)
         riding = self._riding_request()
         if riding is None:
@@ -227,32 +219,30 @@ class DenseOperator(BatchedOperator):
 
 
 GRAM_SWEEP_BYTES = 2 * 2**20
-"""Bytes of A (over the batch) that a CPU Gram sweep multiplies by both sides while they are in cache, unless
-that is fewer rows of each matrix than ``GRAM_SWEEP_MIN_ROWS``."""
-GRAM_SWEEP_MIN_ROWS = 16
-"""Fewer rows of each matrix per block make the sweep's products too small to run at speed. 64 matrices on
-an AVX-512 Xeon (2 MiB of L2 per core, 480 MiB of L3 shared with other tenants), time of one sweep by rows per
-block, and of two separate products:
+"""Bytes of A that a CPU Gram sweep multiplies by both sides while they are in cache: the rows of a block of
+``GRAM_SWEEP_GROUP`` matrices (whole matrices where that many are smaller)."""
+GRAM_SWEEP_GROUP = 4
+"""Matrices a sweep's block spans. Few matrices with many rows each keep each thread's share of a block in
+its own L2 and make the products long enough to run at speed; a block across the whole batch with a few
+rows of each spilled to L3. Best time of 15 sweeps over 64 matrices, 2-core Xeon without AMX (2 MiB of L2
+per core, 260 MiB of L3), blocks of 2 MiB, against blocks of 16 rows across the batch (the earlier layout)
+and two separate products:
 
-| n | columns | 8 rows | 16 rows | 32 rows | two products |
-|---:|---:|---:|---:|---:|---:|
-| 1024 | 4 | 19.8 ms | 20.7 | 21.6 | 33.3 |
-| 1024 | 8 | 29.7 | 28.2 | 28.2 | 37.1 |
-| 1024 | 16 | 57.2 | 40.4 | 41.9 | 47.8 |
-| 2048 | 4 | 95.4 | 89.3 | 89.5 | 134 |
-| 2048 | 8 | 127 | 110 | 110 | 154 |
-| 2048 | 16 | 215 | 152 | 159 | 184 |
+| n | columns | 1 matrix | 2 | 4 | 8 | 64 (16 rows) | two products |
+|---:|---:|---:|---:|---:|---:|---:|---:|
+| 1024 | 4 | 32.9 ms | 20.2 | 19.6 | 23.0 | 29.3 | 39.9 |
+| 1024 | 8 | 35.9 | 25.9 | 25.9 | 25.1 | 33.1 | 44.0 |
+| 2048 | 4 | 120 | 102 | 96.6 | 78.7 | 115 | 148 |
+| 2048 | 8 | 141 | 99.4 | 117 | 119 | 146 | 182 |
 
-On the 2-core EPYC of the earlier measurements (1 MiB of L2 per core, 32 MiB of L3) 2–4 MiB were fastest at
-1024² with 4 columns, which is 8–16 rows."""
-GRAM_SWEEP_MAX_COLUMNS = 16
-"""The widest block a Gram sweep is used for (the quadrature's 16 probes are the widest there are)."""
-GRAM_SWEEP_NARROW_COLUMNS = 4
-GRAM_SWEEP_WIDE_MIN_BYTES = 128 * 2**20
-"""A block wider than ``GRAM_SWEEP_NARROW_COLUMNS`` is swept only over matrices of at least this many bytes:
-where they stay in cache between two products those are faster. 64 matrices of 512² (64 MiB), same Xeon,
-16-row blocks: 4 columns 3.5 ms by the sweep against 4.3 ms, 8 columns 4.9 against 4.3, 16 columns 10.4
-against 7.7 ms."""
+At 16 columns no layout beat two products reliably (1024²: 46–72 ms by the sweep against 51 ms), so wider
+blocks are not swept (``GRAM_SWEEP_MAX_COLUMNS``)."""
+GRAM_SWEEP_MIN_ROWS = 8
+"""Fewer rows of each matrix per block make the sweep's products too small to run at speed (only matrices
+of more than 16384 columns come below it at 4 matrices of 2 MiB)."""
+GRAM_SWEEP_MAX_COLUMNS = 8
+"""The widest block a Gram sweep is used for: the Lanczos block for σ₁, σ₂ with the Arnoldi block riding
+along."""
 
 
 def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -260,17 +250,21 @@ def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tu
     batch, rows, cols = matrices.shape
     width = x.shape[2]
     # Each block's first product is formed transposed, (A_b [x, riding])ᵀ, so its rows feed the second
-    # product as they are: 20.7 against 27.6 ms at 1024² with 4 columns and blocks of 16 rows, where A_b x
-    # was copied transposed.
+    # product as they are: 20.7 against 27.6 ms at 1024² with 4 columns, where A_b x was copied transposed.
     both_rows = (x if riding is None else torch.cat([x, riding], dim=2)).transpose(1, 2).contiguous()
-    rows_per_block = max(GRAM_SWEEP_MIN_ROWS, GRAM_SWEEP_BYTES // (batch * cols * matrices.element_size()))
+    matrix_bytes = rows * cols * matrices.element_size()
+    group = max(GRAM_SWEEP_GROUP, GRAM_SWEEP_BYTES // matrix_bytes)
+    rows_per_block = max(GRAM_SWEEP_MIN_ROWS, GRAM_SWEEP_BYTES // (group * cols * matrices.element_size()))
     transposed = x.new_zeros((batch, width, cols))
     ridden = x.new_empty((batch, both_rows.shape[1] - width, rows))
-    for start in range(0, rows, rows_per_block):
-        block = matrices[:, start : start + rows_per_block]
-        product = torch.bmm(both_rows, block.transpose(1, 2))
-        transposed.baddbmm_(product[:, :width], block)
-        ridden[:, :, start : start + rows_per_block] = product[:, width:]
+    for first in range(0, batch, group):
+        elements = slice(first, first + group)
+        multiplier, accumulated, their_rows = both_rows[elements], transposed[elements], ridden[elements]
+        for start in range(0, rows, rows_per_block):
+            block = matrices[elements, start : start + rows_per_block]
+            product = torch.bmm(multiplier, block.transpose(1, 2))
+            accumulated.baddbmm_(product[:, :width], block)
+            their_rows[:, :, start : start + rows_per_block] = product[:, width:]
     return transposed.transpose(1, 2), ridden.transpose(1, 2)
 
 
