@@ -15,7 +15,8 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
     monkeypatch: pytest.MonkeyPatch, group: int, rows_per_block: int
 ) -> None:
     """Groups of matrices and blocks of rows that do not divide the 5 matrices and their 10 rows (the last
-    is short), one row, all rows, whole matrices; rectangular and restricted to scattered elements."""
+    is short), one row, all rows, whole matrices; rectangular, restricted to scattered elements, and with a
+    block riding along, whose products with A come back row by row."""
     matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     monkeypatch.setattr(operators, "GRAM_SWEEP_GROUP", group)
     monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * group * 7 * 8)
@@ -28,6 +29,10 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
     torch.testing.assert_close(
         dense.restrict(kept).gram_matmat(block[kept]), expected[kept], rtol=1e-12, atol=1e-12
     )
+    riding = torch.randn(5, 7, 3, dtype=torch.float64)
+    gram, ridden = operators._gram_sweep(matrices, block, riding)
+    torch.testing.assert_close(gram, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ridden, matrices @ riding, rtol=1e-12, atol=1e-12)
 
 
 def stack_of_three_shapes() -> tuple[StackedOperator, list[torch.Tensor]]:

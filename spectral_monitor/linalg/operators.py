@@ -241,8 +241,8 @@ GRAM_SWEEP_MIN_ROWS = 8
 """Fewer rows of each matrix per block make the sweep's products too small to run at speed (only matrices
 of more than 16384 columns come below it at 4 matrices of 2 MiB)."""
 GRAM_SWEEP_MAX_COLUMNS = 8
-"""The widest block a Gram sweep is used for: the Lanczos block for σ₁, σ₂ with the Arnoldi block riding
-along."""
+"""The widest x, and the widest riding block, a Gram sweep is used for: the Lanczos block for σ₁, σ₂ (4
+columns, 6 on a warm start's first block) and the Arnoldi block of 4 riding along."""
 
 
 def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -250,7 +250,8 @@ def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tu
     batch, rows, cols = matrices.shape
     width = x.shape[2]
     # Each block's first product is formed transposed, (A_b [x, riding])ᵀ, so its rows feed the second
-    # product as they are: 20.7 against 27.6 ms at 1024² with 4 columns, where A_b x was copied transposed.
+    # product as they are: 20.7 against 27.6 ms at 1024² with 4 columns, where A_b x was copied transposed
+    # (session 12's Xeon, blocks of 16 rows across the batch).
     both_rows = (x if riding is None else torch.cat([x, riding], dim=2)).transpose(1, 2).contiguous()
     matrix_bytes = rows * cols * matrices.element_size()
     group = max(GRAM_SWEEP_GROUP, GRAM_SWEEP_BYTES // matrix_bytes)
