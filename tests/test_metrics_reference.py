@@ -568,6 +568,17 @@ def test_the_rank_one_residual_is_float32_accurate_either_side_of_where_a_second
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
+def test_the_sums_behind_the_rank_one_residual_stay_float32_accurate_on_long_rows() -> None:
+    """At n = 2048 an attention sink puts most of ‖A‖_F² in one column: MKL's AVX2 path summed the flattened
+    matrix's squares 1e-4 off, the residual (0.62, from ‖A‖_F² − n‖ā‖²) then 6e-5 off."""
+    case = float32_case(structured_attention("attention_sink", 2048, seed=5))
+    centred = case.attn - case.attn.mean(axis=1, keepdims=True)
+    expected = np.linalg.norm(centred, axis=(1, 2)) / np.linalg.norm(case.attn, axis=(1, 2))
+    actual = measure(case, torch.float32, method="krylov", include_rank_sums=False)["rank_one_residual"]
+    assert (expected**2 >= attention_module.CENTRED_BY_DIFFERENCE_MIN).all()
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("mix", [0.02, 0.3])
 def test_padded_queries_leave_the_rank_one_residual_exact_by_either_way(mix: float) -> None:
     """Padded queries are zero rows that the mean row must not be subtracted from, in the second pass
