@@ -291,6 +291,12 @@ def test_adams_first_steps_above_their_edge_raise_nothing(tmp_path: Path) -> Non
     assert seen == []
 
 
+def half_a_unit_in_the_last_place(printed: str) -> float:
+    """How far a number printed as ``printed`` ("1.04e+03", "0.123") may be from the value it rounds."""
+    mantissa, _, exponent = printed.partition("e")
+    return 0.5 * 10.0 ** (int(exponent or 0) - len(mantissa.partition(".")[2]))
+
+
 @pytest.mark.slow
 def test_adamw_at_100x_the_demo_learning_rate_blows_up_the_jacobians_and_report_shows_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -311,8 +317,8 @@ def test_adamw_at_100x_the_demo_learning_rate_blows_up_the_jacobians_and_report_
                 "curvature/sharpness_ratio/model", "curvature/sharpness/model"):  # fmt: skip
         family, metric, layer = tag.split("/")
         (line,) = [line for line in printed.splitlines() if line.split()[:2] == [layer, f"{family}/{metric}"]]
-        latest = list(scalars(events, tag).values())[-1]
-        assert float(line.split()[2]) == pytest.approx(latest, rel=2e-3), line
+        latest, printed_latest = list(scalars(events, tag).values())[-1], line.split()[2]
+        assert abs(float(printed_latest) - latest) <= half_a_unit_in_the_last_place(printed_latest), line
     assert "  jacobian_explosion: 2 at step 9 (×2)" in printed
     (markdown,) = (tmp_path / "report").rglob("report.md")
     assert "| jacobian_explosion | warning | blocks.0 | 4 | 9 |" in markdown.read_text()
