@@ -76,6 +76,7 @@ from spectral_monitor.sinks import (
     Sink,
     TensorBoardSink,
     diagnosis_layout,
+    steps_phrase,
 )
 from spectral_monitor.sinks.figures import AttentionHeatmapImages, LayerHeadHeatmapImages, SpectrumImages
 from spectral_monitor.toolbox.head_diversity import head_diversity_records, redundant_pairs_markdown
@@ -345,6 +346,7 @@ class SpectralMonitor(Callback):
     ) -> None:
         self._abandon_step()  # a batch whose end hook never ran (its module hook returned -1)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        self._reports.step = step
         probed = _LoggingStep(step, False)
         if self._second_order is not None:
             event = self._second_order.on_train_batch_start(trainer, pl_module, batch, batch_idx, step)
@@ -420,6 +422,10 @@ class SpectralMonitor(Callback):
         if stage != "fit":
             return
         self._abandon_step()
+        for sink in self._sinks:
+            with self._reports.failures_of(f"closing {type(sink).__name__}"):
+                sink.close()
+        self._reports.end_of_run(self._sinks)
         # The weight probe's warm vectors, and the opt-in probes' batch and warm vectors, stay.
         for key, part in self._stateful_parts().items():
             if part is not None:
@@ -918,16 +924,38 @@ def _layer_measurements(
 
 
 class _Reports:
-    """Reports each kind of problem once; with ``strict`` failures and problems raise instead."""
+    """Reports each kind of problem once; with ``strict`` failures and problems raise instead.
+
+    Every failure is also kept, by what failed and the step it failed at (``step``, set by the callback), for
+    the end-of-run report.
+    """
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
+        self.step = 0
+        self.failed_steps: dict[str, list[int]] = {}
         self._reported: set[str] = set()
 
     def once(self, kind: str, message: str) -> None:
         if kind not in self._reported:
             self._reported.add(kind)
             rank_zero_warn(f"SpectralMonitor: {message}.", category=RuntimeWarning)
+
+    def end_of_run(self, sinks: Sequence[Sink]) -> None:
+        """One warning listing every part that failed, at which steps, and what each sink could not write;
+        nothing when nothing was lost."""
+        lines = [f"{what} failed at steps {steps_phrase(steps)}" for what, steps in self.failed_steps.items()]
+        lines += [
+            f"{type(sink).__name__} could not write {sink.losses.describe()}"
+            for sink in sinks
+            if getattr(sink, "losses", None)
+        ]
+        if lines:
+            rank_zero_warn(
+                "SpectralMonitor: end of the run; lost to failures: " + "; ".join(lines) + ".",
+                category=RuntimeWarning,
+            )
+        self.failed_steps = {}
 
     def problem(self, kind: str, message: str) -> None:
         """A measurement that came out wrong (non-finite): raised when strict, else reported once."""
@@ -941,6 +969,9 @@ class _Reports:
         try:
             yield
         except Exception as error:
+            steps = self.failed_steps.setdefault(what, [])
+            if not steps or steps[-1] != self.step:
+                steps.append(self.step)
             if self.strict:
                 raise
             self.once(
@@ -956,8 +987,9 @@ def _due(every_n_logs: int, logging_steps_done: int) -> bool:
 
 
 def _sinks_of(loggers: Sequence[pl.loggers.Logger]) -> list[Sink]:
+    """A sink per logger; a TensorBoard logger's run directory gets the monitor's own event file."""
     return [
-        TensorBoardSink(logger.experiment) if _is_tensorboard(logger) else LoggerSink(logger)
+        TensorBoardSink(logger.log_dir) if _is_tensorboard(logger) else LoggerSink(logger)
         for logger in loggers
     ]
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 import errno
 import importlib
 import math
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from reliability_helpers import (
@@ -34,14 +37,16 @@ from reliability_helpers import (
     scalar_series,
     tensorboard_logger,
 )
+from tensorboard.compat.proto.event_pb2 import Event
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import spectral_monitor.callback as callback_module
+import spectral_monitor.sinks.tfrecord as tfrecord_module
 from spectral_monitor.alerts import AlertEvent
 from spectral_monitor.callback import SpectralMonitor
 from spectral_monitor.probes import AttentionInputs, register_attention_extractor
-from spectral_monitor.sinks import TensorBoardSink
+from spectral_monitor.records import Measurement
+from spectral_monitor.sinks import SinkError, TensorBoardSink
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
@@ -428,61 +433,134 @@ def test_a_model_that_changes_between_steps_is_measured_as_it_now_is(change: str
 # -- a full or unwritable log directory ----------------------------------------------------------------------
 
 
-class FailingWriter:
-    """A ``SummaryWriter`` stand-in whose writes raise ``OSError(code)`` while ``failing(step)`` holds."""
+class StepClock(pl.Callback):
+    """The step a batch is at, for faults that depend on it (first in the callbacks: set before the monitor
+    writes anything of that step)."""
 
-    def __init__(self, writer: Any, code: int, failing: Callable[[int | None], bool]) -> None:
-        self._writer, self._code, self._failing = writer, code, failing
+    def __init__(self) -> None:
+        self.step = 0
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._writer, name)
-
-        def write(*args: Any, global_step: int | None = None, **kwargs: Any) -> Any:
-            if self._failing(global_step):
-                raise OSError(self._code, f"{errno.errorcode[self._code]}: {name} refused")
-            return (
-                method(*args, global_step=global_step, **kwargs)
-                if global_step is not None
-                else method(*args, **kwargs)
-            )
-
-        return write
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step = trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-def failing_sinks(monkeypatch: pytest.MonkeyPatch, code: int, failing: Callable[[int | None], bool]) -> None:
-    def sink(writer: Any) -> TensorBoardSink:
-        return TensorBoardSink(FailingWriter(writer, code, failing))
+class RefusingFile:
+    """The monitor's event file, whose writes raise ``OSError(code)`` while ``refusing()`` holds."""
 
-    monkeypatch.setattr(callback_module, "TensorBoardSink", sink)
+    def __init__(self, file: Any, code: int, refusing: Callable[[], bool]) -> None:
+        self._file, self._code, self._refusing = file, code, refusing
+
+    def write(self, data: bytes) -> int:
+        if self._refusing():
+            raise OSError(self._code, os.strerror(self._code))
+        return self._file.write(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def refuse_monitor_writes(monkeypatch: pytest.MonkeyPatch, code: int, refusing: Callable[[], bool]) -> None:
+    """The monitor's own event file refuses writes (``ENOSPC``: a full disk) or cannot be opened
+    (``EACCES``: an unwritable directory) while ``refusing()`` holds; every other file works."""
+    open_for_appending = tfrecord_module.open_for_appending
+
+    def opened(path: str) -> RefusingFile:
+        if code == errno.EACCES and refusing():
+            raise PermissionError(code, os.strerror(code), path)
+        return RefusingFile(open_for_appending(path), code, refusing)
+
+    monkeypatch.setattr(tfrecord_module, "open_for_appending", opened)
+
+
+MONITOR_PREFIXES = ("attention/", "tokens/", "weights/", "curvature/", "jacobian/", "ntk/", "alerts/")
+
+
+def end_of_run_report(reports: Any) -> str | None:
+    (report,) = [message for message in reports.messages if "end of the run" in message] or [None]
+    return report
+
+
+def lost_scalars(report: str) -> tuple[int, str]:
+    """The count and steps of the scalars the end-of-run report says were not written."""
+    match = re.search(r"could not write (\d+) scalars at steps ([0-9–, ]+?)[;(]", report)
+    assert match, report
+    return int(match.group(1)), match.group(2).strip()
+
+
+def test_refused_monitor_records_leave_lightnings_logging_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The monitor's records, and only them, are refused at steps 1 and 2, whatever writer frames them.
+    framed = tfrecord_module.tfrecord
+
+    def refusing_monitor_records(data: bytes) -> bytes:
+        event = Event.FromString(data)
+        if event.step in (1, 2) and any(v.tag.startswith(MONITOR_PREFIXES) for v in event.summary.value):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return framed(data)
+
+    monkeypatch.setattr(tfrecord_module, "tfrecord", refusing_monitor_records)
+    logger = tensorboard_logger(tmp_path)
+    with monitor_reports():
+        trainer = fit(TinyEncoder(), [quiet_monitor(figures_every_n_logs=1)], logger, 8)
+    assert trainer.global_step == 8
+    written = written_steps(logger.log_dir, "")
+    assert written["train/loss"] == list(range(8))
+    assert written["weights/spectral_norm/head"] == [0, 4, 5, 6, 7]  # 1-2 refused, 3 waited out
+
+
+def test_the_sink_backs_off_while_writes_keep_failing_and_counts_what_it_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = StepClock()
+    refuse_monitor_writes(monkeypatch, errno.ENOSPC, lambda: clock.step < 12)
+    sink = TensorBoardSink(tmp_path)
+    attempts = []
+    for step in range(20):
+        clock.step = step
+        try:
+            sink.write_measurements([Measurement(step, "weights", "spectral_norm", "head", 1.0)])
+        except SinkError:
+            attempts.append(step)
+    sink.close()
+    assert attempts == [0, 1, 3, 7]  # then 15, which the disk took
+    assert sink.losses.counts == {"scalars": dict.fromkeys(range(15), 1)}
+    assert [event.step for event in read_back(tmp_path).Scalars("weights/spectral_norm/head")] == [
+        15,
+        16,
+        17,
+        18,
+        19,
+    ]
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES], ids=["full-disk", "unwritable"])
 def test_a_log_directory_that_refuses_writes_is_reported_once_and_writing_resumes(
     code: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    failing_steps = {1, 2}
-    failing_sinks(monkeypatch, code, lambda step: step in failing_steps or step is None)
+    clock = StepClock()
+    refuse_monitor_writes(monkeypatch, code, lambda: clock.step == 1)
     logger = tensorboard_logger(tmp_path)
-    monitor = quiet_monitor(figures_every_n_logs=1)
     with monitor_reports() as reports:
-        trainer = fit(TinyEncoder(), [monitor], logger, STEPS)
+        trainer = fit(TinyEncoder(), [clock, quiet_monitor(figures_every_n_logs=1)], logger, STEPS)
 
     assert trainer.global_step == STEPS
-    (report,) = reports.messages
+    (report,) = [message for message in reports.messages if "end of the run" not in message]
     assert errno.errorcode[code] in report and "writing to TensorBoardSink" in report
     events = read_back(logger.log_dir)
     written = written_steps(logger.log_dir, "")
     monitored = [tag for tag in written if tag.startswith(("attention/", "tokens/", "weights/"))]
     assert monitored
     for tag in monitored:
-        assert written[tag] == [0, 3], tag  # the refused steps are lost, nothing else
-    assert [event.step for event in events.Images("attention/figures/spectrum")] == [0, 3]
+        assert written[tag] == [0, 2, 3], tag  # the refused step is lost, nothing else
+    assert [event.step for event in events.Images("attention/figures/spectrum")] == [0, 2, 3]
     assert written["train/loss"] == EVERY_STEP  # Lightning's own logging was never affected
+    assert lost_scalars(end_of_run_report(reports))[1] == "1"
 
 
 def test_strict_mode_raises_when_the_log_directory_refuses_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    failing_sinks(monkeypatch, errno.ENOSPC, lambda step: True)
-    with pytest.raises(Exception, match="ENOSPC"):
+    refuse_monitor_writes(monkeypatch, errno.ENOSPC, lambda: True)
+    with pytest.raises(Exception, match="ENOSPC|No space"):
         fit(TinyEncoder(), [quiet_monitor(strict=True)], tensorboard_logger(tmp_path), STEPS)

@@ -473,7 +473,7 @@ def test_logging_sink_logs_text_at_its_level(caplog: pytest.LogCaptureFixture) -
 @pytest.mark.parametrize(
     ("make", "argument"),
     [
-        (lambda: TensorBoardSink(object()), "writer"),
+        (lambda: TensorBoardSink(object()), "destination"),
         (lambda: LoggerSink(object()), "logger"),
         (lambda: LoggingSink(level="WARNING"), "level"),
         (lambda: TensorBoardSink(SummaryWriterStub()).write_text("", "x", 0), "tag"),

@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_masked_crc32c
 from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
+import spectral_monitor.sinks.tfrecord as tfrecord_module
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks import TensorBoardSink
 from spectral_monitor.sinks.tfrecord import (
     LANE_BYTES,
     VECTORISED_FROM_BYTES,
+    EventFile,
     crc32c,
     masked_crc32c,
     tfrecord,
-    use_vectorised_checksums,
 )
 
 
@@ -77,32 +82,49 @@ def records_in(event_file: Path) -> list[bytes]:
     return records
 
 
-def test_the_sink_switches_its_writer_to_vectorised_checksums_and_tensorboard_verifies_them(
+def test_the_sinks_own_event_file_is_checksummed_as_tensorboard_checks_and_leaves_the_writer_alone(
     tmp_path: Path,
 ) -> None:
     writer = SummaryWriter(log_dir=str(tmp_path))
-    sink = TensorBoardSink(writer)
+    writer.add_scalar("framework/loss", 1.0, 7)
     record_writer = writer._get_file_writer().event_writer._async_writer._writer
-    assert "write" not in vars(record_writer)
+    sink = TensorBoardSink(tmp_path)
     # Enough scalars for one event to take the lanes (the demo writes ≈ 70 KB a logging step).
     records = [Measurement(7, "attention", "entropy", f"layers.{i}", i / 1000) for i in range(400)]
     sink.write_measurements(records)
-    sink.write_text("alerts", "written by SummaryWriter itself, through the same record writer", 7)
-    sink.flush()
-    framed_write = vars(record_writer)["write"]
-    assert use_vectorised_checksums(writer._get_file_writer()) is True
-    assert vars(record_writer)["write"] is framed_write  # not wrapped twice
+    sink.write_text("alerts", "a text entry", 7)
+    sink.close()
     writer.close()
 
-    (event_file,) = tmp_path.glob("events.out.tfevents.*")
-    sizes = [len(data) for data in records_in(event_file)]
+    assert "write" not in vars(record_writer)  # the framework's writer is not touched
+    (own_file,) = tmp_path.glob("events.out.tfevents.*.spectral_monitor")
+    sizes = [len(data) for data in records_in(own_file)]
     assert max(sizes) >= VECTORISED_FROM_BYTES
     assert len(sizes) == 3  # the file version, the scalars' event, the text's
+    (framework_file,) = set(tmp_path.glob("events.out.tfevents.*")) - {own_file}
+    assert len(records_in(framework_file)) == 2  # its file version and its scalar, nothing of the sink's
 
 
-def test_a_writer_laid_out_otherwise_is_left_alone() -> None:
-    class Elsewhere:
-        event_writer = None
+def test_an_event_file_that_failed_starts_a_new_file_and_keeps_what_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = EventFile(tmp_path)
+    scalar = Summary(value=[Summary.Value(tag="a/b", simple_value=1.0)])
+    events.add_summary(scalar, 0)
 
-    assert use_vectorised_checksums(Elsewhere()) is False
-    assert use_vectorised_checksums(object()) is False
+    def refused(path: str) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tfrecord_module, "open_for_appending", refused)
+        events._file.write = lambda data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))
+        with pytest.raises(OSError, match="full"):
+            events.add_summary(scalar, 1)
+        with pytest.raises(OSError, match="No space"):
+            events.add_summary(scalar, 2)  # the failed file was closed: a new one is opened
+    events.add_summary(scalar, 3)
+    events.close()
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    steps = [Event.FromString(data).step for file in files for data in records_in(file)[1:]]
+    assert sorted(steps) == [0, 3]

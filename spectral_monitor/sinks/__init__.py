@@ -26,7 +26,7 @@ from spectral_monitor.sinks.logger import (
     Sink,
     SinkError,
 )
-from spectral_monitor.sinks.tensorboard import SummaryWriterLike, TensorBoardSink
+from spectral_monitor.sinks.tensorboard import SummaryWriterLike, TensorBoardSink, WriteLosses, steps_phrase
 
 __all__ = [
     "Capability",
@@ -38,6 +38,7 @@ __all__ = [
     "SinkError",
     "SummaryWriterLike",
     "TensorBoardSink",
+    "WriteLosses",
     "attention_heatmap_figure",
     "diagnosis_layout",
     "layer_head_heatmap_figure",
@@ -46,5 +47,6 @@ __all__ = [
     "release_figure",
     "spectral_density_figure",
     "spectrum_figure",
+    "steps_phrase",
     "with_margin_chart",
 ]

@@ -70,6 +70,9 @@ class Sink:
     def flush(self) -> None:
         """Make everything written so far durable."""
 
+    def close(self) -> None:
+        """Release what the sink opened itself; it writes nothing after this."""
+
 
 class MetricsLogger(Protocol):
     """Anything with Lightning's ``Logger.log_metrics``: CSV, MLflow, W&B, ... loggers."""

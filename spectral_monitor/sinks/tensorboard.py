@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import io
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -13,12 +16,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import custom_scalars as custom_scalars_summary
+from torch.utils.tensorboard.summary import text as text_summary
 
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks.figures import release_figure
 from spectral_monitor.sinks.layout import Layout, check_layout, merged_layout
 from spectral_monitor.sinks.logger import Capability, Sink, SinkError, check_tag_and_step
-from spectral_monitor.sinks.tfrecord import use_vectorised_checksums
+from spectral_monitor.sinks.tfrecord import EventFile
 
 
 class SummaryWriterLike(Protocol):
@@ -42,34 +47,91 @@ class SummaryWriterLike(Protocol):
 
 _WRITER_METHODS = ("add_scalar", "add_histogram", "add_image", "add_text", "add_custom_scalars", "flush")
 
+MAX_RETRY_DELAY_STEPS = 1024
+"""The longest back-off, in steps, between two attempts to write after failures in a row."""
+
+
+@dataclass
+class WriteLosses:
+    """What a sink could not write: ``counts[kind][step]`` items of each kind (``"scalars"``, ``"images"``,
+    ...) at each step, and the first error met."""
+
+    counts: dict[str, dict[int, int]] = field(default_factory=dict)
+    first_error: BaseException | None = None
+
+    def add(self, kind: str, step: int, count: int, error: BaseException | None = None) -> None:
+        by_step = self.counts.setdefault(kind, {})
+        by_step[step] = by_step.get(step, 0) + count
+        if self.first_error is None and error is not None:
+            self.first_error = error
+
+    def __bool__(self) -> bool:
+        return bool(self.counts)
+
+    def describe(self) -> str:
+        """One line: each kind's count and the steps it was lost at, then the first error."""
+        parts = [
+            f"{sum(by_step.values())} {kind} at steps {steps_phrase(sorted(by_step))}"
+            for kind, by_step in self.counts.items()
+        ]
+        return "; ".join(parts) + f" (first error: {_described(self.first_error)})"
+
 
 class TensorBoardSink(Sink):
-    """Writes every kind of output through a ``SummaryWriter``; the writer stays the caller's to close.
+    """Writes every kind of output to TensorBoard.
+
+    Given a run directory (``str`` or path), the sink writes its own event file there
+    (:class:`~spectral_monitor.sinks.tfrecord.EventFile`), beside the training framework's: TensorBoard shows
+    both as one run, and nothing of the framework's writer is touched. A failure to write (no space, I/O
+    error, permission) raises ``SinkError`` once; the sink then waits 1, 2, 4, ... steps (at most
+    ``MAX_RETRY_DELAY_STEPS``) between attempts while they keep failing, and counts what it could not write
+    in ``losses``, the skipped writes included.
+
+    Given a ``SummaryWriter`` (or an object with its methods), it writes through it, and the writer stays the
+    caller's to close. Any failure of the writer raises ``SinkError``.
 
     Scalars are tagged ``Measurement.tag`` (``family/metric/layer[/head_h]``), so the Scalars tab groups
-    by family and metric. Any failure of the writer (full disk, closed file) raises ``SinkError``.
+    by family and metric.
     """
 
     capabilities = frozenset(Capability)
 
-    def __init__(self, writer: SummaryWriterLike) -> None:
-        missing = [name for name in _WRITER_METHODS if not callable(getattr(writer, name, None))]
-        if missing:
-            raise ValueError(
-                f"writer must be a torch.utils.tensorboard.SummaryWriter or have its methods; "
-                f"{type(writer).__name__} lacks {', '.join(missing)}"
-            )
-        self._writer = writer
+    def __init__(self, destination: SummaryWriterLike | str | os.PathLike[str]) -> None:
+        self._events: EventFile | None = None
+        if isinstance(destination, (str, os.PathLike)):
+            self._events = EventFile(destination)
+        else:
+            missing = [name for name in _WRITER_METHODS if not callable(getattr(destination, name, None))]
+            if missing:
+                raise ValueError(
+                    f"destination must be a run directory, a torch.utils.tensorboard.SummaryWriter or an "
+                    f"object with its methods; {type(destination).__name__} lacks {', '.join(missing)}"
+                )
+        self._writer = destination
         self._layout: Layout = {}
+        self.losses = WriteLosses()
+        self._latest_step = 0
+        self._failures_in_a_row = 0
+        self._next_attempt_step = 0
+
+    @property
+    def log_dir(self) -> str | None:
+        """The run directory of the sink's own event file; None when it writes through a writer."""
+        return None if self._events is None else self._events.log_dir
+
+    def close(self) -> None:
+        """Close the sink's own event file (a writer given to it stays open)."""
+        if self._events is not None:
+            self._events.close()
 
     def write_measurements(self, records: Iterable[Measurement]) -> None:
-        """Each record as a scalar. Through a real ``SummaryWriter`` the scalars of one step go out as one
-        event holding them all (as TensorFlow's merged summaries did): a logging step writes hundreds, and
-        one event per scalar cost ~0.1 ms each."""
+        """Each record as a scalar. The scalars of one step go out as one event holding them all (as
+        TensorFlow's merged summaries did): a logging step writes hundreds, and one event per scalar cost
+        ~0.1 ms each."""
         records = list(records)
         for record in records:
             check_tag_and_step(record.tag, record.step)
-        if not isinstance(self._writer, SummaryWriter):
+        if self._events is None and not isinstance(self._writer, SummaryWriter):
             for record in records:
                 with _failures_as_sink_error(f"scalar {record.tag!r} at step {record.step}"):
                     self._writer.add_scalar(record.tag, float(record.value), global_step=record.step)
@@ -85,10 +147,10 @@ class TensorBoardSink(Sink):
     def write_distributions(self, records: Iterable[Distribution]) -> None:
         """Histograms of the finite values of each record; a record with none is skipped.
 
-        Non-finite values have no bin; the matching scalars still show them. Through a real
-        ``SummaryWriter`` the histograms of one step go out as one event, each with ``HISTOGRAM_BINS``
-        equal-width buckets over its values (TensorBoard re-bins them for display anyway): ``add_histogram``
-        with its 1549 default buckets cost ~0.6 ms per histogram, most of a logging step's writing.
+        Non-finite values have no bin; the matching scalars still show them. The histograms of one step go
+        out as one event, each with ``HISTOGRAM_BINS`` equal-width buckets over its values (TensorBoard
+        re-bins them for display anyway): ``add_histogram`` with its 1549 default buckets cost ~0.6 ms per
+        histogram, most of a logging step's writing.
         """
         finite_records = []
         for record in records:
@@ -97,7 +159,7 @@ class TensorBoardSink(Sink):
             if finite.size:
                 check_tag_and_step(record.tag, record.step)
                 finite_records.append((record, finite))
-        if not isinstance(self._writer, SummaryWriter):
+        if self._events is None and not isinstance(self._writer, SummaryWriter):
             for record, finite in finite_records:
                 with _failures_as_sink_error(f"histogram {record.tag!r} at step {record.step}"):
                     self._writer.add_histogram(record.tag, finite, global_step=record.step)
@@ -111,20 +173,39 @@ class TensorBoardSink(Sink):
         )
 
     def _write_one_event_per_step(self, values: Iterable[tuple[int, Summary.Value]], what: str) -> None:
-        """``(step, value)`` pairs as one event per step, straight to the real ``SummaryWriter``'s file.
-
-        From then on every record of that file, Lightning's too, is checksummed by
-        :mod:`spectral_monitor.sinks.tfrecord`: TensorBoard's pure-Python checksum of a logging step's events
-        held the GIL for ≈ 20 ms.
-        """
+        """``(step, value)`` pairs as one event per step."""
         by_step: dict[int, list[Summary.Value]] = {}
         for step, value in values:
             by_step.setdefault(step, []).append(value)
         for step, step_values in by_step.items():
-            with _failures_as_sink_error(f"{len(step_values)} {what} at step {step}"):
-                file_writer = self._writer._get_file_writer()
-                use_vectorised_checksums(file_writer)
-                file_writer.add_summary(Summary(value=step_values), step)
+            self._write_summary(Summary(value=step_values), step, what, len(step_values))
+
+    def _write_summary(self, summary: Summary, step: int, what: str, count: int) -> bool:
+        """``summary`` as one event at ``step``; whether it was written (False: skipped while backing off).
+
+        ``what`` and ``count`` say what it holds, for ``losses`` and the error.
+        """
+        if self._events is None:
+            with _failures_as_sink_error(f"{count} {what} at step {step}"):
+                self._writer._get_file_writer().add_summary(summary, step)
+            return True
+        self._latest_step = max(self._latest_step, step)
+        if self._latest_step < self._next_attempt_step:
+            self.losses.add(what, self._latest_step, count)
+            return False
+        try:
+            self._events.add_summary(summary, step)
+        except Exception as error:
+            self.losses.add(what, self._latest_step, count, error)
+            self._failures_in_a_row += 1
+            delay = min(2 ** (self._failures_in_a_row - 1), MAX_RETRY_DELAY_STEPS)
+            self._next_attempt_step = self._latest_step + delay
+            raise SinkError(
+                f"TensorBoard sink could not write {count} {what} at step {step} to {self._events.log_dir}: "
+                f"{_described(error)}; it tries again in {delay} step{'s' if delay > 1 else ''}"
+            ) from error
+        self._failures_in_a_row = 0
+        return True
 
     def write_figure(self, tag: str, figure: Figure, step: int) -> None:
         """Render ``figure`` to an RGBA image under ``tag``, then release it (even if writing failed)."""
@@ -155,7 +236,7 @@ class TensorBoardSink(Sink):
                 f"image must be a non-empty (height, width, 3 or 4) uint8 array; got {type(image).__name__} "
                 f"of shape {shape} and dtype {getattr(image, 'dtype', None)}"
             )
-        if not isinstance(self._writer, SummaryWriter):
+        if self._events is None and not isinstance(self._writer, SummaryWriter):
             with _failures_as_sink_error(f"image {tag!r} at step {step}"):
                 self._writer.add_image(tag, image, global_step=step, dataformats="HWC")
             return
@@ -163,13 +244,16 @@ class TensorBoardSink(Sink):
             image = image[:, :, :3]  # an opaque figure: a quarter less to encode
         with _failures_as_sink_error(f"image {tag!r} at step {step}"):
             value = Summary.Value(tag=tag, image=_png_proto(image))
-        self._write_one_event_per_step([(step, value)], "images")
+        self._write_summary(Summary(value=[value]), step, "images", 1)
 
     def write_text(self, tag: str, markdown: str, step: int) -> None:
         """A markdown text entry; TensorBoard files it under ``<tag>/text_summary``."""
         check_tag_and_step(tag, step)
-        with _failures_as_sink_error(f"text {tag!r} at step {step}"):
-            self._writer.add_text(tag, markdown, global_step=step)
+        if self._events is None:
+            with _failures_as_sink_error(f"text {tag!r} at step {step}"):
+                self._writer.add_text(tag, markdown, global_step=step)
+            return
+        self._write_summary(text_summary(tag, markdown), step, "texts", 1)
 
     def write_layout(self, layout: Layout) -> bool:
         """Add ``layout``'s charts to the Custom Scalars layout; write it only if a chart is new or changed.
@@ -184,14 +268,20 @@ class TensorBoardSink(Sink):
         merged = merged_layout(self._layout, layout)
         if merged == self._layout:
             return False
-        with _failures_as_sink_error("the custom-scalars layout"):
-            self._writer.add_custom_scalars(merged)
+        if self._events is None:
+            with _failures_as_sink_error("the custom-scalars layout"):
+                self._writer.add_custom_scalars(merged)
+        elif not self._write_summary(custom_scalars_summary(merged), 0, "layouts", 1):
+            return False
         self._layout = merged
         return True
 
     def flush(self) -> None:
-        with _failures_as_sink_error("pending events (flush)"):
-            self._writer.flush()
+        """Every event of the sink's own file is written out when it is written; a given writer is
+        flushed."""
+        if self._events is None:
+            with _failures_as_sink_error("pending events (flush)"):
+                self._writer.flush()
 
 
 HISTOGRAM_BINS = 30
@@ -247,6 +337,23 @@ def _png_proto(image: np.ndarray) -> Summary.Image:
     return Summary.Image(
         height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue()
     )
+
+
+def _described(error: BaseException) -> str:
+    """``repr(error)``, preceded by its errno's name (``ENOSPC``) for an ``OSError`` that has one."""
+    code = getattr(error, "errno", None)
+    return f"{errno.errorcode[code]}: {error!r}" if code in errno.errorcode else repr(error)
+
+
+def steps_phrase(steps: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``"1–3, 7"``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs)
 
 
 @contextmanager

@@ -1,20 +1,26 @@
-"""TFRecord framing for TensorBoard event files, checksummed by a vectorised CRC-32C.
+"""The monitor's own TensorBoard event file: TFRecord framing checksummed by a vectorised CRC-32C.
 
 Without TensorFlow, TensorBoard's writer frames each event as a TFRecord whose masked CRC-32C it computes a
 byte at a time in pure Python (``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.crc32c``): ≈ 0.3 µs a
-byte, 17–22 ms for the ≈ 70 KB a logging step of the demo writes. It runs on the writer's thread, holding the
-GIL against the training thread, and Lightning's ``TensorBoardLogger.save`` flushes on every logging step,
-waiting for it. Here the same checksum is computed over many lanes of the record at once with numpy (CRC is
-linear over GF(2), so lane checksums combine exactly), bit for bit what TensorBoard computes.
+byte, 17–22 ms for the ≈ 70 KB a logging step of the demo writes, holding the GIL against the training
+thread. Here the same checksum is computed over many lanes of the record at once with numpy (CRC is linear
+over GF(2), so lane checksums combine exactly), bit for bit what TensorBoard computes. It frames the
+monitor's own records only: the training framework's event file is left to its own writer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import socket
 import struct
-from typing import Any
+import time
+from typing import BinaryIO
 
 import numpy as np
-from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
 
 CASTAGNOLI_POLYNOMIAL = 0x82F63B78  # CRC-32C, bit-reflected
 _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum mask
@@ -120,32 +126,70 @@ def tfrecord(data: bytes) -> bytes:
     return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
 
-def use_vectorised_checksums(file_writer: Any) -> bool:
-    """Make the TensorBoard event file behind ``file_writer`` (``SummaryWriter._get_file_writer()``) frame
-    its records with :func:`tfrecord`; returns whether it now does.
+def open_for_appending(path: str) -> BinaryIO:
+    """The binary file the monitor's event records are appended to (unbuffered: a record that fails to go
+    out fails at once, not at some later flush)."""
+    return open(path, "ab", buffering=0)  # noqa: SIM115 - EventFile closes it
 
-    Only the one record writer changes (its ``write`` is replaced on the instance), and the bytes it writes
-    do not: the same records, checksummed faster. Writers laid out otherwise (another TensorBoard version)
-    are left as they are.
+
+class EventFile:
+    """The monitor's own TensorBoard event file in a run directory, written synchronously.
+
+    TensorBoard shows every event file of a directory as one run, so the monitor's records sit beside those
+    of the training framework's logger without sharing its writer: a failure here (no space, I/O error,
+    permission) raises ``OSError`` to the caller and touches nothing else. After a failure the file is
+    closed; the next write starts a new file (the failed one may end in a partial record, which TensorBoard's
+    readers stop at), so what was written before stays readable.
+
+    Records are framed by :func:`tfrecord` with the vectorised checksum, and each event goes out with one
+    ``write``.
     """
-    async_writer = getattr(getattr(file_writer, "event_writer", None), "_async_writer", None)
-    record_writer = getattr(async_writer, "_writer", None)
-    if not isinstance(record_writer, RecordWriter):
-        return False
-    if isinstance(vars(record_writer).get("write"), _FramedWrite):
-        return True
-    file = getattr(record_writer, "_writer", None)
-    if not callable(getattr(file, "write", None)):
-        return False
-    record_writer.write = _FramedWrite(file)
-    return True
 
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self.log_dir = os.fspath(log_dir)
+        self._file: BinaryIO | None = None
+        self._files_opened = 0
 
-class _FramedWrite:
-    """``RecordWriter.write`` for one file, framing with :func:`tfrecord`."""
+    def add_summary(self, summary: Summary, step: int, walltime: float | None = None) -> None:
+        """``summary`` as one event at ``step``."""
+        event = Event(summary=summary, step=step, wall_time=time.time() if walltime is None else walltime)
+        self._write(event)
 
-    def __init__(self, file: Any) -> None:
-        self._file = file
+    def close(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
-    def __call__(self, data: bytes) -> None:
-        self._file.write(tfrecord(data))
+    def _write(self, event: Event) -> None:
+        try:
+            if self._file is None:
+                self._open()
+            self._write_all(tfrecord(event.SerializeToString()))
+        except BaseException:
+            self._close_after_failure()
+            raise
+
+    def _open(self) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._files_opened += 1
+        name = (
+            f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}."
+            f"{self._files_opened}.spectral_monitor"
+        )
+        self._file = open_for_appending(os.path.join(self.log_dir, name))
+        header = Event(wall_time=time.time(), file_version="brain.Event:2")
+        self._write_all(tfrecord(header.SerializeToString()))
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = self._file.write(view)
+            if not written:
+                raise OSError(errno.EIO, f"wrote nothing of an event record to {self.log_dir}")
+            view = view[written:]
+
+    def _close_after_failure(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # the write that failed is the failure reported
+                file.close()
