@@ -7,6 +7,7 @@ integration layer's part: it knows the trainer (rank, strategy, ``should_stop``)
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +19,13 @@ from spectral_monitor.alerts import (
     AlertConfig,
     AlertEngine,
     AlertEvent,
+    Rule,
     open_alerts_markdown,
     rules_from_config,
 )
 from spectral_monitor.distributed import any_rank
 from spectral_monitor.records import Measurement
+from spectral_monitor.validation import check_callable, check_names
 
 __all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger"]
 
@@ -53,6 +56,28 @@ class AlertStep:
     stop: list[str] = field(default_factory=list)
 
 
+def check_stop_on(stop_on: object, rules: Sequence[Rule], families: Sequence[str]) -> list[str]:
+    """``stop_on`` if it lists rules that run and can fire with ``families`` on: a rule fires only when the
+    families its required conditions read are measured (any of them with ``combine="any"``, all of them
+    with ``"all"``)."""
+    by_name = {rule.name: rule for rule in rules}
+    names = check_names("stop_on", stop_on, what="rule names")
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(f"stop_on names rules {unknown} that do not run; the rules are {sorted(by_name)}")
+    for name in names:
+        rule = by_name[name]
+        read = [c.metric.split("/", 1)[0] for c in rule.conditions if c.required]
+        measured = [any(fnmatch.fnmatchcase(on, family) for on in (*families, "alerts")) for family in read]
+        if not (all(measured) if rule.combine == "all" else any(measured)):
+            raise ValueError(
+                f"stop_on names rule {name!r}, which reads {sorted(set(read))} and can never fire with the "
+                f"families measured ({list(families)}): turn its family on (families=[...] or its options) "
+                "or take the rule out of stop_on"
+            )
+    return names
+
+
 class Alerting:
     """Evaluates the alert rules on each logging step and acts on what fires or resolves.
 
@@ -65,18 +90,11 @@ class Alerting:
         config: AlertConfig | None,
         on_alert: Callable[[AlertEvent], Any] | None,
         stop_on: Sequence[str],
+        families: Sequence[str],
     ) -> None:
         self.engine = AlertEngine(rules_from_config(config))
-        if on_alert is not None and not callable(on_alert):
-            raise ValueError(f"on_alert must be None or a callable taking an AlertEvent, got {on_alert!r}")
-        self.on_alert = on_alert
-        names = [rule.name for rule in self.engine.rules]
-        if isinstance(stop_on, str) or not all(isinstance(name, str) for name in stop_on):
-            raise ValueError(f"stop_on must be a list of rule names, got {stop_on!r}")
-        unknown = [name for name in stop_on if name not in names]
-        if unknown:
-            raise ValueError(f"stop_on names rules {unknown} that do not run; the rules are {names}")
-        self.stop_on = tuple(stop_on)
+        self.on_alert = check_callable("on_alert", on_alert, "a callable taking an AlertEvent")
+        self.stop_on = tuple(check_stop_on(stop_on, self.engine.rules, families))
 
     def evaluate(self, step: int, measurements: Sequence[Measurement], is_global_zero: bool) -> AlertStep:
         """Advance the rules by one evaluation; log and hand over what changed (rank 0)."""

@@ -50,7 +50,6 @@ from spectral_monitor.curvature_monitor import (
     NTKOptions,
     ProbeDataOptions,
     SecondOrderProbes,
-    checked_options,
 )
 from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
@@ -82,11 +81,24 @@ from spectral_monitor.sinks.figures import AttentionHeatmapImages, LayerHeadHeat
 from spectral_monitor.toolbox.head_diversity import head_diversity_records, redundant_pairs_markdown
 from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
+from spectral_monitor.validation import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_names,
+    check_number,
+    check_patterns,
+)
 
 __all__ = ["FAMILIES", "SpectralMonitor"]
 
 FAMILIES = ("attention", "tokens", "weights")
 """What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
+ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
+
+MIN_MEMORY_BUDGET_MB = 1.0
+"""The smallest ``memory_budget_mb``: the blockwise attention path works in blocks of at least 1 MiB."""
 
 HISTOGRAM_METRICS = ("entropy", "spectral_gap", "rank_one_residual", "effective_rank_ratio")
 """The attention metrics whose per-head spread is also written as a histogram: one per diagnosis. Every
@@ -228,41 +240,46 @@ class SpectralMonitor(Callback):
         stop_on: Sequence[str] = (),
     ) -> None:
         super().__init__()
-        self.every_n_steps = _checked_int("every_n_steps", every_n_steps, smallest=1)
-        self.families = _checked_families(families)
-        self.include = _checked_patterns("include", include)
-        self.exclude = _checked_patterns("exclude", exclude)
-        self.max_sequences = _checked_int("max_sequences", max_sequences, smallest=1)
-        self.memory_budget_mb = _checked_budget(memory_budget_mb)
-        self.per_head = _checked_bool("per_head", per_head)
-        self.histograms = _checked_bool("histograms", histograms)
-        self.figures_every_n_logs = _checked_int("figures_every_n_logs", figures_every_n_logs, smallest=0)
-        if metric_method not in METRIC_METHODS:
-            raise ValueError(f"metric_method must be one of {METRIC_METHODS}, got {metric_method!r}")
-        self.metric_method = metric_method
-        self.attention_rank_sums = _checked_bool("attention_rank_sums", attention_rank_sums)
-        self.strict = _checked_bool("strict", strict)
-        self.log_first_step = _checked_bool("log_first_step", log_first_step)
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, smallest=1)
+        self.families = tuple(
+            dict.fromkeys(check_names("families", families, allowed=ALL_FAMILIES, non_empty=True))
+        )
+        self.include = check_patterns("include", include)
+        self.exclude = check_patterns("exclude", exclude)
+        self.max_sequences = check_int("max_sequences", max_sequences, smallest=1)
+        self.memory_budget_mb = check_number(
+            "memory_budget_mb",
+            memory_budget_mb,
+            at_least=MIN_MEMORY_BUDGET_MB,
+            unit="positive number of megabytes",
+        )
+        self.per_head = check_bool("per_head", per_head)
+        self.histograms = check_bool("histograms", histograms)
+        self.figures_every_n_logs = check_int("figures_every_n_logs", figures_every_n_logs, smallest=0)
+        self.metric_method = check_choice("metric_method", metric_method, METRIC_METHODS)
+        self.attention_rank_sums = check_bool("attention_rank_sums", attention_rank_sums)
+        self.strict = check_bool("strict", strict)
+        self.log_first_step = check_bool("log_first_step", log_first_step)
         given = {"curvature": curvature, "jacobian": jacobian, "ntk": ntk}
         self.families += tuple(
-            name for name, value in given.items() if value is not None and name not in families
+            name for name, value in given.items() if value is not None and name not in self.families
         )
-        self.curvature = checked_options("curvature", curvature, CurvatureOptions)
-        self.jacobian = checked_options("jacobian", jacobian, JacobianOptions)
-        self.ntk = checked_options("ntk", ntk, NTKOptions)
-        self.probe_data = checked_options("probe_data", probe_data, ProbeDataOptions)
+        self.curvature = check_instance("curvature", curvature, CurvatureOptions)
+        self.jacobian = check_instance("jacobian", jacobian, JacobianOptions)
+        self.ntk = check_instance("ntk", ntk, NTKOptions)
+        self.probe_data = check_instance("probe_data", probe_data, ProbeDataOptions)
         self._second_order: SecondOrderProbes | None = None
-        self.head_diversity_every_n_logs = _checked_int(
+        self.head_diversity_every_n_logs = check_int(
             "head_diversity_every_n_logs", head_diversity_every_n_logs, smallest=0
         )
-        self.weight_spectra_every_n_logs = _checked_int(
+        self.weight_spectra_every_n_logs = check_int(
             "weight_spectra_every_n_logs", weight_spectra_every_n_logs, smallest=0
         )
-        self.preflight = _checked_bool("preflight", preflight)
+        self.preflight = check_bool("preflight", preflight)
         if preflight_context_length is not None:
-            _checked_int("preflight_context_length", preflight_context_length, smallest=2)
+            check_int("preflight_context_length", preflight_context_length, smallest=2)
         self.preflight_context_length = preflight_context_length
-        self._alerting = Alerting(alerts, on_alert, stop_on)
+        self._alerting = Alerting(alerts, on_alert, stop_on, self.families)
 
         self._reports = _Reports(strict)
         self._sinks: list[Sink] = []
@@ -1011,48 +1028,3 @@ def _per_head(mask: Tensor | None, heads: int) -> Tensor | None:
 
 def _any_match(names: Sequence[str], patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in patterns)
-
-
-def _checked_int(name: str, value: int, *, smallest: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
-        raise ValueError(f"{name} must be an int >= {smallest}, got {value!r}")
-    return value
-
-
-def _checked_bool(name: str, value: bool) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _checked_budget(value: float) -> float:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (is_number and math.isfinite(value) and value > 0):
-        raise ValueError(f"memory_budget_mb must be a positive number of megabytes, got {value!r}")
-    return float(value)
-
-
-def _checked_families(families: Sequence[str]) -> tuple[str, ...]:
-    allowed = [*FAMILIES, *OPT_IN_FAMILIES]
-    if isinstance(families, str) or not isinstance(families, Sequence) or not families:
-        raise ValueError(f"families must be a non-empty list drawn from {allowed}, got {families!r}")
-    unknown = [family for family in families if family not in allowed]
-    if unknown:
-        raise ValueError(f"families must be drawn from {allowed}; {unknown} are not")
-    return tuple(dict.fromkeys(families))
-
-
-def _checked_patterns(name: str, patterns: Sequence[str] | None) -> list[str] | None:
-    if patterns is None:
-        return None
-    if (
-        isinstance(patterns, str)
-        or not isinstance(patterns, Sequence)
-        or not patterns
-        or not all(isinstance(pattern, str) and pattern for pattern in patterns)
-    ):
-        raise ValueError(
-            f"{name} must be None or a non-empty list of fnmatch patterns over module names "
-            f"(e.g. ['blocks.0*']), got {patterns!r}"
-        )
-    return list(patterns)

@@ -62,6 +62,15 @@ from spectral_monitor.probes.jacobian import END_TO_END, block_jacobian_norms
 from spectral_monitor.probes.ntk import MAX_EXAMPLES, empirical_ntk
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks.figures import spectral_density_figure
+from spectral_monitor.validation import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_int,
+    check_mapping,
+    check_names,
+    check_number,
+)
 
 __all__ = [
     "OPT_IN_FAMILIES",
@@ -83,18 +92,9 @@ Layout = list[tuple[str, tuple[int, ...]]]
 WHOLE_MODEL = "model"
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _is_int(value: object, smallest: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= smallest
-
-
-def _check_cadence(every_n_steps: int, schedule: str) -> None:
-    _check(_is_int(every_n_steps, 1), f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
-    _check(schedule in ("linear", "log"), f"schedule must be 'linear' or 'log', got {schedule!r}")
+def _check_cadence(every_n_steps: object, schedule: object) -> None:
+    check_int("every_n_steps", every_n_steps, smallest=1)
+    check_choice("schedule", schedule, ("linear", "log"))
 
 
 def _is_due(step: int, every_n_steps: int, schedule: str) -> bool:
@@ -150,58 +150,25 @@ class CurvatureOptions:
 
     def __post_init__(self) -> None:
         _check_cadence(self.every_n_steps, self.schedule)
-        _check(_is_int(self.top_k, 1), f"top_k must be an int >= 1, got {self.top_k!r}")
-        _check(
-            isinstance(self.min_eigenvalue, bool),
-            f"min_eigenvalue must be a bool, got {self.min_eigenvalue!r}",
-        )
-        _check(
-            self.trace_products == 0 or _is_int(self.trace_products, 6),
-            f"trace_products must be 0 (off) or an int >= 6, got {self.trace_products!r}",
-        )
-        _check(
-            self.density_probes == 0 or _is_int(self.density_probes, 2),
-            f"density_probes must be 0 (off) or an int >= 2, got {self.density_probes!r}",
-        )
-        _check(
-            _is_int(self.density_steps, 1), f"density_steps must be an int >= 1, got {self.density_steps!r}"
-        )
+        check_int("top_k", self.top_k, smallest=1)
+        check_bool("min_eigenvalue", self.min_eigenvalue)
+        if isinstance(self.trace_products, bool) or self.trace_products != 0:
+            check_int("trace_products (0: off)", self.trace_products, smallest=6)
+        if isinstance(self.density_probes, bool) or self.density_probes != 0:
+            check_int("density_probes (0: off)", self.density_probes, smallest=2)
+        check_int("density_steps", self.density_steps, smallest=1)
         if isinstance(self.blocks, Mapping):
-            _check(
-                all(
-                    isinstance(p, list) and p and all(isinstance(s, str) for s in p)
-                    for p in self.blocks.values()
-                ),
-                f"blocks must map block names to non-empty lists of patterns, got {self.blocks!r}",
-            )
+            for block, patterns in check_mapping("blocks", self.blocks).items():
+                check_names(f"blocks[{block!r}]", patterns, non_empty=True)
         elif self.blocks is not None:
-            unknown = (
-                [b for b in self.blocks if b not in BLOCK_PRESETS]
-                if not isinstance(self.blocks, str)
-                else [0]
-            )
-            _check(
-                not unknown,
-                f"blocks must be names from {sorted(BLOCK_PRESETS)} or a mapping, got {self.blocks!r}",
-            )
-        _check(isinstance(self.whole_model, bool), f"whole_model must be a bool, got {self.whole_model!r}")
-        _check(self.whole_model or bool(self.blocks), "whole_model=False needs blocks to measure")
-        _check(_is_int(self.max_products, 2), f"max_products must be an int >= 2, got {self.max_products!r}")
-        _check(
-            self.max_products >= self.top_k,
-            f"max_products must be >= top_k={self.top_k}, got {self.max_products!r}",
-        )
-        _check(
-            isinstance(self.tol, float) and 0 < self.tol < 1,
-            f"tol must be a float in (0, 1), got {self.tol!r}",
-        )
-        _check(
-            self.method in HESSIAN_METHODS, f"method must be one of {HESSIAN_METHODS}, got {self.method!r}"
-        )
-        _check(
-            isinstance(self.checkpoint_warm_vectors, bool),
-            f"checkpoint_warm_vectors must be a bool, got {self.checkpoint_warm_vectors!r}",
-        )
+            check_names("blocks", self.blocks, allowed=sorted(BLOCK_PRESETS), non_empty=True)
+        check_bool("whole_model", self.whole_model)
+        if not self.whole_model and not self.blocks:
+            raise ValueError("whole_model=False needs blocks to measure")
+        check_int("max_products", self.max_products, smallest=max(2, self.top_k))
+        check_number("tol", self.tol, above=0.0, below=1.0)
+        check_choice("method", self.method, HESSIAN_METHODS)
+        check_bool("checkpoint_warm_vectors", self.checkpoint_warm_vectors)
 
     def spaces(self, module: nn.Module) -> dict[str, ParameterSpace]:
         spaces = {WHOLE_MODEL: ParameterSpace.of(module)} if self.whole_model else {}
@@ -239,20 +206,13 @@ class JacobianOptions:
 
     def __post_init__(self) -> None:
         _check_cadence(self.every_n_steps, self.schedule)
-        _check(
-            self.block_patterns is None
-            or (
-                not isinstance(self.block_patterns, str)
-                and all(isinstance(p, str) for p in self.block_patterns)
-            ),
-            f"block_patterns must be None or a list of fnmatch patterns, got {self.block_patterns!r}",
-        )
-        _check(_is_int(self.sequence, 0), f"sequence must be an int >= 0, got {self.sequence!r}")
-        _check(_is_int(self.max_iters, 1), f"max_iters must be an int >= 1, got {self.max_iters!r}")
-        _check(
-            isinstance(self.tol, float) and 0 < self.tol < 1,
-            f"tol must be a float in (0, 1), got {self.tol!r}",
-        )
+        if self.block_patterns is not None:
+            check_names("block_patterns", self.block_patterns)
+        check_int("sequence", self.sequence, smallest=0)
+        check_bool("residual_branch", self.residual_branch)
+        check_bool("end_to_end", self.end_to_end)
+        check_int("max_iters", self.max_iters, smallest=1)
+        check_number("tol", self.tol, above=0.0, below=1.0)
 
 
 @dataclass
@@ -276,15 +236,9 @@ class NTKOptions:
 
     def __post_init__(self) -> None:
         _check_cadence(self.every_n_steps, self.schedule)
-        _check(
-            _is_int(self.examples, 1) and self.examples <= MAX_EXAMPLES,
-            f"examples must be an int in [1, {MAX_EXAMPLES}], got {self.examples!r}",
-        )
-        _check(
-            isinstance(self.max_megabytes, (int, float)) and self.max_megabytes > 0,
-            f"max_megabytes must be a positive number, got {self.max_megabytes!r}",
-        )
-        _check(self.outputs_fn is None or callable(self.outputs_fn), "outputs_fn must be callable or None")
+        check_int("examples", self.examples, smallest=1, largest=MAX_EXAMPLES)
+        check_number("max_megabytes", self.max_megabytes, above=0.0, unit="positive number of megabytes")
+        check_callable("outputs_fn", self.outputs_fn)
 
 
 @dataclass
@@ -308,23 +262,10 @@ class ProbeDataOptions:
     mode: ProbeMode = "eval"
 
     def __post_init__(self) -> None:
-        _check(
-            self.probe_batch in ("fixed", "current", "averaged"),
-            f"probe_batch must be 'fixed', 'current' or 'averaged', got {self.probe_batch!r}",
-        )
-        _check(
-            _is_int(self.probe_batches, 1), f"probe_batches must be an int >= 1, got {self.probe_batches!r}"
-        )
-        _check(self.loss_fn is None or callable(self.loss_fn), "loss_fn must be callable or None")
-        _check(self.mode in PROBE_MODES, f"mode must be one of {PROBE_MODES}, got {self.mode!r}")
-
-
-def checked_options(name: str, value: object, kind: type) -> Any:
-    """``value`` if it is a ``kind`` (or None: the defaults); a ValueError naming ``name`` otherwise."""
-    if value is None:
-        return kind()
-    _check(isinstance(value, kind), f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
-    return value
+        check_choice("probe_batch", self.probe_batch, ("fixed", "current", "averaged"))
+        check_int("probe_batches", self.probe_batches, smallest=1)
+        check_callable("loss_fn", self.loss_fn)
+        check_choice("mode", self.mode, PROBE_MODES)
 
 
 @contextmanager

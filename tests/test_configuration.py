@@ -14,12 +14,15 @@ import math
 from pathlib import Path
 
 import pytest
+from jsonargparse import ArgumentParser
 from pytorch_lightning.cli import LightningCLI
 from reliability_helpers import TinyEncoder, fit, monitor_reports, tensorboard_logger
 
+from spectral_monitor.alerts import AlertConfig, Condition, Rule, default_rules
 from spectral_monitor.callback import SpectralMonitor
-from spectral_monitor.curvature_monitor import CurvatureOptions
+from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
+from spectral_monitor.validation import check_metric_pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,7 +88,9 @@ def test_the_defaults_are_valid() -> None:
 @pytest.mark.parametrize("value", ["no", 0, None])
 def test_checkpoint_warm_vectors_of_the_curvature_options_must_be_a_bool(value) -> None:
     # The option dataclasses check their own fields; the table above covers the monitor's arguments.
-    with pytest.raises(ValueError, match=f"^checkpoint_warm_vectors must be a bool, got {value!r}$"):
+    with pytest.raises(
+        ValueError, match=rf"^checkpoint_warm_vectors must be a bool \(True or False\), got {value!r}$"
+    ):
         CurvatureOptions(checkpoint_warm_vectors=value)
 
 
@@ -127,3 +132,66 @@ def test_every_shipped_config_instantiates_through_lightning_cli(
 
 def test_there_are_configs_to_check() -> None:
     assert len(CONFIGS) >= 3
+
+
+REFUSED_AT_CONSTRUCTION = [
+    pytest.param(lambda: SpectralMonitor(memory_budget_mb=1e-12), "memory_budget_mb", id="budget-1e-12"),
+    pytest.param(lambda: AlertConfig(disable=[5]), "disable", id="disable-int"),
+    pytest.param(lambda: AlertConfig(disable="token_collapse"), "disable", id="disable-str"),
+    pytest.param(lambda: AlertConfig(tune={"rank_collapse": 4}), "tune['rank_collapse']", id="tune-int"),
+    pytest.param(lambda: AlertConfig(defaults="no"), "defaults", id="defaults-str"),
+    pytest.param(lambda: SpectralMonitor(stop_on=5), "stop_on", id="stop_on-int"),
+    pytest.param(lambda: SpectralMonitor(stop_on=None), "stop_on", id="stop_on-None"),
+    pytest.param(lambda: JacobianOptions(residual_branch="no"), "residual_branch", id="residual_branch-str"),
+    pytest.param(lambda: JacobianOptions(end_to_end=1), "end_to_end", id="end_to_end-int"),
+    pytest.param(lambda: NTKOptions(max_megabytes=True), "max_megabytes", id="max_megabytes-bool"),
+    pytest.param(lambda: CurvatureOptions(blocks="mlp"), "blocks", id="blocks-str"),
+    pytest.param(lambda: CurvatureOptions(trace_products=False), "trace_products", id="trace_products-bool"),
+    pytest.param(lambda: ProbeDataOptions(probe_batches=True), "probe_batches", id="probe_batches-bool"),
+    pytest.param(
+        lambda: AlertConfig(rules=[Rule("mine", [Condition("atention/entropy", "<=", 0.1)])]),
+        "rules: the metric of rule 'mine' 'atention/entropy'",
+        id="misspelt-metric",
+    ),
+    pytest.param(
+        lambda: SpectralMonitor(families=["attention", "weights"], stop_on=["edge_of_stability"]),
+        "stop_on names rule 'edge_of_stability'",
+        id="stop_on-family-off",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "named"), REFUSED_AT_CONSTRUCTION)
+def test_bad_arguments_of_the_monitor_and_its_options_are_refused_naming_them(make, named: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        make()
+    assert str(raised.value).startswith(named), str(raised.value)
+
+
+def test_a_misspelt_metric_is_refused_with_the_name_it_was_meant_to_be() -> None:
+    with pytest.raises(ValueError, match=r"did you mean 'attention/entropy'"):
+        AlertConfig(rules=[Rule("mine", [Condition("atention/entropy", "<=", 0.1)])])
+
+
+def test_a_misspelt_metric_in_yaml_is_refused_when_lightning_cli_builds_the_monitor() -> None:
+    parser = ArgumentParser()
+    parser.add_class_arguments(SpectralMonitor, "monitor")
+    config = parser.parse_string(
+        """
+monitor:
+  alerts:
+    rules:
+      - name: low_entropy
+        conditions: [{metric: atention/entropy, op: "<=", threshold: 0.1}]
+"""
+    )
+    with pytest.raises(ValueError, match=r"did you mean 'attention/entropy'"):
+        parser.instantiate(config)
+
+
+def test_every_metric_the_default_rules_read_is_known_and_a_rule_on_a_turned_on_family_may_stop() -> None:
+    for rule in default_rules():
+        for condition in rule.conditions:
+            check_metric_pattern("metric", condition.metric)
+    monitor = SpectralMonitor(curvature=CurvatureOptions(), stop_on=["edge_of_stability", "non_finite"])
+    assert monitor._alerting.stop_on == ("edge_of_stability", "non_finite")

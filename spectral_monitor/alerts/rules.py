@@ -15,9 +15,19 @@ import dataclasses
 import fnmatch
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from spectral_monitor.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_mapping,
+    check_metric_pattern,
+    check_names,
+    check_number,
+)
 
 __all__ = [
     "COMPARISONS",
@@ -72,19 +82,12 @@ class Condition:
     def __post_init__(self) -> None:
         if not isinstance(self.metric, str) or self.metric.count("/") < 1 or not all(self.metric.split("/")):
             raise ValueError(f"metric must be 'family/metric' (an fnmatch pattern), got {self.metric!r}")
-        if self.op not in COMPARISONS:
-            raise ValueError(f"op of {self.metric} must be one of {COMPARISONS}, got {self.op!r}")
-        if self.relative_to not in RELATIVE_TO:
-            raise ValueError(
-                f"relative_to of {self.metric} must be one of {RELATIVE_TO}, got {self.relative_to!r}"
-            )
-        if not _is_number(self.threshold) or not math.isfinite(self.threshold):
-            raise ValueError(f"threshold of {self.metric} must be a finite number, got {self.threshold!r}")
+        check_choice(f"op of {self.metric}", self.op, COMPARISONS)
+        check_choice(f"relative_to of {self.metric}", self.relative_to, RELATIVE_TO)
+        check_number(f"threshold of {self.metric}", self.threshold)
+        check_bool(f"required of {self.metric}", self.required)
         if self.clear is not None:
-            if not _is_number(self.clear) or not math.isfinite(self.clear):
-                raise ValueError(
-                    f"clear of {self.metric} must be None or a finite number, got {self.clear!r}"
-                )
+            check_number(f"clear of {self.metric} (None or a number)", self.clear)
             if (self.op == ">=" and self.clear > self.threshold) or (
                 self.op == "<=" and self.clear < self.threshold
             ):
@@ -167,32 +170,20 @@ class Rule:
         object.__setattr__(self, "conditions", converted)
         if not any(c.required for c in converted):
             raise ValueError(f"rule {self.name} needs at least one condition with required=True")
-        if self.combine not in ("any", "all"):
-            raise ValueError(f"combine of rule {self.name} must be 'any' or 'all', got {self.combine!r}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope of rule {self.name} must be one of {SCOPES}, got {self.scope!r}")
+        check_choice(f"combine of rule {self.name}", self.combine, ("any", "all"))
+        check_choice(f"scope of rule {self.name}", self.scope, SCOPES)
         if not _is_number(self.head_fraction) or not 0 < self.head_fraction <= 1:
             raise ValueError(
                 f"head_fraction of rule {self.name} must be in (0, 1], got {self.head_fraction!r}"
             )
-        for name, smallest in (("patience", 1), ("start_step", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < smallest:
-                raise ValueError(f"{name} of rule {self.name} must be an int >= {smallest}, got {value!r}")
-        if self.severity not in SEVERITIES:
-            raise ValueError(
-                f"severity of rule {self.name} must be one of {SEVERITIES}, got {self.severity!r}"
-            )
+        check_int(f"patience of rule {self.name}", self.patience, smallest=1)
+        check_int(f"start_step of rule {self.name}", self.start_step, smallest=0)
+        check_choice(f"severity of rule {self.name}", self.severity, SEVERITIES)
         if not isinstance(self.remedy, str):
             raise ValueError(f"remedy of rule {self.name} must be a string, got {self.remedy!r}")
-        if not isinstance(self.read_heads, bool):
-            raise ValueError(f"read_heads of rule {self.name} must be True or False, got {self.read_heads!r}")
-        if self.layers is not None and (
-            isinstance(self.layers, str) or not all(isinstance(p, str) and p for p in self.layers)
-        ):
-            raise ValueError(
-                f"layers of rule {self.name} must be None or a list of patterns, got {self.layers!r}"
-            )
+        check_bool(f"read_heads of rule {self.name}", self.read_heads)
+        if self.layers is not None:
+            check_names(f"layers of rule {self.name}", self.layers, what="layer patterns (or None)")
 
     @property
     def families(self) -> set[str]:
@@ -259,17 +250,33 @@ class AlertConfig:
     tune: dict[str, dict[str, Any]] = field(default_factory=dict)
     rules: list[Rule] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        check_bool("defaults", self.defaults)
+        self.disable = check_names("disable", self.disable, what="rule names (fnmatch patterns)")
+        for name, changes in check_mapping("tune", self.tune).items():
+            check_mapping(f"tune[{name!r}]", changes)
+            for key in changes:
+                if "/" in key:
+                    check_metric_pattern(f"tune[{name!r}] key", key)
+        is_list = isinstance(self.rules, Sequence) and not isinstance(self.rules, (str, bytes))
+        if not is_list:
+            raise ValueError(f"rules must be a list of Rule, got {self.rules!r}")
+        own = [Rule(**rule) if isinstance(rule, Mapping) else rule for rule in self.rules]
+        if not all(isinstance(rule, Rule) for rule in own):
+            raise ValueError(f"rules must be a list of Rule, got {self.rules!r}")
+        for rule in own:
+            for condition in rule.conditions:
+                check_metric_pattern(f"rules: the metric of rule {rule.name!r}", condition.metric)
+        self.rules = own
+
 
 def rules_from_config(config: AlertConfig | None) -> list[Rule]:
     """The rules ``config`` asks for (``None``: the defaults); ``ValueError`` names what does not exist."""
     config = AlertConfig() if config is None else config
     if not isinstance(config, AlertConfig):
         raise ValueError(f"alerts must be an AlertConfig or None, got {type(config).__name__}")
-    own = [Rule(**rule) if isinstance(rule, dict) else rule for rule in config.rules]
-    if not all(isinstance(rule, Rule) for rule in own):
-        raise ValueError(f"alerts.rules must be a list of Rule, got {config.rules!r}")
     by_name = {rule.name: rule for rule in default_rules()} if config.defaults else {}
-    for rule in own:
+    for rule in config.rules:
         by_name[rule.name] = rule
     for name, changes in config.tune.items():
         if name not in by_name:
