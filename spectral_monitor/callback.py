@@ -569,8 +569,11 @@ class SpectralMonitor(Callback):
             if sample is None:
                 continue
             diversity_samples.append(sample)
-            if progress.draw_figures and sample.probs[0, _FIGURE_HEAD].isfinite().all():
-                drawn_heads.append(_DrawnHead.of(sample, per_head.get("effective_rank_ratio")))
+            drawn = (
+                _DrawnHead.of(sample, per_head.get("effective_rank_ratio")) if progress.draw_figures else None
+            )
+            if drawn is not None:
+                drawn_heads.append(drawn)
         if drawn_heads:
             progress.figures += self._attention_images.drawn(drawn_heads)
         if _due(self.head_diversity_every_n_logs, self._logging_steps_done):
@@ -832,7 +835,10 @@ class _DrawnHead:
     effective_rank_ratio: np.ndarray | None  # (heads,)
 
     @classmethod
-    def of(cls, sample: AttentionSample, effective_rank_ratio: Tensor | None) -> _DrawnHead:
+    def of(cls, sample: AttentionSample, effective_rank_ratio: Tensor | None) -> _DrawnHead | None:
+        """The drawn head of ``sample``; None when it cannot be drawn: a first sequence with no real query
+        or no attendable key (all padding), or attention holding NaN or inf (written as such by the
+        metrics)."""
         attention = sample.probs[0, _FIGURE_HEAD]
         if sample.query_mask is not None:
             attention = attention[sample.query_mask[0]]
@@ -841,6 +847,8 @@ class _DrawnHead:
         if sample.key_mask is not None:
             attendable = attention[:, sample.key_mask[0]]
             key_padding = (~sample.key_mask[0]).cpu().numpy()
+        if attendable.numel() == 0 or not bool(attendable.isfinite().all()):
+            return None
         return cls(
             layer=sample.layer,
             attention=attention.to("cpu", torch.float64).numpy(),

@@ -44,6 +44,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from spectral_monitor.distributed import global_rank
@@ -171,13 +172,23 @@ class CurvatureOptions:
         check_bool("checkpoint_warm_vectors", self.checkpoint_warm_vectors)
 
     def spaces(self, module: nn.Module) -> dict[str, ParameterSpace]:
+        """The parameter space of each layer measured: ``"model"`` and each block. A block that cannot be
+        formed on ``module`` (its patterns match no trainable parameter) costs that block only: one warning
+        names it, and the others are measured."""
         spaces = {WHOLE_MODEL: ParameterSpace.of(module)} if self.whole_model else {}
         blocks = self.blocks or {}
         patterns = (
             blocks if isinstance(blocks, Mapping) else {name: list(BLOCK_PRESETS[name]) for name in blocks}
         )
         for name, block_patterns in patterns.items():
-            spaces[name] = ParameterSpace.of(module, block_patterns)
+            try:
+                spaces[name] = ParameterSpace.of(module, block_patterns)
+            except ValueError as error:
+                rank_zero_warn(
+                    f"SpectralMonitor: curvature block {name!r} is not measured on {type(module).__name__}: "
+                    f"{error}; the other layers of the curvature family are.",
+                    category=RuntimeWarning,
+                )
         return spaces
 
 

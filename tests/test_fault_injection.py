@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import spectral_monitor.sinks.tfrecord as tfrecord_module
 from spectral_monitor.alerts import AlertEvent
 from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor.curvature_monitor import CurvatureOptions
 from spectral_monitor.probes import AttentionInputs, register_attention_extractor
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks import SinkError, TensorBoardSink
@@ -66,6 +67,12 @@ def quiet_monitor(**arguments: Any) -> SpectralMonitor:
         "preflight": False,
     }
     return SpectralMonitor(**{**defaults, **arguments})
+
+
+def family_monitor(*families: str, **arguments: Any) -> SpectralMonitor:
+    """``quiet_monitor`` measuring ``families`` only."""
+    options = {"curvature": None, "jacobian": None, "ntk": None}
+    return quiet_monitor(**{**options, "families": list(families), **arguments})
 
 
 def written_steps(logdir: str, prefix: str) -> dict[str, list[int]]:
@@ -564,3 +571,69 @@ def test_strict_mode_raises_when_the_log_directory_refuses_writes(
     refuse_monitor_writes(monkeypatch, errno.ENOSPC, lambda: True)
     with pytest.raises(Exception, match="ENOSPC|No space"):
         fit(TinyEncoder(), [quiet_monitor(strict=True)], tensorboard_logger(tmp_path), STEPS)
+
+
+# -- partial failures stay partial ---------------------------------------------------------------------------
+
+
+def test_a_curvature_block_matching_nothing_costs_that_block_only(tmp_path: Path) -> None:
+    curvature = CurvatureOptions(every_n_steps=1, max_products=8, blocks={"missing": ["no_such_parameter*"]})
+    logger = tensorboard_logger(tmp_path)
+    with monitor_reports() as reports:
+        trainer = fit(
+            TinyEncoder(), [quiet_monitor(families=["curvature"], curvature=curvature)], logger, STEPS
+        )
+
+    assert trainer.global_step == STEPS
+    (report,) = reports.messages
+    assert "curvature block 'missing'" in report and "no_such_parameter*" in report
+    written = written_steps(logger.log_dir, "curvature/")
+    assert written["curvature/hessian_eigenvalue_1/model"] == EVERY_STEP  # (sharpness: from step 1, Adam)
+    assert not [tag for tag in written if tag.endswith("/missing")]
+
+
+def test_non_finite_attention_gives_non_finite_head_diversity_not_a_failure(tmp_path: Path) -> None:
+    logger = tensorboard_logger(tmp_path)
+    with monitor_reports() as reports:
+        non_finite_run("inputs", logger, quiet_monitor(head_diversity_every_n_logs=1))
+
+    assert not [message for message in reports.messages if "failed" in message], reports.messages
+    diversity = scalar_series(read_back(logger.log_dir), "attention/head_diversity/")
+    assert diversity and all([step for step, _ in series] == EVERY_STEP for series in diversity.values()), {
+        tag: [step for step, _ in series] for tag, series in diversity.items()
+    }
+    assert any(math.isnan(value) for series in diversity.values() for _, value in series)
+
+
+class PaddedEncoder(TinyEncoder):
+    """Takes (tokens, key padding, targets) batches; padded positions are left out of the loss."""
+
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embedding(tokens), src_key_padding_mask=padding))
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        tokens, padding, targets = batch
+        loss = F.cross_entropy(self(tokens, padding)[~padding], targets[~padding])
+        self.log("train/loss", loss)
+        return loss
+
+
+def test_strict_mode_draws_figures_of_padded_batches_whose_first_sequence_is_all_padding(
+    tmp_path: Path,
+) -> None:
+    tokens = torch.randint(VOCAB, (4 * STEPS, 8), generator=torch.Generator().manual_seed(0))
+    padding = torch.zeros(4 * STEPS, 8, dtype=torch.bool)
+    padding[:, 6:] = True
+    padding[::4] = True  # the first sequence of every batch: nothing of it can be drawn
+    padding[::4, 0] = False  # (one real token, so the loss of the batch stays defined)
+    padding[0] = True
+    loader = DataLoader(TensorDataset(tokens, padding, tokens.roll(1, dims=1)), batch_size=4)
+    logger = tensorboard_logger(tmp_path)
+    monitor = family_monitor("attention", "tokens", strict=True, figures_every_n_logs=1)
+    trainer = fit(PaddedEncoder(), [monitor], logger, STEPS, data=loader)
+
+    assert trainer.global_step == STEPS
+    events = read_back(logger.log_dir)
+    # Step 0's first sequence is all padding: no head to draw. Later ones have one real query.
+    assert [event.step for event in events.Images("attention/figures/spectrum")] == [1, 2, 3]
+    assert written_steps(logger.log_dir, "attention/entropy/")

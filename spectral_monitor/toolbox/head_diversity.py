@@ -22,13 +22,22 @@ REDUNDANT_PAIRS = 3
 
 @torch.no_grad()
 def layer_head_distances(sample: AttentionSample) -> torch.Tensor:
-    """(heads, heads) distances of one layer's heads, mean over its sequences (valid queries × keys only)."""
+    """(heads, heads) distances of one layer's heads, mean over its sequences (valid queries × keys only).
+
+    A head whose attention holds NaN or inf in a sequence has no spectrum there: its distances are NaN for
+    that sequence (NaN overall when it is non-finite in every sequence), as the metrics write non-finite
+    data. Its matrix is not decomposed: an SVD of non-finite values fails to converge.
+    """
     probs = sample.probs.to(torch.float64)
+    # Padded queries and unattendable keys are zeroed whatever they hold (a padded row may be NaN).
     if sample.query_mask is not None:
-        probs = probs * sample.query_mask[:, None, :, None]
+        probs = torch.where(sample.query_mask[:, None, :, None], probs, 0.0)
     if sample.key_mask is not None:
-        probs = probs * sample.key_mask[:, None, None, :]
-    return head_spectral_distances(torch.linalg.svdvals(probs)).nanmean(dim=0)
+        probs = torch.where(sample.key_mask[:, None, None, :], probs, 0.0)
+    finite = probs.isfinite().all(dim=-1).all(dim=-1)  # (S, H)
+    singular_values = torch.linalg.svdvals(torch.where(finite[..., None, None], probs, 0.0))
+    singular_values = torch.where(finite[..., None], singular_values, torch.nan)
+    return head_spectral_distances(singular_values).nanmean(dim=0)
 
 
 def head_diversity_records(
