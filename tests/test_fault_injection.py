@@ -2,10 +2,12 @@
 
 Tried: an exception inside every probe entry point of every family; NaN/inf in the inputs, the activations,
 the weights and the gradients; attention modules with unusual signatures; a block that disappears and a
-weight that changes shape between logging steps; a log directory that is full or unwritable (a writer whose
-every write raises ``OSError``). For each: the run reaches ``max_steps``, no monitor report is repeated, the
-report names the fault, what could still be measured is written on every logging step, and with
-``strict=True`` the same fault raises out of ``Trainer.fit``.
+weight that changes shape between logging steps; a log directory that is full or unwritable (the monitor's
+own event file refuses writes with ``OSError``, while Lightning's file keeps working). For each: the run
+reaches ``max_steps``, no monitor report is repeated, the report names the fault, what could still be
+measured is written on every logging step, and with ``strict=True`` the same fault raises out of
+``Trainer.fit``. The fault matrix crosses six fault kinds with every family and checks that Lightning's own
+metrics are all written and that the end-of-run report lists exactly what the monitor lost.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from reliability_helpers import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
+    FAMILY_IDS,
     HEADS,
     VOCAB,
     WIDTH,
@@ -41,6 +44,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import spectral_monitor.sinks.figures as figures_module
 import spectral_monitor.sinks.tfrecord as tfrecord_module
 from spectral_monitor.alerts import AlertEvent
 from spectral_monitor.callback import SpectralMonitor
@@ -637,3 +641,124 @@ def test_strict_mode_draws_figures_of_padded_batches_whose_first_sequence_is_all
     # Step 0's first sequence is all padding: no head to draw. Later ones have one real query.
     assert [event.step for event in events.Images("attention/figures/spectrum")] == [1, 2, 3]
     assert written_steps(logger.log_dir, "attention/entropy/")
+
+
+# -- the fault matrix: every fault kind against every family -------------------------------------------------
+
+FAULT_KINDS = (
+    "disk-full-mid-run",
+    "disk-full-from-start",
+    "unwritable-directory",
+    "non-finite-data",
+    "raising-probe",
+    "figure-failure",
+)
+FAILING_PART = {
+    "attention": "arming the attention capture",
+    "tokens": "arming the residual-stream capture",
+    "weights": "measuring the weights",
+    "curvature": "measuring the curvature family",
+    "jacobian": "measuring the jacobian family",
+    "ntk": "measuring the ntk family",
+}
+"""What the end-of-run report names when the family's first probe entry point raises."""
+FAMILIES_WITH_FIGURES = {"attention"}
+"""Families that draw figures in the matrix's configuration (curvature draws one only with density probes)."""
+
+
+def matrix_monitor(configuration: Any) -> SpectralMonitor:
+    arguments = {
+        key: value for key, value in configuration.monitor_arguments.items() if key != "metric_method"
+    }
+    return family_monitor(*arguments.pop("families"), figures_every_n_logs=1, **arguments)
+
+
+def monitor_scalars_per_step(logdir: str) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for tag, series in scalar_series(read_back(logdir)).items():
+        if tag.startswith(MONITOR_PREFIXES):
+            for step, _ in series:
+                counts[step] = counts.get(step, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def unbroken_scalar_counts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Any], dict[int, int]]:
+    """The monitor's scalars per step in a run of one family without a fault."""
+    counts: dict[str, dict[int, int]] = {}
+
+    def of(configuration: Any) -> dict[int, int]:
+        if configuration.family not in counts:
+            logger = tensorboard_logger(tmp_path_factory.mktemp(f"unbroken-{configuration.family}"))
+            with monitor_reports():
+                fit(TinyEncoder(), [matrix_monitor(configuration)], logger, STEPS)
+            counts[configuration.family] = monitor_scalars_per_step(logger.log_dir)
+        return counts[configuration.family]
+
+    return of
+
+
+def inject(
+    fault: str, configuration: Any, monkeypatch: pytest.MonkeyPatch, clock: StepClock
+) -> dict[str, Any]:
+    """Sets the fault up; returns the ``fit`` arguments it needs (model, data)."""
+    if fault == "disk-full-mid-run":
+        refuse_monitor_writes(monkeypatch, errno.ENOSPC, lambda: clock.step == 1)
+    elif fault == "disk-full-from-start":
+        refuse_monitor_writes(monkeypatch, errno.ENOSPC, lambda: True)
+    elif fault == "unwritable-directory":
+        refuse_monitor_writes(monkeypatch, errno.EACCES, lambda: True)
+    elif fault == "non-finite-data":
+        return {"model": FeatureEncoder(), "data": features_with_nan_at(FAULT_STEP)}
+    elif fault == "raising-probe":
+        break_entry_point(monkeypatch, configuration.probe_entry_points[0])
+    elif fault == "figure-failure":
+
+        def broken_render(self: Any) -> Any:
+            raise ProbeBroke("the figure could not be drawn")
+
+        monkeypatch.setattr(figures_module.RedrawnFigure, "render", broken_render)
+    return {"model": TinyEncoder(), "data": None}
+
+
+@pytest.mark.parametrize("configuration", FAMILY_CONFIGURATIONS, ids=FAMILY_IDS)
+@pytest.mark.parametrize("fault", FAULT_KINDS)
+def test_fault_matrix_fit_completes_lightning_logs_everything_and_the_report_lists_what_was_lost(
+    fault: str,
+    configuration: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    unbroken_scalar_counts: Callable[[Any], dict[int, int]],
+) -> None:
+    unbroken = unbroken_scalar_counts(configuration)
+    clock = StepClock()
+    run = inject(fault, configuration, monkeypatch, clock)
+    logger = tensorboard_logger(tmp_path)
+    with monitor_reports() as reports:
+        trainer = fit(run["model"], [clock, matrix_monitor(configuration)], logger, STEPS, data=run["data"])
+
+    assert trainer.global_step == STEPS
+    assert written_steps(logger.log_dir, "train/loss") == {"train/loss": EVERY_STEP}  # Lightning's own
+    assert not reports.repeated(), reports.messages
+    report = end_of_run_report(reports)
+    if fault in ("disk-full-mid-run", "disk-full-from-start", "unwritable-directory"):
+        lost_steps = [1] if fault == "disk-full-mid-run" else EVERY_STEP
+        count, steps = lost_scalars(report)
+        assert count == sum(unbroken[step] for step in lost_steps), report
+        assert steps == ("1" if fault == "disk-full-mid-run" else "0–3"), report
+        assert sorted(monitor_scalars_per_step(logger.log_dir)) == sorted(set(unbroken) - set(lost_steps))
+    elif fault == "non-finite-data":
+        assert report is None, report  # NaN is written, as measured: nothing lost
+        assert set(monitor_scalars_per_step(logger.log_dir)) == set(unbroken)
+    elif fault == "raising-probe":
+        expected = f"{FAILING_PART[configuration.family]} failed at steps 0–3"
+        assert report == f"SpectralMonitor: end of the run; lost to failures: {expected}.", report
+    elif configuration.family in FAMILIES_WITH_FIGURES:
+        assert (
+            report
+            == "SpectralMonitor: end of the run; lost to failures: drawing figures failed at steps 0–3."
+        )
+        assert monitor_scalars_per_step(logger.log_dir) == unbroken
+    else:
+        assert report is None, report
+        assert monitor_scalars_per_step(logger.log_dir) == unbroken
