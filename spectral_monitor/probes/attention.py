@@ -121,7 +121,7 @@ class AttentionSample:
     ``probs``: (S, H, n, m) float32, rows sum to 1 over attendable keys (rows with none are 0).
     ``key_mask``: (S, m) bool, True = the key is attendable by at least one query; ``None`` = all are.
     ``query_mask``: (S, n) bool, True = a real query (not padding, has an attendable key); ``None`` = all are.
-    ``attendable``: bool broadcastable to (S, H, n, m), True where a query may attend a key; ``None`` = as
+    ``attendable``: bool (S, H or 1, n, m), True where a query may attend a key; ``None`` = as
     ``causal`` says (every key, or keys j <= i).
     """
 
@@ -180,7 +180,10 @@ class CapturedAttention:
     def sample(self) -> AttentionSample:
         """The probabilities with their masks, computed now."""
         probs = self.probs()
-        attendable = None if self.mask is None else attendable_pattern(self.mask, self.causal, probs.shape)
+        attendable = None
+        if self.mask is not None:
+            attendable = attendable_pattern(self.mask, self.causal, probs.shape)
+            attendable = attendable.expand(probs.shape[0], *attendable.shape[1:])
         return AttentionSample(
             self.layer, probs, self.key_mask, self.query_mask, self.causal, self.scale, attendable
         )

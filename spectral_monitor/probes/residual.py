@@ -8,7 +8,7 @@ modules received (:mod:`spectral_monitor.probes.token_masks`), else from the bat
 
 Blocks are found automatically (``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer``, Hugging Face
 ``GPT2Block`` and ``BertLayer``, and any ``*Block`` / ``*Layer`` module held in an ``nn.ModuleList`` named
-``layers``, ``h``, ``blocks`` or ``layer``) or named by ``fnmatch`` patterns.
+``layers``, ``h``, ``blocks``, ``block`` (T5) or ``layer``) or named by ``fnmatch`` patterns.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["ResidualCapture", "ResidualRecording", "ResidualSample", "find_trans
 
 _BLOCK_TYPES = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 _BLOCK_CLASS_NAMES = frozenset({"GPT2Block", "BertLayer"})  # by name: transformers stays optional
-_BLOCK_LIST_NAMES = frozenset({"layers", "h", "blocks", "layer"})
+_BLOCK_LIST_NAMES = frozenset({"layers", "h", "blocks", "block", "layer"})
 _BLOCK_LIKE_CLASS_NAME = re.compile(r"(Block|Layer)$")
 # Where a block's keyword arguments say which of its tokens are padding (True or -inf = padding).
 _PADDING_MASK_ARGUMENTS = {
