@@ -66,6 +66,7 @@ from spectral_monitor.probes import (
     SkippedCapture,
     WeightProbe,
 )
+from spectral_monitor.probes.token_masks import checked_token_mask
 from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import (
@@ -83,6 +84,7 @@ from spectral_monitor.toolbox.preflight import architecture_preflight, preflight
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
 from spectral_monitor.validation import (
     check_bool,
+    check_callable,
     check_choice,
     check_instance,
     check_int,
@@ -206,6 +208,11 @@ class SpectralMonitor(Callback):
         on_alert: called on global rank 0 with each :class:`~spectral_monitor.alerts.AlertEvent`, fired
             and resolved (``event.kind``), after its console line.
         stop_on: names of rules whose firing stops training: every rank stops after the same step.
+        token_mask: a function of the training batch returning its (batch, tokens) token mask, True (or
+            nonzero) = real token, or None. Needed only where the model's forward does not say which tokens
+            are padding: a Hugging Face ``attention_mask`` and ``nn.Transformer``'s ``src_key_padding_mask``
+            / ``tgt_key_padding_mask`` are read from the forward itself. Padded queries leave the attention
+            metrics of every layer with that many queries, and padded tokens the token metrics.
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -238,6 +245,7 @@ class SpectralMonitor(Callback):
         alerts: AlertConfig | None = None,
         on_alert: Callable[[AlertEvent], Any] | None = None,
         stop_on: Sequence[str] = (),
+        token_mask: Callable[[Any], Tensor | None] | None = None,
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, smallest=1)
@@ -280,6 +288,9 @@ class SpectralMonitor(Callback):
             check_int("preflight_context_length", preflight_context_length, smallest=2)
         self.preflight_context_length = preflight_context_length
         self._alerting = Alerting(alerts, on_alert, stop_on, self.families)
+        self.token_mask = check_callable(
+            "token_mask", token_mask, "a function of the batch returning its token mask"
+        )
 
         self._reports = _Reports(strict)
         self._sinks: list[Sink] = []
@@ -401,12 +412,16 @@ class SpectralMonitor(Callback):
             if _due(self.weight_spectra_every_n_logs, self._logging_steps_done):
                 with self._reports.failures_of("measuring the weight spectra"), torch.no_grad():
                     self._measure_weight_spectra(progress, pl_module)
+        token_mask = None
+        if self.token_mask is not None:
+            with self._reports.failures_of("reading the batch's token mask (token_mask)"):
+                token_mask = checked_token_mask(self.token_mask(batch), "the token_mask function's result")
         if self._attention_capture is not None:
             with self._reports.failures_of("arming the attention capture"):
-                self._attention_capture.arm()
+                self._attention_capture.arm(token_mask)
         if self._residual_capture is not None:
             with self._reports.failures_of("arming the residual-stream capture"):
-                self._residual_capture.arm()
+                self._residual_capture.arm(token_mask)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._disarm()
@@ -627,9 +642,8 @@ class SpectralMonitor(Callback):
         for index, (captured, sample) in enumerate(layers):
             if sample is not None and uses_exact_path(*sample.probs.shape[-2:], self.metric_method):
                 kind = (sample.probs.shape[1:], sample.probs.dtype, sample.probs.device, sample.causal)
-                together.setdefault((*kind, sample.key_mask is None, sample.query_mask is None), []).append(
-                    index
-                )
+                masks = (sample.key_mask is None, sample.query_mask is None, sample.attendable is None)
+                together.setdefault((*kind, *masks), []).append(index)
             else:
                 metrics_of_layers[index] = self._layer_attention_metrics(captured, sample, working_bytes)
         for indices in together.values():
@@ -640,6 +654,7 @@ class SpectralMonitor(Callback):
                 key_mask=_per_head(_concatenated([sample.key_mask for sample in samples]), heads),
                 query_mask=_per_head(_concatenated([sample.query_mask for sample in samples]), heads),
                 causal=samples[0].causal,
+                attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
                 method=self.metric_method,
                 include_rank_sums=self.attention_rank_sums,
             )
@@ -672,6 +687,7 @@ class SpectralMonitor(Callback):
             key_mask=_per_head(sample.key_mask, heads),
             query_mask=_per_head(sample.query_mask, heads),
             causal=sample.causal,
+            attendable=_concatenated_patterns([sample.attendable], heads),
             method=self.metric_method,
             include_rank_sums=self.attention_rank_sums,
             state=state,
@@ -687,10 +703,9 @@ class SpectralMonitor(Callback):
             )
         per_head = {}
         for metric in ATTENTION_METRICS:
-            values = metrics[metric]
-            if (values.isnan() & ~nonfinite).all():  # undefined for this layer, not broken
-                continue
-            per_head[metric] = values.mean(dim=0).to("cpu", torch.float64)
+            mean = _mean_over_sequences(metrics[metric], nonfinite)
+            if mean is not None:
+                per_head[metric] = mean.to("cpu", torch.float64)
         return per_head
 
     def _measure_tokens(self, progress: _LoggingStep) -> None:
@@ -714,10 +729,12 @@ class SpectralMonitor(Callback):
                         f"non-finite tokens out of {sample.layer} at step {progress.step}: its output holds "
                         "NaN or inf, so its token metrics are written as NaN",
                     )
-                progress.measurements += [
-                    Measurement(progress.step, "tokens", metric, sample.layer, float(values[position].mean()))
-                    for metric, values in metrics.items()
-                ]
+                for metric, values in metrics.items():
+                    mean = _mean_over_sequences(values[position], nonfinite[position])
+                    if mean is not None:
+                        progress.measurements.append(
+                            Measurement(progress.step, "tokens", metric, sample.layer, float(mean))
+                        )
 
     def _checked_weights(self, measurements: list[Measurement]) -> list[Measurement]:
         # Norms only: a ratio such as the stable rank of an all-zero weight is NaN for a healthy model.
@@ -927,6 +944,22 @@ def _uncaptured_under_compile(compiled: list[str], lost: list[str]) -> str:
         "Weights are measured. To see attention and tokens, compile only modules without attention "
         "(e.g. `block.mlp = torch.compile(block.mlp)` for each block) or train this run uncompiled"
     )
+
+
+def _mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
+    """The mean over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
+    None where no sequence has a value: not measurable (all padding, one token) or not defined, not broken."""
+    counted = ~values.isnan() | nonfinite
+    if not bool(counted.any()):
+        return None
+    return torch.where(counted, values, torch.zeros_like(values)).sum(dim=0) / counted.sum(dim=0)
+
+
+def _concatenated_patterns(patterns: list[Tensor | None], heads: int) -> Tensor | None:
+    """The samples' attendable patterns (S, H or 1, n, m) joined along the sequences, one per head."""
+    if patterns[0] is None:
+        return None
+    return torch.cat([pattern.expand(-1, heads, -1, -1) for pattern in patterns])
 
 
 def _layer_measurements(

@@ -8,7 +8,8 @@ test support: :func:`one_intra_op_thread`.
 Conventions the catalogue leaves to the reader, fixed here once:
 
 - A metric is computed on the submatrix S = A[valid queries, valid keys]; whatever masked entries hold is
-  ignored. Under ``causal`` the keys of row i are the valid keys j ≤ i (i indexes the full matrix).
+  ignored. Under ``causal`` the keys of row i are the valid keys j ≤ i (i indexes the full matrix); with an
+  ``attendable`` pattern, the valid keys it allows row i.
 - Entropy rows with fewer than two keys are left out of the mean; with none left the entropy is NaN.
 - ``eigen_gap`` and ``self_attention`` are about tokens attending to tokens, so they need self-attention
   (n = m: one token set on both axes; ``eigen_gap`` also non-causal), else NaN. They are computed on the
@@ -109,8 +110,12 @@ def attention_reference(
     key_mask: np.ndarray | None = None,
     query_mask: np.ndarray | None = None,
     causal: bool = False,
+    attendable: np.ndarray | None = None,
 ) -> dict[str, float]:
-    """Every attention metric of the catalogue for one (n, m) matrix, in float64."""
+    """Every attention metric of the catalogue for one (n, m) matrix, in float64.
+
+    ``attendable`` (n, m) bool: the keys each row may attend, for the entropy's normalisation.
+    """
     attn = np.asarray(attn, dtype=np.float64)
     rows = np.flatnonzero(_all_true(attn.shape[0], query_mask))
     cols = np.flatnonzero(_all_true(attn.shape[1], key_mask))
@@ -120,6 +125,8 @@ def attention_reference(
     normalised_entropies = []
     for i in rows:
         keys = cols[cols <= i] if causal else cols
+        if attendable is not None:
+            keys = keys[np.asarray(attendable, dtype=bool)[i, keys]]
         if keys.size < 2:
             continue
         p = attn[i, keys]

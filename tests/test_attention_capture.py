@@ -734,7 +734,7 @@ def test_bad_arguments_are_rejected_with_their_names():
         AttentionCapture("not a model")
     capture = AttentionCapture(model)
     with pytest.raises(ValueError, match="token_mask"):
-        capture.arm(token_mask=torch.ones(2, 3))
+        capture.arm(token_mask=torch.ones(3, dtype=torch.bool))
     capture.arm()
     with pytest.raises(RuntimeError, match="already armed"):
         capture.arm()

@@ -36,6 +36,7 @@ from spectral_monitor.metrics._common import (
     threshold_rank_from_singular_values,
     working_dtype_of,
 )
+from spectral_monitor.metrics.masks import is_causal_pattern
 
 EXACT_MAX_SIZE = 384
 """``method="auto"`` factorises exactly when the smaller side of A is at most this."""
@@ -134,6 +135,7 @@ def attention_metrics(
     key_mask: Tensor | None = None,
     query_mask: Tensor | None = None,
     causal: bool = False,
+    attendable: Tensor | None = None,
     method: str = "auto",
     include_rank_sums: bool = True,
     state: KrylovState | None = None,
@@ -144,7 +146,12 @@ def attention_metrics(
     ``key_mask`` (..., m) and ``query_mask`` (..., n) are bool, True = attendable key / real query (the
     opposite of PyTorch's ``key_padding_mask``); metrics are those of the submatrix of valid queries × valid
     keys. ``causal``: row i attends keys j ≤ i (normalised entropy uses i + 1 keys; ``eigen_gap`` is NaN
-    because a triangular A's eigenvalues are its diagonal). Every value has shape ``attn.shape[:-2]``:
+    because a triangular A's eigenvalues are its diagonal). ``attendable``: bool broadcastable to
+    (..., n, m), True where query i may attend key j
+    (:func:`spectral_monitor.metrics.masks.attendable_pattern` reads it from an attention mask): row i's
+    keys are its attendable valid keys, and a pattern that is lower-triangular over the valid queries is
+    causal whatever ``causal`` says. Every value has shape
+    ``attn.shape[:-2]``:
 
     - ``entropy``: mean over queries of −Σⱼ Aᵢⱼ log Aᵢⱼ / log(keys of row i); rows with < 2 keys left out;
     - ``sigma1``, ``sigma2``, ``spectral_gap`` = 1 − σ₂/σ₁, ``stable_rank`` = ‖A‖_F²/σ₁²;
@@ -157,6 +164,9 @@ def attention_metrics(
     - ``self_attention`` = tr(A)/n (NaN when non-square);
     - ``nonfinite``: True where the input had a NaN/Inf; that element's metrics are NaN, the others exact;
     - ``effective_rank_se``: standard error of the Krylov estimate (sampling and quadrature), 0 when exact.
+
+    Where no valid query has attention on a valid key (a fully padded sequence) there is nothing to measure:
+    every metric is NaN and ``nonfinite`` False ("not measurable", not broken).
 
     ``method``: "exact", "krylov", or "auto" (exact up to ``EXACT_MAX_SIZE``). ``include_rank_sums=False``
     skips the effective and threshold ranks (NaN), the only members that need the whole spectrum.
@@ -171,6 +181,11 @@ def attention_metrics(
     work = working_dtype_of(attn)
     keys = flat_mask(key_mask, "key_mask", batch_shape, m, attn.device)
     queries = flat_mask(query_mask, "query_mask", batch_shape, n, attn.device)
+    keys_per_row = None
+    if attendable is not None:
+        pattern = flat_pattern(attendable, batch_shape, n, m, attn.device)
+        causal = causal or is_causal_pattern(pattern, queries)
+        keys_per_row = (pattern & keys[:, None, :]).sum(dim=2)
     matrices = attn.reshape(-1, n, m).to(work)
     # Each rewrite below copies the whole batch, so it is made only when needed.
     if not (bool(queries.all()) and bool(keys.all())):
@@ -190,6 +205,7 @@ def attention_metrics(
         work,
         scratch,
         walk_from=walk_from,
+        keys_per_row=keys_per_row,
     )
     first_walk_distances = metrics.pop("walk_distances", None)
     # A masked NaN or inf stays one (× 0 is NaN), so the norm of what was measured screens the input.
@@ -238,16 +254,38 @@ def finished_metrics(
     Shared by every way of computing the members (dense probabilities, blocked products from q and k), so the
     derived metrics have one definition.
     """
+    frobenius = metrics.pop("frobenius")
+    # No valid query with attention on a valid key: nothing to measure (NaN), which is not a failure.
+    measurable = (valid_rows > 0) & (valid_keys > 0) & (frobenius != 0)
     metrics["spectral_gap"] = 1 - metrics["sigma2"] / metrics["sigma1"]
-    metrics["stable_rank"] = stable_rank(metrics.pop("frobenius").square(), metrics["sigma1"])
+    metrics["stable_rank"] = stable_rank(frobenius.square(), metrics["sigma1"])
     metrics["effective_rank_ratio"] = metrics["effective_rank"] / torch.minimum(
         valid_rows, valid_keys
     ).clamp_min(1)
 
     for value in metrics.values():
-        value[nonfinite] = float("nan")
+        value[nonfinite | ~measurable] = float("nan")
     metrics["nonfinite"] = nonfinite
     return {name: value.reshape(batch_shape) for name, value in metrics.items()}
+
+
+def flat_pattern(
+    attendable: Tensor, batch_shape: torch.Size, num_queries: int, num_keys: int, device: torch.device
+) -> Tensor:
+    """An attendable pattern broadcast to ``batch_shape + (n, m)`` and flattened to (B, n, m)."""
+    if not isinstance(attendable, Tensor) or attendable.dtype != torch.bool:
+        raise ValueError(
+            "attendable must be a bool tensor (True = the query may attend the key), got "
+            f"{attendable.dtype if isinstance(attendable, Tensor) else type(attendable).__name__}"
+        )
+    try:
+        full = torch.broadcast_to(attendable.to(device), (*batch_shape, num_queries, num_keys))
+    except RuntimeError as error:
+        raise ValueError(
+            f"attendable of shape {tuple(attendable.shape)} does not broadcast to "
+            f"{(*batch_shape, num_queries, num_keys)}"
+        ) from error
+    return full.reshape(-1, num_queries, num_keys)
 
 
 def _nonfinite_elements(matrices: Tensor, norms: Tensor) -> Tensor:
@@ -310,6 +348,7 @@ def one_pass_members(
     work: torch.dtype,
     scratch: Scratch,
     walk_from: Tensor | None = None,
+    keys_per_row: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Entropy, ‖A‖_F, rank-one residual and self-attention of a batch of attention matrices (B, n, m) seen
     in blocks, for the dense path and for blocks recomputed from q and k alike; with ``walk_from`` (B, m),
@@ -320,7 +359,8 @@ def one_pass_members(
     element once, in dtype ``work``; it is called a second time only where the centred norm ‖A − 1āᵀ‖_F
     needs the centred rows themselves (``CENTRED_BY_DIFFERENCE_MIN``). Sums across blocks accumulate in
     float64, so the hundreds of partial sums of a long matrix add no more rounding than one pass over the
-    whole matrix would; every temporary is ``scratch``'s.
+    whole matrix would; every temporary is ``scratch``'s. ``keys_per_row`` (B, n): the keys each row may
+    attend, for the entropy's normalisation (:func:`normalised_entropy`).
     """
     (batch, n), m = queries.shape, keys.shape[1]
     device = queries.device
@@ -376,7 +416,7 @@ def one_pass_members(
     frobenius = squared_norm.sqrt().to(work)
     walk = {} if walk_distances is None else {"walk_distances": walk_distances}
     return walk | {
-        "entropy": normalised_entropy(row_entropy, keys, queries, causal),
+        "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
         "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
         "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
         if n == m
@@ -396,16 +436,20 @@ def _squared_norms(block: Tensor) -> Tensor:
     return torch.linalg.vecdot(block, block).sum(dim=1)
 
 
-def normalised_entropy(row_entropy: Tensor, keys: Tensor, queries: Tensor, causal: bool) -> Tensor:
+def normalised_entropy(
+    row_entropy: Tensor, keys: Tensor, queries: Tensor, causal: bool, keys_per_row: Tensor | None = None
+) -> Tensor:
     """Mean over counted queries of Hᵢ / log(keys of row i): (B,) from the rows' entropies (B, n).
 
-    A row counts when its query is valid and it has at least two keys (j ≤ i among the valid ones when
-    ``causal``); NaN where no row counts.
+    A row counts when its query is valid and it has at least two keys: ``keys_per_row`` (B, n) where given,
+    else the valid keys (j ≤ i among them when ``causal``); NaN where no row counts.
     """
     work = row_entropy.dtype
     n = row_entropy.shape[1]
     valid_keys = keys.to(work)
-    if causal:
+    if keys_per_row is not None:
+        keys_per_row = keys_per_row.to(work)
+    elif causal:
         # Row i sees keys 0..i: the running count, clamped at the last key (rows past m see all of them).
         running = valid_keys.cumsum(dim=1)
         rows = torch.arange(n, device=keys.device).clamp_max(keys.shape[1] - 1)

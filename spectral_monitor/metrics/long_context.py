@@ -155,8 +155,8 @@ def attention_metrics_from_qk(
         state.vectors = torch.cat(next_vectors)
     metrics = {name: torch.cat([piece[name].reshape(-1) for piece in pieces]) for name in pieces[0]}
     if exact:
-        for name, value in metrics.items():
-            if name != "nonfinite":
+        for value in metrics.values():
+            if value.is_floating_point():
                 value[nonfinite] = float("nan")
         metrics["nonfinite"] = metrics["nonfinite"] | nonfinite
         return {name: value.reshape(batch_shape) for name, value in metrics.items()}

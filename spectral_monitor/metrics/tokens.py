@@ -23,7 +23,8 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     ``cosine_similarity`` (mean over pairs i ≠ j of cos(xᵢ, xⱼ), Noci et al. 2022; NaN with < 2 tokens),
     ``token_residual`` (‖X − 1x̄ᵀ‖_F / ‖X‖_F, Dong et al. 2021), ``stable_rank`` (‖X‖_F²/σ₁²),
     ``effective_rank`` (Roy & Vetterli), and ``nonfinite`` (True where x had a NaN/Inf; that element's
-    metrics are NaN). Exact (every singular value): sampled sequences are short enough.
+    metrics are NaN). Where no token is real, or every real token is zero, there is nothing to measure: every
+    metric is NaN and ``nonfinite`` False. Exact (every singular value): sampled sequences are short enough.
     """
     x = check_matrices(x, "x")
     batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]
@@ -55,7 +56,8 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
         "stable_rank": stable_rank(frobenius.square(), singular_values[:, 0]),
         "effective_rank": effective_rank_from_singular_values(singular_values),
     }
+    measurable = (frobenius > 0) | nonfinite
     for value in metrics.values():
-        value[nonfinite] = float("nan")
+        value[nonfinite | ~measurable] = float("nan")
     metrics["nonfinite"] = nonfinite
     return {name: value.reshape(batch_shape) for name, value in metrics.items()}

@@ -50,6 +50,13 @@ from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.metrics import KrylovState, attention_metrics_from_qk
 from spectral_monitor.metrics.long_context import DEFAULT_MAX_BYTES
+from spectral_monitor.metrics.masks import (
+    additive_mask,
+    attendable_pattern,
+    causal_pattern,
+    is_causal_pattern,
+)
+from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
 __all__ = [
@@ -83,10 +90,13 @@ class AttentionInputs:
     """What an attention computation consumes, in ``F.scaled_dot_product_attention``'s conventions.
 
     ``q``: (B, H, n, d); ``k``: (B, H_k, m, d) with H a multiple of H_k (grouped-query attention: query head
-    h reads key head h // (H / H_k)). ``mask``: bool (True = may attend) or additive float, broadcastable to
-    (B, H, n, m). ``causal``: query i attends keys j <= i (top-left aligned, as SDPA's ``is_causal``).
-    ``scale``: multiplies q·k; ``None`` means 1/sqrt(d). Tensors may be views of the batch: the capture
-    keeps copies of the sampled sequences only.
+    h reads key head h // (H / H_k)). ``mask``: bool (True = may attend) or additive float (``-inf`` or the
+    dtype's lowest value = may not attend, finite values are logit biases), broadcastable to (B, H, n, m).
+    ``causal``: query i attends keys j <= i (top-left aligned, as SDPA's ``is_causal``); a mask whose
+    attendable keys are lower-triangular is causal without it. ``scale``: multiplies q·k; ``None`` means
+    1/sqrt(d). ``query_mask``: (B, n) bool, True = a real query (not padding); ``None`` = the real tokens
+    the forward's padding masks give for n queries (:mod:`spectral_monitor.probes.token_masks`). Tensors may
+    be views of the batch: the capture keeps copies of the sampled sequences only.
     """
 
     q: Tensor
@@ -94,6 +104,7 @@ class AttentionInputs:
     mask: Tensor | None = None
     causal: bool = False
     scale: float | None = None
+    query_mask: Tensor | None = None
 
 
 AttentionExtractor = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], AttentionInputs | None]
@@ -110,6 +121,8 @@ class AttentionSample:
     ``probs``: (S, H, n, m) float32, rows sum to 1 over attendable keys (rows with none are 0).
     ``key_mask``: (S, m) bool, True = the key is attendable by at least one query; ``None`` = all are.
     ``query_mask``: (S, n) bool, True = a real query (not padding, has an attendable key); ``None`` = all are.
+    ``attendable``: bool (S, H or 1, n, m), True where a query may attend a key; ``None`` = as
+    ``causal`` says (every key, or keys j <= i).
     """
 
     layer: str
@@ -118,6 +131,7 @@ class AttentionSample:
     query_mask: Tensor | None
     causal: bool
     scale: float
+    attendable: Tensor | None = None
 
 
 @dataclass
@@ -154,7 +168,7 @@ class CapturedAttention:
         if self.mask is not None:
             logits = logits + self.mask
         if self.causal:
-            logits = logits.masked_fill(~_causal_pattern(*logits.shape[-2:], logits.device), -math.inf)
+            logits = logits.masked_fill(~causal_pattern(*logits.shape[-2:], logits.device), -math.inf)
         return logits
 
     def probs(self) -> Tensor:
@@ -165,8 +179,13 @@ class CapturedAttention:
 
     def sample(self) -> AttentionSample:
         """The probabilities with their masks, computed now."""
+        probs = self.probs()
+        attendable = None
+        if self.mask is not None:
+            attendable = attendable_pattern(self.mask, self.causal, probs.shape)
+            attendable = attendable.expand(probs.shape[0], *attendable.shape[1:])
         return AttentionSample(
-            self.layer, self.probs(), self.key_mask, self.query_mask, self.causal, self.scale
+            self.layer, probs, self.key_mask, self.query_mask, self.causal, self.scale, attendable
         )
 
     def probs_nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
@@ -347,16 +366,13 @@ class AttentionCapture:
     def arm(self, token_mask: Tensor | None = None) -> AttentionRecording:
         """Install the capture for the next forward; returns the recording it fills.
 
-        ``token_mask``: optional (B, n) bool, True = real token, marking padded queries of every attention
-        call with n queries (self-attention over the batch's tokens).
+        ``token_mask``: optional (B, n) bool, True = real token: the batch's real tokens, for attention calls
+        with n queries where the forward's own padding masks say nothing
+        (:mod:`spectral_monitor.probes.token_masks`). Padded queries are left out of every metric.
         """
         if self._armed is not None:
             raise RuntimeError("AttentionCapture is already armed; disarm() it first")
-        if token_mask is not None and (
-            not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool or token_mask.dim() != 2
-        ):
-            raise ValueError("token_mask must be a (batch, tokens) bool tensor (True = real token) or None")
-        self._armed = _ArmedForward(self, token_mask)
+        self._armed = _ArmedForward(self, checked_token_mask(token_mask))
         return self._armed.recording
 
     def disarm(self) -> AttentionRecording:
@@ -409,7 +425,7 @@ class _ArmedForward:
 
     def __init__(self, capture: AttentionCapture, token_mask: Tensor | None) -> None:
         self._capture = capture
-        self._token_mask = token_mask
+        self._token_masks = ForwardTokenMasks(token_mask)
         self.recording = AttentionRecording()
         self._names: list[str] = []
         self._seen: set[str] = set()
@@ -423,6 +439,7 @@ class _ArmedForward:
             raise
 
     def _install(self) -> None:
+        self._token_masks.install(self._capture.model)
         for name, module in eager_named_modules(self._capture.model):
             layer = name or ROOT_LAYER_NAME
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer)))
@@ -450,10 +467,10 @@ class _ArmedForward:
         self._remove()
         if self._capture.max_bytes is not None:
             _fit_to_budget(self.recording, self._capture.max_bytes)
-        self._token_mask = None
         return self.recording
 
     def _remove(self) -> None:
+        self._token_masks.remove()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -505,8 +522,8 @@ class _ArmedForward:
                 lambda: _captured(layer, _scaled_dot_product_inputs(*args, **kwargs), *self._sampling()),
             )
 
-    def _sampling(self) -> tuple[int, Tensor | None]:
-        return self._capture.max_sequences, self._token_mask
+    def _sampling(self) -> tuple[int, ForwardTokenMasks]:
+        return self._capture.max_sequences, self._token_masks
 
     def _record(self, layer: str, capture: Callable[[], CapturedAttention | None]) -> None:
         try:
@@ -536,7 +553,11 @@ def _scaled_dot_product_inputs(
 
 
 def _captured_multi_head_attention(
-    layer: str, args: tuple[Any, ...], kwargs: dict[str, Any], max_sequences: int, token_mask: Tensor | None
+    layer: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    max_sequences: int,
+    token_masks: ForwardTokenMasks,
 ) -> CapturedAttention:
     """Projects q and k of the sampled sequences from an ``F.multi_head_attention_forward`` call's arguments.
 
@@ -588,14 +609,14 @@ def _captured_multi_head_attention(
     causal = is_causal and (kernel_ignores_attn_mask or extra_keys == 0)
     mask = None
     if attn_mask is not None and not kernel_ignores_attn_mask:
-        mask = _additive_mask(attn_mask, true_means_masked=True)
+        mask = additive_mask(attn_mask, true_means_masked=True)
         if mask.dim() == 2:
             mask = mask.view(1, 1, *mask.shape)
         else:
             mask = mask.view(batch, heads, *mask.shape[-2:])[:sequences]
     padded_queries = None
     if key_padding_mask is not None:
-        padding = _additive_mask(key_padding_mask[:sequences], true_means_masked=True)
+        padding = additive_mask(key_padding_mask[:sequences], true_means_masked=True)
         if is_self_attention:
             padded_queries = torch.isneginf(padding)
         padding = padding.view(sequences, 1, 1, -1)
@@ -603,17 +624,21 @@ def _captured_multi_head_attention(
     if mask is not None and extra_keys:
         mask = F.pad(mask, (0, extra_keys))
     inputs = AttentionInputs(q=q, k=k, mask=mask, causal=causal, scale=1.0 / math.sqrt(head_dim))
-    return _captured(layer, inputs, sequences, token_mask, padded_queries)
+    return _captured(layer, inputs, sequences, token_masks, padded_queries)
 
 
 def _captured(
     layer: str,
     inputs: AttentionInputs | None,
     max_sequences: int,
-    token_mask: Tensor | None,
+    token_masks: ForwardTokenMasks,
     padded_queries: Tensor | None = None,
 ) -> CapturedAttention | None:
-    """Detached copies of the first ``max_sequences`` sequences of ``inputs``, with key and query masks."""
+    """Detached copies of the first ``max_sequences`` sequences of ``inputs``, with key and query masks.
+
+    Real queries are those the inputs, the kernel call (``padded_queries``) and the forward's padding masks
+    (``token_masks``) leave, among those with an attendable key; attendable keys are those of real queries.
+    """
     if inputs is None:
         return None
     if not isinstance(inputs, AttentionInputs):
@@ -633,23 +658,38 @@ def _captured(
     mask = None
     if inputs.mask is not None:
         mask = _batch_heads_mask(inputs.mask, inputs.q.shape, sequences)
-        mask = _additive_mask(mask, true_means_masked=False)
+        mask = additive_mask(mask, true_means_masked=False)
         torch.broadcast_shapes(mask.shape, (sequences, heads, num_queries, num_keys))
     scale = inputs.scale if inputs.scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
-    key_mask, query_mask = _attendable_keys_and_queries(
-        mask, inputs.causal, sequences, num_queries, num_keys, q.device
-    )
+    real_queries = None
+    query_masks = [inputs.query_mask, token_masks.real_tokens(num_queries)]
     if padded_queries is not None:
-        query_mask = _conjunction(query_mask, ~padded_queries)
-    if token_mask is not None and token_mask.shape[1] == num_queries:
-        query_mask = _conjunction(query_mask, token_mask[:sequences].to(q.device))
+        query_masks.append(~padded_queries)
+    for given in query_masks:
+        if given is not None:
+            given = checked_token_mask(given, "query_mask")[:sequences].to(q.device)
+            real_queries = _conjunction(real_queries, given)
+    causal = bool(inputs.causal)
+    if mask is not None and mask.shape[-2] > 1:
+        attendable = attendable_pattern(mask, causal, (num_queries, num_keys))
+        assert attendable is not None
+        attendable = attendable.expand(sequences, -1, num_queries, num_keys)
+        query_mask = attendable.any(dim=(1, 3))
+        if real_queries is not None:
+            query_mask &= real_queries
+        key_mask = (attendable & query_mask[:, None, :, None]).any(dim=(1, 2))
+        causal = causal or is_causal_pattern(attendable, query_mask[:, None, :])
+    else:
+        key_mask, query_mask = _attendable_keys_and_queries(
+            mask, causal, real_queries, sequences, num_queries, num_keys, q.device
+        )
     return CapturedAttention(
         layer=layer,
         q=q,
         k=k,
         mask=mask,
-        causal=bool(inputs.causal),
+        causal=causal,
         scale=float(scale),
         key_mask=None if key_mask is None or bool(key_mask.all()) else key_mask,
         query_mask=None if query_mask is None or bool(query_mask.all()) else query_mask,
@@ -674,67 +714,39 @@ def _batch_heads_mask(mask: Tensor, query_shape: torch.Size, sequences: int) -> 
     return _batch_heads_layout(mask)
 
 
-def _additive_mask(mask: Tensor, *, true_means_masked: bool) -> Tensor:
-    """A float32 copy of ``mask`` as an additive logit bias with ``-inf`` where attention is not allowed.
-
-    Float masks at or below half their dtype's lowest value (the "minus infinity" of Hugging Face masks)
-    become ``-inf``; after the softmax that changes nothing but makes "not attendable" exact.
-    """
-    if mask.dtype == torch.bool:
-        blocked = mask if true_means_masked else ~mask
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(
-            blocked, -math.inf
-        )
-    if not mask.is_floating_point():
-        raise ValueError(f"attention masks must be bool or floating point, got {mask.dtype}")
-    return mask.to(torch.float32, copy=True).masked_fill_(mask <= torch.finfo(mask.dtype).min / 2, -math.inf)
-
-
 def _attendable_keys_and_queries(
-    mask: Tensor | None, causal: bool, sequences: int, num_queries: int, num_keys: int, device: torch.device
+    mask: Tensor | None,
+    causal: bool,
+    real_queries: Tensor | None,
+    sequences: int,
+    num_queries: int,
+    num_keys: int,
+    device: torch.device,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(S, m) keys some query may attend and (S, n) queries with some attendable key; ``None`` = all.
+    """(S, m) keys some real query may attend and (S, n) real queries with some attendable key; ``None`` =
+    all, for no mask or one logit row for all queries (key padding).
 
-    Without a mask, or with one logit row for all queries (key padding), from O(m) per head: at long
-    context an n × m pattern would be a large part of the memory the blockwise measurement avoids.
+    From O(n + m) per head: at long context an n × m pattern would be a large part of the memory the
+    blockwise measurement avoids.
     """
-    if mask is not None and mask.shape[-2] > 1:
-        attendable = _attendable(mask, causal, sequences, num_queries, num_keys, device)
-        assert attendable is not None
-        return attendable.any(dim=(1, 2)), attendable.any(dim=(1, 3))
-    if mask is None and (not causal or num_keys <= num_queries):
-        return None, None  # causal: query 0 attends key 0, and every key j < m <= n has query j
     if mask is None:
         open_keys = torch.ones((sequences, 1, num_keys), dtype=torch.bool, device=device)
     else:
         open_keys = ~torch.isneginf(mask[:, :, 0]).expand(sequences, -1, num_keys)
+    queries = torch.ones((sequences, num_queries), dtype=torch.bool, device=device)
+    if real_queries is not None:
+        queries = queries & real_queries
     if not causal:
-        keys = open_keys.any(dim=1)
-        queries = open_keys.any(dim=2).any(dim=1, keepdim=True).expand(sequences, num_queries)
-        return keys, queries
-    # Query i attends keys j <= i: key j is reachable if open and j < n; query i if i >= the first open key.
-    keys = (open_keys & (torch.arange(num_keys, device=device) < num_queries)).any(dim=1)
+        has_key = open_keys.any(dim=2).any(dim=1, keepdim=True)
+        return open_keys.any(dim=1) & queries.any(dim=1, keepdim=True), queries & has_key
+    # Query i attends open keys j <= i: query i is measured if i >= the first open key, and key j if open
+    # and j <= the last measured query.
     first_open = torch.where(open_keys.any(dim=2), open_keys.to(torch.int8).argmax(dim=2), num_queries)
-    queries = (torch.arange(num_queries, device=device) >= first_open[:, :, None]).any(dim=1)
+    queries = queries & (torch.arange(num_queries, device=device) >= first_open[:, :, None]).any(dim=1)
+    positions = torch.arange(num_queries, device=device)
+    last_query = torch.where(queries, positions, -1).amax(dim=1, keepdim=True)
+    keys = open_keys.any(dim=1) & (torch.arange(num_keys, device=device) <= last_query)
     return keys, queries
-
-
-def _attendable(
-    mask: Tensor | None, causal: bool, sequences: int, num_queries: int, num_keys: int, device: torch.device
-) -> Tensor | None:
-    """Where a query may attend a key: bool (S, H or 1, n, m), or ``None`` when everywhere."""
-    attendable = None
-    if mask is not None:
-        attendable = ~torch.isneginf(mask).expand(sequences, -1, num_queries, num_keys)
-    if causal:
-        pattern = _causal_pattern(num_queries, num_keys, device)
-        attendable = pattern.expand(sequences, 1, -1, -1) if attendable is None else attendable & pattern
-    return attendable
-
-
-def _causal_pattern(num_queries: int, num_keys: int, device: torch.device) -> Tensor:
-    """SDPA's ``is_causal`` pattern: query i attends keys j <= i (top-left aligned)."""
-    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril()
 
 
 def _conjunction(mask: Tensor | None, other: Tensor) -> Tensor:

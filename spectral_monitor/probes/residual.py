@@ -2,11 +2,13 @@
 
 While armed, a forward hook on each block keeps a detached float32 copy of the block's output for the first
 ``max_sequences`` sequences of the batch, laid out (S, n, d) whatever the block's own layout, with the token
-mask when it is known. Hooks exist only between arm and disarm; outputs are read, never modified.
+mask when it is known: from the block's own ``*_key_padding_mask``, else from the padding masks the forward's
+modules received (:mod:`spectral_monitor.probes.token_masks`), else from the batch's token mask given to
+``arm()``. Hooks exist only between arm and disarm; outputs are read, never modified.
 
 Blocks are found automatically (``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer``, Hugging Face
 ``GPT2Block`` and ``BertLayer``, and any ``*Block`` / ``*Layer`` module held in an ``nn.ModuleList`` named
-``layers``, ``h``, ``blocks`` or ``layer``) or named by ``fnmatch`` patterns.
+``layers``, ``h``, ``blocks``, ``block`` (T5) or ``layer``) or named by ``fnmatch`` patterns.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.probes.attention import SkippedCapture
+from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import unwrapped_named_modules, wrapped_module
 
 __all__ = ["ResidualCapture", "ResidualRecording", "ResidualSample", "find_transformer_blocks"]
 
 _BLOCK_TYPES = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 _BLOCK_CLASS_NAMES = frozenset({"GPT2Block", "BertLayer"})  # by name: transformers stays optional
-_BLOCK_LIST_NAMES = frozenset({"layers", "h", "blocks", "layer"})
+_BLOCK_LIST_NAMES = frozenset({"layers", "h", "blocks", "block", "layer"})
 _BLOCK_LIKE_CLASS_NAME = re.compile(r"(Block|Layer)$")
 # Where a block's keyword arguments say which of its tokens are padding (True or -inf = padding).
 _PADDING_MASK_ARGUMENTS = {
@@ -127,6 +130,7 @@ class ResidualCapture:
                 "(fnmatch patterns over qualified module names, e.g. ['encoder.layers.*'])"
             )
         self._handles: list[RemovableHandle] = []
+        self._token_masks: ForwardTokenMasks | None = None
         self._recording: ResidualRecording | None = None
 
     @property
@@ -136,15 +140,12 @@ class ResidualCapture:
     def arm(self, token_mask: Tensor | None = None) -> ResidualRecording:
         """Install the hooks for the next forward; returns the recording they fill.
 
-        ``token_mask``: optional (B, n) bool, True = real token, attached to blocks whose sequence length is
-        n and whose own arguments carry no padding mask.
+        ``token_mask``: optional (B, n) bool, True = real token, for blocks of n tokens of which neither their
+        own arguments nor the modules around them say which tokens are padding.
         """
         if self._recording is not None:
             raise RuntimeError("ResidualCapture is already armed; disarm() it first")
-        if token_mask is not None and (
-            not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool or token_mask.dim() != 2
-        ):
-            raise ValueError("token_mask must be a (batch, tokens) bool tensor (True = real token) or None")
+        token_masks = ForwardTokenMasks(checked_token_mask(token_mask))
         recording = ResidualRecording()
         modules = dict(unwrapped_named_modules(self.model))
         seen: set[str] = set()
@@ -154,8 +155,10 @@ class ResidualCapture:
                     SkippedCapture(name, "block no longer in the model; its series stop")
                 )
                 continue
-            hook = self._output_hook(name, token_mask, recording, seen)
+            hook = self._output_hook(name, token_masks, recording, seen)
             self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
+        token_masks.install(self.model)
+        self._token_masks = token_masks
         self._recording = recording
         return recording
 
@@ -167,6 +170,9 @@ class ResidualCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._token_masks is not None:
+            self._token_masks.remove()
+            self._token_masks = None
         order = {name: position for position, name in enumerate(self.blocks)}
         recording.states.sort(key=lambda sample: order[sample.layer])
         return recording
@@ -181,7 +187,7 @@ class ResidualCapture:
             self.disarm()
 
     def _output_hook(
-        self, name: str, token_mask: Tensor | None, recording: ResidualRecording, seen: set[str]
+        self, name: str, token_masks: ForwardTokenMasks, recording: ResidualRecording, seen: set[str]
     ) -> Callable[..., None]:
         def keep_output(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -190,7 +196,7 @@ class ResidualCapture:
                 return
             seen.add(name)
             try:
-                sample = self._sample(name, module, kwargs, output, token_mask)
+                sample = self._sample(name, module, kwargs, output, token_masks)
             except Exception as error:
                 if self.strict:
                     raise
@@ -204,7 +210,12 @@ class ResidualCapture:
         return keep_output
 
     def _sample(
-        self, name: str, module: nn.Module, kwargs: dict[str, Any], output: Any, token_mask: Tensor | None
+        self,
+        name: str,
+        module: nn.Module,
+        kwargs: dict[str, Any],
+        output: Any,
+        token_masks: ForwardTokenMasks,
     ) -> ResidualSample | str:
         """A detached copy of the block's output for the sampled sequences, or why there is none."""
         states = output if isinstance(output, Tensor) else _first_tensor(output)
@@ -213,7 +224,7 @@ class ResidualCapture:
         with torch.no_grad():
             states = _batch_first(states, module)[: self.max_sequences]
             copy = states.detach().to(torch.float32, copy=True).contiguous()
-            mask = _token_mask(module, kwargs, token_mask, copy.shape[0], copy.shape[1])
+            mask = _token_mask(module, kwargs, token_masks, copy.shape[0], copy.shape[1])
             mask = None if mask is None else mask.to(copy.device)
         return ResidualSample(name, copy, mask)
 
@@ -242,16 +253,17 @@ def _batch_first(states: Tensor, module: nn.Module) -> Tensor:
 
 
 def _token_mask(
-    module: nn.Module, kwargs: dict[str, Any], token_mask: Tensor | None, sequences: int, tokens: int
+    module: nn.Module, kwargs: dict[str, Any], token_masks: ForwardTokenMasks, sequences: int, tokens: int
 ) -> Tensor | None:
-    """True = real token, from the block's own padding-mask argument, else from the batch's token mask."""
+    """True = real token, from the block's own padding-mask argument, else from the forward's padding masks
+    or the batch's token mask."""
     mask = None
     for block_type, argument in _PADDING_MASK_ARGUMENTS.items():
         padding = kwargs.get(argument) if isinstance(module, block_type) else None
         if padding is not None and padding.dim() == 2:
             mask = ~padding if padding.dtype == torch.bool else ~torch.isneginf(padding)
-    if mask is None and token_mask is not None:
-        mask = token_mask
+    if mask is None:
+        mask = token_masks.real_tokens(tokens)
     if mask is None or mask.shape[1] != tokens:
         return None
     mask = mask[:sequences].to(torch.bool).clone()

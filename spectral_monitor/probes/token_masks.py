@@ -1,0 +1,102 @@
+"""Which tokens of a forward are real, read from the padding masks its modules receive.
+
+While a capture is armed, a pre-hook on every module reads the padding mask the module was given, by
+keyword, and keeps it while that module's forward runs:
+
+- ``attention_mask`` of shape (batch, tokens), as Hugging Face models take it: nonzero = real token. A module
+  given ``attention_mask=None`` says its tokens are all real (the decoder of an encoder-decoder model run
+  without ``decoder_attention_mask``); a 4-D ``attention_mask`` (the expanded mask attention layers get) says
+  nothing here: attendable keys come from the attention kernel's own mask;
+- ``src_key_padding_mask`` or ``tgt_key_padding_mask`` of shape (batch, tokens), as ``nn.Transformer``,
+  ``nn.TransformerEncoder`` / ``Decoder`` and their layers take them: True (or ``-inf``) = padding.
+
+An attention call, or a block output, with n query tokens takes the mask of the innermost running module
+that gave one of n tokens; where none did, the batch's token mask given to ``arm()`` (for example from
+``SpectralMonitor(token_mask=...)``) if it has n tokens; else every token is real.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from spectral_monitor.probes.wrappers import eager_named_modules
+
+__all__ = ["ForwardTokenMasks", "checked_token_mask"]
+
+_REAL_WHERE_NONZERO = ("attention_mask",)
+_PADDING_WHERE_TRUE = ("src_key_padding_mask", "tgt_key_padding_mask")
+_SAYS_NOTHING = object()
+
+
+def checked_token_mask(token_mask: object, argument: str = "token_mask") -> Tensor | None:
+    """``token_mask`` as a (batch, tokens) bool tensor, True = real token; bool or 0/1 tensors accepted."""
+    if token_mask is None:
+        return None
+    if not isinstance(token_mask, Tensor) or token_mask.dim() != 2 or token_mask.is_complex():
+        raise ValueError(
+            f"{argument} must be a (batch, tokens) tensor, True or nonzero = real token, or None; got "
+            f"{tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__}"
+        )
+    return token_mask if token_mask.dtype == torch.bool else token_mask != 0
+
+
+class ForwardTokenMasks:
+    """The real tokens said by the modules running now, and the batch's token mask as the fallback."""
+
+    def __init__(self, fallback: Tensor | None = None) -> None:
+        self.fallback = checked_token_mask(fallback)
+        self._said: list[object] = []  # one entry per running module: a mask, None (all real) or nothing said
+        self._handles: list[RemovableHandle] = []
+
+    def install(self, model: nn.Module) -> None:
+        """Hooks on every module of ``model`` (outside torch.compile graphs), until :meth:`remove`."""
+        for _, module in eager_named_modules(model):
+            self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._said.clear()
+
+    def real_tokens(self, tokens: int) -> Tensor | None:
+        """(batch, tokens) bool, True = real, for a computation over ``tokens`` tokens; None: all real."""
+        for said in reversed(self._said):
+            if said is _SAYS_NOTHING:
+                continue
+            if said is None:
+                return None
+            assert isinstance(said, Tensor)
+            if said.shape[1] == tokens:
+                return said
+        if self.fallback is not None and self.fallback.shape[1] == tokens:
+            return self.fallback
+        return None
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._said.append(_said_by(kwargs))
+
+    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._said:
+            self._said.pop()
+
+
+def _said_by(kwargs: dict[str, Any]) -> object:
+    """What a call's keyword arguments say of its tokens: a (B, n) bool mask, None (all real) or nothing."""
+    for name in _REAL_WHERE_NONZERO:
+        if name in kwargs:
+            mask = kwargs[name]
+            if mask is None:
+                return None
+            if isinstance(mask, Tensor) and mask.dim() == 2 and not mask.is_nested:
+                return mask.detach() != 0
+    padding = [kwargs[name] for name in _PADDING_WHERE_TRUE if kwargs.get(name) is not None]
+    if len(padding) == 1 and isinstance(padding[0], Tensor) and padding[0].dim() == 2:
+        mask = padding[0].detach()
+        return ~mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    return _SAYS_NOTHING

@@ -1,0 +1,261 @@
+"""Runs SpectralMonitor on a model written outside this project and checks what it logs against float64.
+
+A family (``conformance_models``) gives a monitored model, the batches of its padding cases (one per
+training step), and for a batch the attention probabilities and block outputs of an independent source
+(the eager twin's ``output_attentions``, or the kernel's inputs recomputed in float64) with the real tokens
+of the batch. The monitor runs in a real ``Trainer.fit`` with learning rate 0 (the weights stay those of the
+twin), measuring every step, and every attention and token value it logs for a layer must equal the
+reference over real queries × attendable keys (real tokens) within ``TOLERANCE``, relative to the value's
+size where it exceeds 1. Metrics the reference leaves undefined for a layer (``eigen_gap`` of causal
+attention, every metric of a layer with nothing to measure) must not be logged at all.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import Logger
+from reference_metrics import attention_reference, token_reference
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from spectral_monitor import SpectralMonitor
+from spectral_monitor.alerts import AlertEvent
+from spectral_monitor.metrics import ATTENTION_METRICS
+from spectral_monitor.probes import AttentionExtractor, register_attention_extractor
+
+TOLERANCE = 1e-5
+TOKEN_METRICS = ("cosine_similarity", "token_residual", "stable_rank", "effective_rank")
+
+
+@dataclass
+class LayerReference:
+    """One attention layer of one batch from an independent source.
+
+    ``probs`` (B, H, n, m); ``real_queries`` (B, n) and ``real_keys`` (B, m) bool; ``causal``: query i may
+    attend keys j <= i only (on top of ``real_keys``).
+    """
+
+    layer: str
+    probs: np.ndarray
+    real_queries: np.ndarray
+    real_keys: np.ndarray
+    causal: bool
+
+
+@dataclass
+class BlockReference:
+    """One block's output (B, n, d) and its real tokens (B, n)."""
+
+    block: str
+    states: np.ndarray
+    real_tokens: np.ndarray
+
+
+@dataclass
+class Family:
+    """A model family under test: its monitored model, loss, cases and independent reference."""
+
+    name: str
+    model: nn.Module
+    loss: Callable[[nn.Module, dict[str, Tensor]], Tensor]
+    cases: dict[str, dict[str, Tensor]]
+    reference: Callable[[dict[str, Tensor]], tuple[list[LayerReference], list[BlockReference]]]
+    token_mask: Callable[[Any], Tensor | None] | None = None
+    extractors: dict[type[nn.Module], AttentionExtractor] = field(default_factory=dict)
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_step: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.by_step.setdefault(int(step or 0), {}).update(metrics)
+
+
+class _Trained(pl.LightningModule):
+    def __init__(self, model: nn.Module, loss: Callable[[nn.Module, dict[str, Tensor]], Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self._loss = loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(self.model, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@dataclass
+class MonitoredRun:
+    """What the monitor logged per case, the alerts it raised, and how many steps ran."""
+
+    logged: dict[str, dict[str, float]]
+    alerts: list[AlertEvent] = field(default_factory=list)
+    steps: int = 0
+
+
+def run_monitored(family: Family) -> MonitoredRun:
+    """One ``Trainer.fit`` over the family's cases, one step each, the monitor measuring every step and
+    stopping on a ``non_finite`` alert."""
+    logger = RecordingLogger()
+    alerts: list[AlertEvent] = []
+    monitor = SpectralMonitor(
+        every_n_steps=1,
+        families=("attention", "tokens"),
+        max_sequences=max(batch_size(batch) for batch in family.cases.values()),
+        histograms=False,
+        figures_every_n_logs=0,
+        head_diversity_every_n_logs=0,
+        metric_method="exact",
+        preflight=False,
+        strict=True,
+        on_alert=alerts.append,
+        stop_on=["non_finite"],
+        **({} if family.token_mask is None else {"token_mask": family.token_mask}),
+    )
+    trainer = pl.Trainer(
+        max_epochs=1,
+        callbacks=[monitor],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    family.model.train()
+    batches = list(family.cases.values())
+    handles = [
+        register_attention_extractor(target, extractor) for target, extractor in family.extractors.items()
+    ]
+    try:
+        trainer.fit(_Trained(family.model, family.loss), DataLoader(batches, batch_size=None))
+    finally:
+        for handle in handles:
+            handle.remove()
+    logged = {name: logger.by_step.get(step, {}) for step, name in enumerate(family.cases)}
+    return MonitoredRun(logged, alerts, trainer.global_step)
+
+
+def batch_size(batch: dict[str, Tensor]) -> int:
+    return next(iter(batch.values())).shape[0]
+
+
+def expected_values(
+    layers: list[LayerReference], blocks: list[BlockReference]
+) -> tuple[dict[str, float], set[str]]:
+    """The tags the monitor must log with their reference values, and the layers and blocks they cover."""
+    expected: dict[str, float] = {}
+    for reference in layers:
+        per_head = _attention_per_head(reference)
+        for metric, values in per_head.items():
+            if np.isnan(values).all():
+                continue  # undefined for this layer: must not be logged
+            where = f"attention/{metric}/{reference.layer}"
+            expected[where] = float(np.mean(values))
+            expected[f"attention/{metric}_min/{reference.layer}"] = float(np.min(values))
+            expected[f"attention/{metric}_max/{reference.layer}"] = float(np.max(values))
+            for head, value in enumerate(values):
+                expected[f"{where}/head_{head}"] = float(value)
+    for reference in blocks:
+        per_sequence = [
+            token_reference(states, token_mask=real)
+            for states, real in zip(reference.states, reference.real_tokens, strict=True)
+            if real.any()
+        ]
+        for metric in TOKEN_METRICS:
+            values = [value[metric] for value in per_sequence if not math.isnan(value[metric])]
+            if values:
+                expected[f"tokens/{metric}/{reference.block}"] = float(np.mean(values))
+    covered = {reference.layer for reference in layers} | {reference.block for reference in blocks}
+    return expected, covered
+
+
+def _attention_per_head(reference: LayerReference) -> dict[str, np.ndarray]:
+    """Each metric per head: the mean over the sequences that have a value (NaN where none has)."""
+    probs = reference.probs
+    sequences, heads, n, m = probs.shape
+    attendable = np.broadcast_to(reference.real_keys[:, None, :], (sequences, n, m)).copy()
+    if reference.causal:
+        attendable &= np.tri(n, m, dtype=bool)
+    queries = reference.real_queries & attendable.any(axis=2)
+    keys = (attendable & queries[:, :, None]).any(axis=1)
+    values = {metric: np.full((sequences, heads), np.nan) for metric in ATTENTION_METRICS}
+    for sequence in range(sequences):
+        if not queries[sequence].any():
+            continue  # nothing to measure
+        for head in range(heads):
+            metrics = attention_reference(
+                probs[sequence, head],
+                key_mask=keys[sequence],
+                query_mask=queries[sequence],
+                causal=reference.causal,
+                attendable=attendable[sequence],
+            )
+            for metric in ATTENTION_METRICS:
+                values[metric][sequence, head] = metrics[metric]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a head no sequence measures: NaN, as wanted
+        return {metric: np.nanmean(value, axis=0) for metric, value in values.items()}
+
+
+def largest_error(
+    logged: dict[str, float], layers: list[LayerReference], blocks: list[BlockReference]
+) -> float:
+    """The largest relative difference between what was logged and the reference; asserts that every
+    expected tag was logged and nothing else for the layers and blocks covered."""
+    expected, covered = expected_values(layers, blocks)
+    ours = {
+        tag: value
+        for tag, value in logged.items()
+        if tag.split("/")[0] in ("attention", "tokens") and _layer_of(tag) in covered
+    }
+    assert set(ours) == set(expected), (
+        f"logged but not expected: {sorted(set(ours) - set(expected))[:8]}; "
+        f"expected but not logged: {sorted(set(expected) - set(ours))[:8]}"
+    )
+    errors = {tag: abs(ours[tag] - value) / max(1.0, abs(value)) for tag, value in expected.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE, f"{worst}: logged {ours[worst]}, reference {expected[worst]}"
+    assert all(math.isfinite(value) for value in ours.values())
+    return errors[worst]
+
+
+def _layer_of(tag: str) -> str:
+    where = tag.split("/", 2)[2]
+    head = where.rsplit("/", 1)
+    return head[0] if len(head) == 2 and head[1].startswith("head_") else where
+
+
+def sharpen_attention(model: nn.Module, names: tuple[str, ...], factor: float) -> None:
+    """Scales the weights of the query and key projections named (suffixes) by ``factor``, so attention is
+    far from uniform and the definitions the check compares cannot agree by accident."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(names):
+                parameter.mul_(factor)
+
+
+def as_float64(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float64).cpu().numpy()
