@@ -12,8 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytorch_lightning as pl
-
 from spectral_monitor.alerts import (
     AlertConfig,
     AlertEngine,
@@ -22,6 +20,7 @@ from spectral_monitor.alerts import (
     rules_from_config,
 )
 from spectral_monitor.distributed import any_rank
+from spectral_monitor.lightning_namespaces import pl
 from spectral_monitor.records import Measurement
 
 __all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger"]

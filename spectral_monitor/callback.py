@@ -32,13 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from matplotlib.figure import Figure
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from spectral_monitor.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
@@ -53,6 +48,13 @@ from spectral_monitor.curvature_monitor import (
     checked_options,
 )
 from spectral_monitor.distributed import full_parameters
+from spectral_monitor.lightning_namespaces import (
+    CALLBACK_BASES,
+    MisconfigurationException,
+    TensorBoardLogger,
+    pl,
+    rank_zero_warn,
+)
 from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.metrics.attention import uses_exact_path
@@ -105,13 +107,16 @@ _NO_ATTENTION_SEEN = (
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
 
 
-class SpectralMonitor(Callback):
+class SpectralMonitor(*CALLBACK_BASES):
     """Measures attention, residual-stream and weight spectra on logging steps and writes them to loggers.
 
     Add it to a Trainer with a logger; a ``TensorBoardLogger`` receives everything, any other Lightning logger
     the scalars only::
 
         trainer = pl.Trainer(callbacks=[SpectralMonitor()], logger=TensorBoardLogger("runs"))
+
+    It is a callback of ``pytorch_lightning`` and of ``lightning.pytorch``, Trainer and ``LightningCLI`` alike
+    (it derives from the ``Callback`` of each installed namespace: ``spectral_monitor.lightning_namespaces``).
 
     Written on each logging step (tags ``family/metric/layer[/head_h]``, see ``Measurement.tag``):
 
