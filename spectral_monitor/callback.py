@@ -69,6 +69,7 @@ from spectral_monitor.probes import (
     SkippedCapture,
     WeightProbe,
 )
+from spectral_monitor.probes.huggingface import attention_not_seen_advice
 from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import (
@@ -100,9 +101,8 @@ successive steps show that head change."""
 
 _EXAMPLE_NAMES = 8
 _NO_ATTENTION_SEEN = (
-    "the attention family is on, but the training forward made no attention-kernel call "
-    "(F.scaled_dot_product_attention, F.multi_head_attention_forward) the monitor could see; for attention "
-    "written by hand, register an extractor (spectral_monitor.probes.register_attention_extractor)"
+    "the attention family is on, but the training forward made no attention-kernel call the monitor could "
+    "see (F.scaled_dot_product_attention, F.multi_head_attention_forward, Hugging Face eager attention)"
 )
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
 
@@ -505,7 +505,9 @@ class SpectralMonitor(*CALLBACK_BASES):
                 progress.attention = capture.disarm()
                 self._report_skipped("attention", progress.attention.skipped)
                 if not progress.attention.captured and not progress.attention.skipped:
-                    self._reports.once("no attention", _NO_ATTENTION_SEEN)
+                    self._reports.once(
+                        "no attention", f"{_NO_ATTENTION_SEEN}; {attention_not_seen_advice(capture.model)}"
+                    )
         residual_capture = self._residual_capture
         if residual_capture is not None and residual_capture.is_armed:
             with self._reports.failures_of("disarming the residual-stream capture"):
