@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytorch_lightning as pl
-
 from spectral_monitor.alerts import (
     AlertConfig,
     AlertEngine,
@@ -24,6 +22,7 @@ from spectral_monitor.alerts import (
     rules_from_config,
 )
 from spectral_monitor.distributed import any_rank
+from spectral_monitor.lightning_namespaces import pl
 from spectral_monitor.records import Measurement
 from spectral_monitor.validation import check_callable, check_names
 

@@ -32,13 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from matplotlib.figure import Figure
-from pytorch_lightning.callbacks import Callback
-from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from spectral_monitor.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
@@ -52,6 +47,13 @@ from spectral_monitor.curvature_monitor import (
     SecondOrderProbes,
 )
 from spectral_monitor.distributed import full_parameters
+from spectral_monitor.lightning_namespaces import (
+    CALLBACK_BASES,
+    MisconfigurationException,
+    TensorBoardLogger,
+    pl,
+    rank_zero_warn,
+)
 from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.metrics.attention import uses_exact_path
@@ -66,6 +68,7 @@ from spectral_monitor.probes import (
     SkippedCapture,
     WeightProbe,
 )
+from spectral_monitor.probes.huggingface import attention_not_seen_advice
 from spectral_monitor.probes.token_masks import checked_token_mask
 from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
@@ -113,20 +116,22 @@ successive steps show that head change."""
 
 _EXAMPLE_NAMES = 8
 _NO_ATTENTION_SEEN = (
-    "the attention family is on, but the training forward made no attention-kernel call "
-    "(F.scaled_dot_product_attention, F.multi_head_attention_forward) the monitor could see; for attention "
-    "written by hand, register an extractor (spectral_monitor.probes.register_attention_extractor)"
+    "the attention family is on, but the training forward made no attention-kernel call the monitor could "
+    "see (F.scaled_dot_product_attention, F.multi_head_attention_forward, Hugging Face eager attention)"
 )
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
 
 
-class SpectralMonitor(Callback):
+class SpectralMonitor(*CALLBACK_BASES):
     """Measures attention, residual-stream and weight spectra on logging steps and writes them to loggers.
 
     Add it to a Trainer with a logger; a ``TensorBoardLogger`` receives everything, any other Lightning logger
     the scalars only::
 
         trainer = pl.Trainer(callbacks=[SpectralMonitor()], logger=TensorBoardLogger("runs"))
+
+    It is a callback of ``pytorch_lightning`` and of ``lightning.pytorch``, Trainer and ``LightningCLI`` alike
+    (it derives from the ``Callback`` of each installed namespace: ``spectral_monitor.lightning_namespaces``).
 
     Written on each logging step (tags ``family/metric/layer[/head_h]``, see ``Measurement.tag``):
 
@@ -538,7 +543,9 @@ class SpectralMonitor(Callback):
                 progress.attention = capture.disarm()
                 self._report_skipped("attention", progress.attention.skipped)
                 if not progress.attention.captured and not progress.attention.skipped:
-                    self._reports.once("no attention", _NO_ATTENTION_SEEN)
+                    self._reports.once(
+                        "no attention", f"{_NO_ATTENTION_SEEN}; {attention_not_seen_advice(capture.model)}"
+                    )
         residual_capture = self._residual_capture
         if residual_capture is not None and residual_capture.is_armed:
             with self._reports.failures_of("disarming the residual-stream capture"):

@@ -1,7 +1,7 @@
 """Capture of attention-kernel inputs on logging steps, and the attention probabilities they imply.
 
-The training forward is never changed: no ``need_weights=True``, no patched module. While a capture is
-armed, and only then, two things are installed:
+The training forward is never changed: no ``need_weights=True``, no patched ``nn.Module``. While a capture is
+armed, and only then, these are installed:
 
 - a :class:`torch.overrides.TorchFunctionMode` that sees the *outermost* attention-kernel call of every
   module, ``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` and everything built on it) or
@@ -11,6 +11,8 @@ armed, and only then, two things are installed:
   transposition and mask canonicalisation), so no layout or mask convention has to be re-derived from a
   module's public signature. One interception point serves both kernels, which a forward pre-hook on
   ``nn.MultiheadAttention`` could not: SDPA is a function, not a module.
+- for Hugging Face ``eager`` attention, which runs through no kernel, a wrapper around the modeling file's
+  attention function that reports its inputs in SDPA's terms (:mod:`spectral_monitor.probes.huggingface`);
 - forward pre/post hooks on every submodule that keep a stack of qualified module names, so each kernel
   call is attributed to the innermost module that made it (``encoder.layers.0.self_attn``), and forward
   hooks that run the user's registered extractors for attention computed by hand.
@@ -56,6 +58,7 @@ from spectral_monitor.metrics.masks import (
     causal_pattern,
     is_causal_pattern,
 )
+from spectral_monitor.probes.huggingface import observe_eager_attention
 from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
@@ -432,6 +435,7 @@ class _ArmedForward:
         self._extracted: set[str] = set()
         self._handles: list[RemovableHandle] = []
         self._mode: _KernelCallMode | None = None
+        self._stop_observing_eager: Callable[[], None] | None = None
         try:
             self._install()
         except BaseException:
@@ -463,6 +467,13 @@ class _ArmedForward:
                 )
             )
 
+        # Hugging Face eager attention runs through no kernel; its attention function reports its inputs.
+        self._stop_observing_eager = observe_eager_attention(
+            self._capture.model,
+            lambda args, kwargs: self._on_kernel_call(_SCALED_DOT_PRODUCT_ATTENTION, args, kwargs),
+            self._on_uncapturable_call,
+        )
+
     def close(self) -> AttentionRecording:
         self._remove()
         if self._capture.max_bytes is not None:
@@ -471,6 +482,9 @@ class _ArmedForward:
 
     def _remove(self) -> None:
         self._token_masks.remove()
+        if self._stop_observing_eager is not None:
+            self._stop_observing_eager()
+            self._stop_observing_eager = None
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -521,6 +535,12 @@ class _ArmedForward:
                 layer,
                 lambda: _captured(layer, _scaled_dot_product_inputs(*args, **kwargs), *self._sampling()),
             )
+
+    def _on_uncapturable_call(self, reason: str) -> None:
+        if not self._names or self._names[-1] in self._seen:
+            return
+        self._seen.add(self._names[-1])
+        self.recording.skipped.append(SkippedCapture(self._names[-1], reason))
 
     def _sampling(self) -> tuple[int, ForwardTokenMasks]:
         return self._capture.max_sequences, self._token_masks

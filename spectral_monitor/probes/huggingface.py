@@ -1,0 +1,175 @@
+"""Hugging Face attention as users have it: ``eager`` attention seen, and what to do when attention is not.
+
+A Hugging Face attention module computes its attention through a function it looks up at call time,
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)``: for
+``"sdpa"`` the registered ``sdpa_attention_forward``, which calls ``F.scaled_dot_product_attention`` (seen by
+the attention capture's kernel mode); for ``"eager"`` the default, the ``eager_attention_forward`` global of
+the module's modeling file, which computes softmax(scaling · q kᵀ + mask) with plain matrix products that no
+kernel interception can tell apart from any other.
+
+:func:`observe_eager_attention` makes that function visible for one armed forward: it replaces the
+``eager_attention_forward`` global that each attention module's ``forward`` reads with a wrapper that runs
+the original unchanged (same arguments, same result, no random numbers drawn) and then reports the call's
+inputs in ``F.scaled_dot_product_attention``'s terms: q and k after projection and rotary embedding (keys of
+grouped heads not yet repeated), the mask the model passed, the scale, ``is_causal=False`` (an eager function
+applies no causal pattern of its own: causality is in its mask). Relative position biases that the eager
+function adds to the logits (T5's ``position_bias``) are added to that mask, as ``sdpa_attention_forward``
+merges them. Eager functions that change the logits beyond that (``softcap``, attention ``sinks``) are
+reported as not capturable. Removing the observation restores every global it replaced; nothing of
+transformers is imported here.
+
+:func:`attention_not_seen_advice` names the fix when a forward made no attention call the capture could see:
+the ``attn_implementation`` to switch a Hugging Face model to, or the extractor to register for attention
+written by hand.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+from torch import Tensor, nn
+
+from spectral_monitor.probes.wrappers import unwrapped_named_modules
+
+__all__ = ["CAPTURED_IMPLEMENTATIONS", "attention_not_seen_advice", "observe_eager_attention"]
+
+CAPTURED_IMPLEMENTATIONS = ("eager", "sdpa")
+"""Hugging Face ``attn_implementation`` values whose attention the capture sees."""
+
+_EAGER_FUNCTION_NAME = "eager_attention_forward"
+_LOGIT_CHANGING_ARGUMENTS = ("softcap", "sinks", "s_aux")
+
+ScaledDotProductCall = Callable[[tuple[Any, ...], dict[str, Any]], None]
+"""Receives one attention computation as the positional and keyword arguments of an equivalent
+``F.scaled_dot_product_attention`` call."""
+
+
+def observe_eager_attention(
+    model: nn.Module, on_call: ScaledDotProductCall, on_uncapturable: Callable[[str], None]
+) -> Callable[[], None]:
+    """Reports every eager attention call of ``model``'s Hugging Face attention modules until the returned
+    function is called.
+
+    ``on_call(args, kwargs)`` runs after the eager function returned, inside the attention module's forward;
+    ``on_uncapturable(reason)`` instead, for an eager function whose logits are not q·k plus a mask.
+    Only calls whose module belongs to ``model`` are reported.
+    """
+    own_modules = {id(module) for module in model.modules()}
+    replaced: dict[int, tuple[dict[str, Any], Callable[..., Any], Callable[..., Any]]] = {}
+    active = True
+
+    def observed(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = _signature(original)
+
+        def eager_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            output = original(module, *args, **kwargs)
+            if active and id(module) in own_modules:
+                call = signature.bind(module, *args, **kwargs)
+                call.apply_defaults()
+                _report(call.arguments, on_call, on_uncapturable)
+            return output
+
+        eager_attention_forward.__wrapped__ = original  # type: ignore[attr-defined]
+        return eager_attention_forward
+
+    for _, module in unwrapped_named_modules(model):
+        namespace = _eager_function_namespace(type(module))
+        if namespace is None or id(namespace) in replaced:
+            continue
+        original = namespace[_EAGER_FUNCTION_NAME]
+        wrapper = observed(original)
+        replaced[id(namespace)] = (namespace, original, wrapper)
+        namespace[_EAGER_FUNCTION_NAME] = wrapper
+
+    def stop() -> None:
+        nonlocal active
+        active = False  # a wrapper that another observer wrapped in turn stays in place, inert
+        for namespace, original, wrapper in replaced.values():
+            if namespace.get(_EAGER_FUNCTION_NAME) is wrapper:
+                namespace[_EAGER_FUNCTION_NAME] = original
+        replaced.clear()
+
+    return stop
+
+
+def attention_not_seen_advice(model: nn.Module) -> str:
+    """How to make ``model``'s attention visible to the capture, as concretely as the model allows."""
+    modules = [module for _, module in unwrapped_named_modules(model)]
+    implementations = sorted(
+        {
+            implementation
+            for module in modules
+            if isinstance(
+                implementation := getattr(getattr(module, "config", None), "_attn_implementation", None), str
+            )
+        }
+    )
+    uncaptured = [name for name in implementations if name not in CAPTURED_IMPLEMENTATIONS]
+    if uncaptured:
+        return (
+            f"its Hugging Face attention runs attn_implementation={uncaptured[0]!r}, which the monitor "
+            'cannot see; load the model with from_pretrained(..., attn_implementation="sdpa") or switch '
+            'it with model.set_attn_implementation("sdpa") ("eager" is seen too)'
+        )
+    candidates = sorted({type(module).__name__ for module in modules if _looks_like_attention(module)})
+    target = candidates[0] if candidates else "MyAttention"
+    extractor = (
+        "register an extractor that returns its q, k, mask and scale: "
+        f"spectral_monitor.probes.register_attention_extractor({target}, extractor)"
+    )
+    if implementations:
+        return (
+            f"its Hugging Face attention modules ({', '.join(candidates) or 'none found'}) did not call the "
+            f"attention function of attn_implementation={implementations[0]!r} (GPT-2 with "
+            'reorder_and_upcast_attn=True computes its own); try model.set_attn_implementation("sdpa"), or '
+            + extractor
+        )
+    found = f" (modules that look like attention: {', '.join(candidates)})" if candidates else ""
+    return f"for attention written by hand, {extractor}{found}"
+
+
+def _report(
+    arguments: dict[str, Any], on_call: ScaledDotProductCall, on_uncapturable: Callable[[str], None]
+) -> None:
+    extra = arguments.get("kwargs", {})
+    changing = [
+        name for name in _LOGIT_CHANGING_ARGUMENTS if arguments.get(name, extra.get(name)) is not None
+    ]
+    if changing:
+        on_uncapturable(
+            f"eager attention with {', '.join(changing)} changes the logits beyond q·k plus a mask; "
+            "not captured"
+        )
+        return
+    query, key, value = arguments["query"], arguments["key"], arguments["value"]
+    mask: Tensor | None = arguments.get("attention_mask")
+    if mask is not None and mask.shape[-1] > key.shape[-2]:
+        mask = mask[..., : key.shape[-2]]  # as the eager functions do with a mask longer than the keys
+    position_bias = arguments.get("position_bias", extra.get("position_bias"))
+    if position_bias is not None:
+        mask = position_bias if mask is None else position_bias + mask
+    on_call((query, key, value), {"attn_mask": mask, "is_causal": False, "scale": arguments.get("scaling")})
+
+
+@cache
+def _eager_function_namespace(module_type: type) -> dict[str, Any] | None:
+    """The globals in which ``module_type.forward`` looks up ``eager_attention_forward``, if it does."""
+    forward = inspect.unwrap(getattr(module_type, "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    if code is None or _EAGER_FUNCTION_NAME not in code.co_names:
+        return None
+    namespace = forward.__globals__
+    return namespace if callable(namespace.get(_EAGER_FUNCTION_NAME)) else None
+
+
+@cache
+def _signature(function: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _looks_like_attention(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return ("attention" in name or "attn" in name) and not isinstance(module, nn.MultiheadAttention)
