@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from spectral_monitor.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
 from spectral_monitor.alerts import AlertConfig, AlertEvent
+from spectral_monitor.catalog import CATALOG, histogram_metrics, layer_head_heatmap_metrics
 from spectral_monitor.curvature_monitor import (
     OPT_IN_FAMILIES,
     CurvatureOptions,
@@ -105,10 +106,24 @@ ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
 MIN_MEMORY_BUDGET_MB = 1.0
 """The smallest ``memory_budget_mb``: the blockwise attention path works in blocks of at least 1 MiB."""
 
-HISTOGRAM_METRICS = ("entropy", "spectral_gap", "rank_one_residual", "effective_rank_ratio")
-"""The attention metrics whose per-head spread is also written as a histogram: one per diagnosis. Every
-metric's per-head values are scalars anyway; a histogram of each cost more than the rest of a logging step
-on the demo model (writing a TensorBoard histogram takes ~0.7 ms)."""
+HISTOGRAM_METRICS = histogram_metrics("attention")
+"""The attention metrics whose per-head values are also written as a histogram (``<metric>_per_head``), as
+the catalogue says: the diagnostic ones. A histogram of each metric cost more than the rest of a logging
+step on the demo model (writing a TensorBoard histogram takes ~0.7 ms)."""
+
+HEATMAP_METRICS = layer_head_heatmap_metrics()
+"""The attention metrics drawn as a layer × head image (``attention/figures/<metric>``) on figure steps."""
+
+_HEAD_AGGREGATES = {info.name: info.head_aggregates for info in CATALOG if info.family == "attention"}
+"""Per attention metric, the aggregates over heads written per layer (``<metric>_min``/``_max``) besides
+the mean: only where the catalogue says the spread over heads diagnoses something."""
+
+_HEATMAP_TITLES = {
+    "entropy": "entropy / log n",
+    "rank_one_residual": "rank-one residual",
+    "effective_rank_ratio": "effective rank / n",
+}
+"""Titles of the layer × head images, by metric (``HEATMAP_METRICS``; every one ranges over [0, 1])."""
 
 _FIGURE_HEAD = 0
 """The head drawn in figures, in the first sampled sequence: always the same one, so the images of
@@ -136,14 +151,16 @@ class SpectralMonitor(*CALLBACK_BASES):
     Written on each logging step (tags ``family/metric/layer[/head_h]``, see ``Measurement.tag``):
 
     - ``attention/<metric>/<layer>``: each metric of ``spectral_monitor.metrics.attention_metrics``, the mean
-      over heads, with ``<metric>_min`` and ``<metric>_max`` over heads, and per head when ``per_head``;
-      histograms of the per-head values of the metrics in ``HISTOGRAM_METRICS``;
+      over heads; ``<metric>_min`` and ``<metric>_max`` over heads for the metrics whose spread diagnoses
+      something (``spectral_monitor.catalog``: entropy, rank-one residual, effective rank / n, spectral gap;
+      ``sigma1_max``, ``eigen_gap_min``), and per head only when ``per_head``; histograms of the per-head
+      values of the metrics in ``HISTOGRAM_METRICS``;
     - ``tokens/<metric>/<block>``: ``token_metrics`` of each transformer block's output;
     - ``weights/<metric>/<weight>``: what :class:`~spectral_monitor.probes.weights.WeightProbe` measures
       (spectral norm, stable rank, per-head ‖W_Q^hᵀ W_K^h‖₂, ...), with histograms of per-head values;
     - every ``figures_every_n_logs``-th logging step, histograms of every weight's singular values and
       figures: the singular values of the drawn head of each layer, the attention of that head in the first
-      and last layer, and a layer × head map of ``effective_rank_ratio``;
+      and last layer, and a layer × head map of each metric in ``HEATMAP_METRICS``;
     - a Custom Scalars layout grouped by diagnosis (rank collapse, entropy, token collapse, signal
       propagation, curvature, weights, alerts), one chart per metric with one line per layer;
     - alerts (:mod:`spectral_monitor.alerts`): each rule is evaluated on every logging step's records; an
@@ -172,7 +189,9 @@ class SpectralMonitor(*CALLBACK_BASES):
             least ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, is measured from q and k in blocks within what is
             left of it (``attention_metrics_from_qk``), and left out of the figures and head diversity.
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
-            each head's rows of W_Q, W_K, W_V (histograms show the attention heads either way).
+            each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
+            12-head model writes 24 attention scalars per layer rather than 167; the alert rules read
+            every head either way, and the attention histograms and layer × head images show them.
         histograms: write histograms of per-head values and of weight singular values.
         figures_every_n_logs: on every k-th logging step, starting with the first, draw the figures and write
             histograms of each weight's singular values (a full SVD of every weight); 0: never. The default,
@@ -232,7 +251,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         exclude: Sequence[str] | None = None,
         max_sequences: int = 2,
         memory_budget_mb: float = 256.0,
-        per_head: bool = True,
+        per_head: bool = False,
         histograms: bool = True,
         figures_every_n_logs: int = 10,
         metric_method: str = "auto",
@@ -515,7 +534,8 @@ class SpectralMonitor(*CALLBACK_BASES):
     def _evaluate_alerts(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
         alerts = AlertStep()
         with self._reports.failures_of("evaluating the alerts"):
-            alerts = self._alerting.evaluate(progress.step, progress.measurements, trainer.is_global_zero)
+            records = [*progress.measurements, *progress.read_only]
+            alerts = self._alerting.evaluate(progress.step, records, trainer.is_global_zero)
         # Outside the failure guard: every rank must enter the collective.
         self._alerting.stop_if_asked(trainer, progress.step, alerts.stop)
         progress.measurements += alerts.records
@@ -575,9 +595,14 @@ class SpectralMonitor(*CALLBACK_BASES):
             progress.step, layers, budget - recording.nbytes(budget)
         )
         for (captured, sample), per_head in zip(layers, per_head_of_layers, strict=True):
-            progress.measurements += _layer_measurements(
-                progress.step, "attention", captured.layer, per_head, self.per_head
+            layer_records, head_records = _layer_measurements(
+                progress.step, "attention", captured.layer, per_head
             )
+            progress.measurements += layer_records
+            if self.per_head:
+                progress.measurements += head_records
+            else:
+                progress.read_only += head_records
             if write_histograms:
                 # "_per_head": a histogram tag equal to a scalar tag hides the scalar in TensorBoard's
                 # default (fast) loader, which keeps one data class per tag.
@@ -591,9 +616,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             if sample is None:
                 continue
             diversity_samples.append(sample)
-            drawn = (
-                _DrawnHead.of(sample, per_head.get("effective_rank_ratio")) if progress.draw_figures else None
-            )
+            drawn = _DrawnHead.of(sample, per_head) if progress.draw_figures else None
             if drawn is not None:
                 drawn_heads.append(drawn)
         if drawn_heads:
@@ -842,6 +865,7 @@ class _LoggingStep:
     attention: AttentionRecording | None = None
     residual: ResidualRecording | None = None
     measurements: list[Measurement] = field(default_factory=list)
+    read_only: list[Measurement] = field(default_factory=list)  # judged by the alerts, not written
     distributions: list[Distribution] = field(default_factory=list)
     figures: list[tuple[str, Callable[[], Figure | np.ndarray]]] = field(default_factory=list)
     texts: list[tuple[str, str]] = field(default_factory=list)  # (tag, markdown)
@@ -856,10 +880,10 @@ class _DrawnHead:
     attention: np.ndarray  # (real queries, keys) of head _FIGURE_HEAD in the first sequence
     key_padding: np.ndarray | None  # (keys,) True = no query may attend the key
     singular_values: np.ndarray  # of the attention restricted to real queries and attendable keys
-    effective_rank_ratio: np.ndarray | None  # (heads,)
+    head_values: dict[str, np.ndarray]  # (heads,) of each HEATMAP_METRICS member the layer has
 
     @classmethod
-    def of(cls, sample: AttentionSample, effective_rank_ratio: Tensor | None) -> _DrawnHead | None:
+    def of(cls, sample: AttentionSample, per_head: dict[str, Tensor]) -> _DrawnHead | None:
         """The drawn head of ``sample``; None when it cannot be drawn: a first sequence with no real query
         or no attendable key (all padding), or attention holding NaN or inf (written as such by the
         metrics)."""
@@ -878,7 +902,9 @@ class _DrawnHead:
             attention=attention.to("cpu", torch.float64).numpy(),
             key_padding=key_padding,
             singular_values=torch.linalg.svdvals(attendable.double()).cpu().numpy(),
-            effective_rank_ratio=None if effective_rank_ratio is None else effective_rank_ratio.numpy(),
+            head_values={
+                metric: per_head[metric].numpy() for metric in HEATMAP_METRICS if metric in per_head
+            },
         )
 
 
@@ -892,7 +918,7 @@ class _AttentionImages:
         # figure (a new heatmap figure costs ~120 ms, a redraw ~30 ms), and padded batches whose shapes
         # change from step to step cannot pile figures up.
         self.heatmaps: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        self.effective_rank = LayerHeadHeatmapImages()
+        self.layer_head = {metric: LayerHeadHeatmapImages() for metric in HEATMAP_METRICS}
 
     def drawn(self, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
         """(tag, draw) of each attention image; drawing is deferred to the sinks that keep figures."""
@@ -921,20 +947,24 @@ class _AttentionImages:
                     ),
                 )
             )
-        ratios = [head for head in heads if head.effective_rank_ratio is not None]
-        if ratios:
-            grid = np.full((len(ratios), max(head.effective_rank_ratio.size for head in ratios)), np.nan)
-            for row, head in enumerate(ratios):
-                grid[row, : head.effective_rank_ratio.size] = head.effective_rank_ratio
+        for metric, kept_figure in self.layer_head.items():
+            measured = [head for head in heads if metric in head.head_values]
+            if not measured:
+                continue
+            grid = np.full((len(measured), max(head.head_values[metric].size for head in measured)), np.nan)
+            for row, head in enumerate(measured):
+                grid[row, : head.head_values[metric].size] = head.head_values[metric]
             images.append(
                 (
-                    "attention/figures/effective_rank_ratio",
-                    lambda: self.effective_rank.image(
-                        grid,
-                        [head.layer for head in ratios],
-                        "effective rank / n",
-                        vmin=0.0,
-                        vmax=1.0,
+                    f"attention/figures/{metric}",
+                    lambda grid=grid, measured=measured, metric=metric, kept_figure=kept_figure: (
+                        kept_figure.image(
+                            grid,
+                            [head.layer for head in measured],
+                            _HEATMAP_TITLES.get(metric, metric),
+                            vmin=0.0,
+                            vmax=1.0,
+                        )
                     ),
                 )
             )
@@ -970,22 +1000,21 @@ def _concatenated_patterns(patterns: list[Tensor | None], heads: int) -> Tensor 
 
 
 def _layer_measurements(
-    step: int, family: str, layer: str, per_head: dict[str, Tensor], with_heads: bool
-) -> list[Measurement]:
-    """The head mean, min and max of each metric of a layer, and each head's value if ``with_heads``."""
-    records = []
+    step: int, family: str, layer: str, per_head: dict[str, Tensor]
+) -> tuple[list[Measurement], list[Measurement]]:
+    """A layer's records: the head mean of each metric with the aggregates of ``_HEAD_AGGREGATES``; and
+    each head's value."""
+    layer_records, head_records = [], []
     for metric, values in per_head.items():
-        records += [
-            Measurement(step, family, metric, layer, float(values.mean())),
-            Measurement(step, family, f"{metric}_min", layer, float(values.amin())),
-            Measurement(step, family, f"{metric}_max", layer, float(values.amax())),
+        layer_records.append(Measurement(step, family, metric, layer, float(values.mean())))
+        for aggregate in _HEAD_AGGREGATES.get(metric, ()):
+            value = values.amin() if aggregate == "min" else values.amax()
+            layer_records.append(Measurement(step, family, f"{metric}_{aggregate}", layer, float(value)))
+        head_records += [
+            Measurement(step, family, metric, layer, value, head=head)
+            for head, value in enumerate(values.tolist())
         ]
-        if with_heads:
-            records += [
-                Measurement(step, family, metric, layer, value, head=head)
-                for head, value in enumerate(values.tolist())
-            ]
-    return records
+    return layer_records, head_records
 
 
 class _Reports:

@@ -6,6 +6,7 @@
 TensorBoard under ``./runs`` and prints the command that opens the result. ``spectral-monitor sweep``
 measures the demo model's (or a checkpoint's) attention and token metrics against sequence length. Each
 subcommand is one ``_add_<name>_command`` function that declares its arguments and the function that runs it.
+Torch and Lightning are imported by the commands that train or run a model, so ``report`` starts without them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from pytorch_lightning.cli import LightningCLI
-
-from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 
 __all__ = ["main", "shipped_configs"]
 
@@ -117,6 +115,10 @@ def _run_report(arguments: argparse.Namespace) -> int:
 
 
 def _run_demo(arguments: argparse.Namespace) -> int:
+    from pytorch_lightning.cli import LightningCLI
+
+    from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
+
     config = arguments.config
     logger = {
         "class_path": "pytorch_lightning.loggers.TensorBoardLogger",
@@ -196,6 +198,7 @@ def _add_sweep_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_sweep(arguments: argparse.Namespace) -> int:
+    from spectral_monitor.demo import DemoTransformer
     from spectral_monitor.toolbox.sweep import rank_collapse_sweep, sweep_figure
 
     if min(arguments.lengths) < 2:

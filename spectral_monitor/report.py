@@ -1,9 +1,11 @@
 """``spectral-monitor report``: a summary of a finished run read from its TensorBoard event files alone.
 
-No training code is imported: the scalars the monitor wrote (``family/metric/layer[/head_h]``) and its alert
-counters and tables are read back with TensorBoard's ``EventAccumulator``. Per run: a per-layer table of the
-key metrics (latest, min, trend), the alerts with their steps, PNG plots (each metric by layer over steps;
-a layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
+Neither torch nor Lightning nor any training code is imported: the scalars the monitor wrote
+(``family/metric/layer[/head_h]``) and its alert counters and tables are read back with TensorBoard's
+``EventAccumulator``, and judged against :mod:`spectral_monitor.catalog`. Per run: a verdict per diagnosis
+(healthy / watch / collapsed, with the layer and the reading that decided it), a per-layer table of the key
+metrics (latest, min, trend), the alerts with their steps, PNG plots (each metric by layer over steps; a
+layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
 """
 
 from __future__ import annotations
@@ -20,25 +22,32 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from tensorboard.backend.event_processing import event_accumulator
 
-__all__ = ["KEY_METRICS", "ReportError", "RunScalars", "TableRow", "find_runs", "layer_table", "write_report"]
+from spectral_monitor.catalog import CATALOG, DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
 
-KEY_METRICS = (
-    "attention/entropy",
-    "attention/effective_rank_ratio",
-    "attention/rank_one_residual",
-    "attention/spectral_gap",
-    "tokens/cosine_similarity",
-    "tokens/token_residual",
-    "weights/spectral_norm",
-    "jacobian/jacobian_norm",
-    "jacobian/end_to_end_norm",
-    "curvature/sharpness",
-    "curvature/sharpness_ratio",
-)
-"""The metrics of the per-layer table, where the run logged them."""
+__all__ = [
+    "KEY_METRICS",
+    "VERDICTS",
+    "ReportError",
+    "RunScalars",
+    "TableRow",
+    "Verdict",
+    "find_runs",
+    "layer_table",
+    "verdicts",
+    "write_report",
+]
+
+KEY_METRICS = tuple(info.full_name for info in CATALOG if info.key)
+"""The metrics of the per-layer table (the catalogue's key metrics), where the run logged them."""
 HEATMAP_METRIC = "attention/effective_rank_ratio"
 ALERT_TEXT_TAG = "alerts/table/text_summary"
-MONITOR_FAMILIES = ("attention", "tokens", "weights", "jacobian", "curvature", "ntk", "alerts")
+MONITOR_FAMILIES = tuple(dict.fromkeys(info.family for info in CATALOG))
+VERDICTS = ("healthy", "watch", "collapsed")
+"""From best to worst: the latest reading is on the healthy side of the clear level, between the clear
+level and the threshold, or past the threshold (where the alert rule fires once it lasts)."""
+NOT_MEASURED = "not measured"
+MEDIAN_WINDOW = 8
+"""Values in the running median of a ``median`` threshold, as the alert engine keeps them."""
 
 _PER_HEAD = re.compile(r"/head_\d+$")
 _AGGREGATE = re.compile(r"_(min|max)$")
@@ -92,6 +101,29 @@ class RunScalars:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """The verdict of one diagnosis on a run: ``verdict`` (one of :data:`VERDICTS`, or ``"not measured"``),
+    the ``layer`` that decided it (the worst one; among equals the nearest its threshold) and the
+    ``reading`` that decided it there, with its levels, at ``step``."""
+
+    diagnosis: Diagnosis
+    verdict: str
+    layer: str = ""
+    reading: str = ""
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """One condition judged on one layer's latest reading."""
+
+    state: int  # index in VERDICTS
+    margin: float  # how far from the threshold, relative to it: smaller = nearer firing
+    text: str
+    step: int
+
+
+@dataclass(frozen=True)
 class TableRow:
     layer: str
     metric: str
@@ -135,7 +167,15 @@ def layer_table(run: RunScalars) -> list[TableRow]:
                     latest_step=int(steps[-1]),
                 )
             )
-    return sorted(rows, key=lambda row: (row.layer, KEY_METRICS.index(row.metric)))
+    return sorted(rows, key=lambda row: (_natural_order(row.layer), KEY_METRICS.index(row.metric)))
+
+
+def verdicts(run: RunScalars) -> list[Verdict]:
+    """A verdict per diagnosis of :data:`~spectral_monitor.catalog.DIAGNOSES`, from each layer's latest
+    readings against the catalogue's thresholds (the worst head of attention: ``_max`` for a ``<=``
+    threshold, ``_min`` for ``>=``, where written; relative thresholds against the run's own first value,
+    running median or first layer)."""
+    return [_verdict(run, entry) for entry in DIAGNOSES]
 
 
 def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
@@ -153,14 +193,17 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
         name = path.relative_to(logdir).as_posix() if path != logdir else "."
         folder = out / name if name != "." else out
         folder.mkdir(parents=True, exist_ok=True)
+        judged = verdicts(run)
         rows = layer_table(run)
         alerts = run.alert_steps()
         print(f"\n== {path}")
+        print(_text_verdicts(judged))
+        print()
         print(_text_table(rows))
         print(_text_alerts(alerts))
         plots = _write_plots(run, folder)
         markdown = folder / "report.md"
-        markdown.write_text(_markdown(path, rows, alerts, run.alert_tables, plots, folder))
+        markdown.write_text(_markdown(path, judged, rows, alerts, run.alert_tables, plots, folder))
         print(f"report: {markdown} ({len(plots)} plots)")
         written.append(markdown)
     if not written:
@@ -168,15 +211,131 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
     return written
 
 
+def _verdict(run: RunScalars, entry: Diagnosis) -> Verdict:
+    _, reads = diagnosis(entry.rule)
+    by_layer: dict[str, list[_Judged | None]] = {}
+    for index, (info, threshold) in enumerate(reads):
+        for layer, judged in _judged_layers(run, info, threshold).items():
+            by_layer.setdefault(layer, [None] * len(reads))[index] = judged
+    decided = []
+    for layer, judged in by_layer.items():
+        present = [j for j in judged if j is not None]
+        if entry.combine == "all":
+            if len(present) < len(judged):
+                continue  # every condition must hold: a layer missing one (causal eigen_gap) is not judged
+            deciding = min(present, key=lambda j: (j.state, -j.margin))
+        else:
+            deciding = max(present, key=lambda j: (j.state, -j.margin))
+        decided.append((layer, deciding))
+    if not decided:
+        return Verdict(entry, NOT_MEASURED)
+    layer, worst = max(decided, key=lambda item: (item[1].state, -item[1].margin, item[0]))
+    if worst.margin == math.inf:  # nothing to come near: every reading of a non-finite check is finite
+        return Verdict(
+            entry, VERDICTS[worst.state], "", f"every reading finite ({len(decided)} layers)", worst.step
+        )
+    return Verdict(entry, VERDICTS[worst.state], layer, worst.text, worst.step)
+
+
+def _judged_layers(run: RunScalars, info: MetricInfo, threshold: AlertThreshold) -> dict[str, _Judged]:
+    """Each layer's latest reading of ``info`` judged against ``threshold``."""
+    name = info.full_name
+    aggregate = {">=": "min", "<=": "max"}.get(threshold.op)
+    if (
+        threshold.relative_to == "value"
+        and aggregate in info.head_aggregates
+        and f"{name}_{aggregate}" in run.series
+    ):
+        name = f"{name}_{aggregate}"
+    by_layer = run.series.get(name, {})
+    judged = {}
+    for layer, (steps, values) in by_layer.items():
+        if threshold.op == "nonfinite":
+            broken = not math.isfinite(values[-1])
+            text = f"{name} {_fmt(values[-1])}"
+            judged[layer] = _Judged(2 if broken else 0, 0.0 if broken else math.inf, text, int(steps[-1]))
+            continue
+        value = _relative_value(threshold, by_layer, layer)
+        if value is None or not math.isfinite(value):
+            continue
+        judged[layer] = _judge(name, value, threshold, int(steps[-1]))
+    return judged
+
+
+def _relative_value(
+    threshold: AlertThreshold, by_layer: dict[str, tuple[np.ndarray, np.ndarray]], layer: str
+) -> float | None:
+    """The latest value of ``layer`` as ``threshold`` compares it, ``None`` where it has no baseline."""
+    steps, values = by_layer[layer]
+    latest = float(values[-1])
+    finite = values[np.isfinite(values)]
+    if threshold.relative_to == "first":
+        return latest / float(finite[0]) if finite.size and finite[0] != 0 else None
+    if threshold.relative_to == "median":
+        previous = values[:-1][np.isfinite(values[:-1])][-MEDIAN_WINDOW:]
+        median = float(np.median(previous)) if previous.size else 0.0
+        return latest / median if median != 0 else None
+    if threshold.relative_to == "depth":
+        first_layer = min(by_layer, key=_natural_order)
+        first_steps, first_values = by_layer[first_layer]
+        at_step = first_values[first_steps == steps[-1]]
+        return latest - float(at_step[-1]) if at_step.size else None
+    return latest
+
+
+def _judge(name: str, value: float, threshold: AlertThreshold, step: int) -> _Judged:
+    level, clear = (
+        threshold.threshold,
+        threshold.clear if threshold.clear is not None else threshold.threshold,
+    )
+    holds = (lambda v, t: v >= t) if threshold.op == ">=" else (lambda v, t: v <= t)
+    state = 2 if holds(value, level) else 1 if holds(value, clear) else 0
+    margin = (value - level if threshold.op == "<=" else level - value) / max(abs(level), 1e-12)
+    unit = {"value": "", "first": " × first", "median": " × running median", "depth": " − first layer"}
+    text = (
+        f"{name}{unit[threshold.relative_to]} {_fmt(value)} "
+        f"(collapsed {threshold.op} {level:g}, watch {threshold.op} {clear:g})"
+    )
+    return _Judged(state, margin, text, step)
+
+
+def _natural_order(layer: str) -> tuple[tuple[int, int | str], ...]:
+    """``blocks.2`` before ``blocks.10``: digits compare as numbers."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", layer) if part
+    )
+
+
+def _text_verdicts(judged: Sequence[Verdict]) -> str:
+    rows = [
+        (entry.diagnosis.title, entry.verdict, entry.layer or "-", entry.reading or "-") for entry in judged
+    ]
+    return "verdicts (latest readings against the catalogue's thresholds):\n" + _aligned(
+        ("diagnosis", "verdict", "layer", "reading"), rows, right=()
+    )
+
+
 def _text_table(rows: Sequence[TableRow]) -> str:
-    header = f"{'layer':<28} {'metric':<32} {'latest':>10} {'min':>10} {'trend':>10}  step"
-    lines = [header, "-" * len(header)]
-    lines += [
-        f"{row.layer:<28} {row.metric:<32} {_fmt(row.latest):>10} {_fmt(row.minimum):>10} "
-        f"{_signed(row.trend):>10}  {row.latest_step}"
+    cells = [
+        (row.layer, row.metric, _fmt(row.latest), _fmt(row.minimum), _signed(row.trend), str(row.latest_step))
         for row in rows
     ]
-    return "\n".join(lines)
+    return _aligned(("layer", "metric", "latest", "min", "trend", "step"), cells, right=(2, 3, 4))
+
+
+def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int]) -> str:
+    """A text table whose columns are as wide as their longest cell (long layer names included)."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [
+            cell.rjust(width) if index in right else cell.ljust(width)
+            for index, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(padded).rstrip()
+
+    title = line(header)
+    return "\n".join([title, "-" * len(title), *(line(row) for row in rows)])
 
 
 def _text_alerts(alerts: dict[str, list[tuple[int, int]]]) -> str:
@@ -195,13 +354,21 @@ def _text_alerts(alerts: dict[str, list[tuple[int, int]]]) -> str:
 
 def _markdown(
     path: Path,
+    judged: Sequence[Verdict],
     rows: Sequence[TableRow],
     alerts: dict[str, list[tuple[int, int]]],
     alert_tables: list[tuple[int, str]],
     plots: list[Path],
     folder: Path,
 ) -> str:
-    lines = [f"# spectral-monitor report: `{path}`", "", "## Per-layer summary", ""]
+    lines = [f"# spectral-monitor report: `{path}`", "", "## Verdicts", ""]
+    lines += ["| diagnosis | verdict | layer | reading | step |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {entry.diagnosis.title} | {entry.verdict} | {entry.layer} | {entry.reading} | "
+        f"{'' if entry.step is None else entry.step} |"
+        for entry in judged
+    ]
+    lines += ["", "## Per-layer summary", ""]
     lines += [
         "| layer | metric | latest | min | trend (latest − first) | step |",
         "|---|---|---|---|---|---|",
@@ -239,10 +406,13 @@ def _write_plots(run: RunScalars, folder: Path) -> list[Path]:
 
 
 def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
-    figure = Figure(figsize=(6.4, 3.6), dpi=_DPI, layout="constrained")
+    # Fixed margins rather than a layout engine: solving the constrained layout was half of each plot's time.
+    figure = Figure(figsize=(6.4, 3.6), dpi=_DPI)
+    figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
     axes = figure.subplots()
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
-    for (layer, (steps, values)), color in zip(sorted(by_layer.items()), colors, strict=True):
+    layers = sorted(by_layer.items(), key=lambda item: _natural_order(item[0]))
+    for (layer, (steps, values)), color in zip(layers, colors, strict=True):
         axes.plot(steps, values, marker=".", color=color, label=layer)
     axes.set_xlabel("step")
     axes.set_title(metric)

@@ -28,7 +28,14 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.callback import SpectralMonitor, _AttentionImages, _DrawnHead
+from spectral_monitor.callback import (
+    HEATMAP_METRICS,
+    HISTOGRAM_METRICS,
+    SpectralMonitor,
+    _AttentionImages,
+    _DrawnHead,
+)
+from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe
@@ -148,7 +155,7 @@ def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers()
     def head(layer: str, queries: int) -> _DrawnHead:
         attention = rng.random((queries, 8))
         attention /= attention.sum(axis=1, keepdims=True)
-        return _DrawnHead(layer, attention, None, np.linalg.svd(attention, compute_uv=False), None)
+        return _DrawnHead(layer, attention, None, np.linalg.svd(attention, compute_uv=False), {})
 
     images = _AttentionImages()
     for step, last_queries in ((0, 8), (10, 8), (20, 6), (30, 8)):
@@ -213,11 +220,12 @@ class Run:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """6 steps, the monitor every 2 steps (and at step 0), figures every second logging step."""
+    """6 steps, the monitor every 2 steps (and at step 0) with per-head scalars, figures every second logging
+    step."""
     torch.manual_seed(0)
     model = TinyEncoder()
     initial = copy.deepcopy(model)
-    monitor = SpectralMonitor(every_n_steps=2, figures_every_n_logs=2)
+    monitor = SpectralMonitor(every_n_steps=2, figures_every_n_logs=2, per_head=True)
     logger = tensorboard_logger(tmp_path_factory.mktemp("tiny_run"))
     fit(model, [monitor], logger, max_steps=6, log_every_n_steps=2)
     return Run(read_back(logger.log_dir), initial, monitor)
@@ -235,7 +243,9 @@ def test_every_family_lands_on_exactly_the_steps_of_self_log(tiny_run: Run) -> N
         for metric in ("entropy", "spectral_gap", "eigen_gap", "effective_rank_ratio", "dobrushin"):
             tag = f"attention/{metric}/{layer}"
             heads = [f"{tag}/head_{head}" for head in range(HEADS)]
-            spread = [f"attention/{metric}_min/{layer}", f"attention/{metric}_max/{layer}"]
+            spread = [
+                f"attention/{metric}_{a}/{layer}" for a in metric_info("attention", metric).head_aggregates
+            ]
             for written in (tag, *spread, *heads):
                 assert scalar_steps(events, written) == TINY_RUN_LOGGING_STEPS, written
                 assert all(math.isfinite(event.value) for event in events.Scalars(written)), written
@@ -303,6 +313,8 @@ def test_figures_are_drawn_on_every_second_logging_step(tiny_run: Run) -> None:
     images = set(tiny_run.events.Tags()["images"])
     assert images == {
         "attention/figures/spectrum",
+        "attention/figures/entropy",
+        "attention/figures/rank_one_residual",
         "attention/figures/effective_rank_ratio",
         *(f"attention/figures/heatmap/{layer}" for layer in LAYERS),
     }
@@ -556,3 +568,39 @@ def test_a_resumed_run_keeps_the_cadence_and_the_warm_weight_vectors(
     assert scalar_steps(events, f"attention/entropy/{LAYERS[0]}") == [5, 7]
     # Logging steps 4 and 5 of the run: figures (every second one, from the first) on the fifth only.
     assert [event.step for event in events.Images("attention/figures/spectrum")] == [7]
+
+
+@pytest.mark.slow
+def test_a_default_monitor_writes_at_most_30_scalars_per_attention_layer_of_12_heads(tmp_path: Path) -> None:
+    """Per layer the head means, the catalogue's head aggregates and head diversity; per head only the
+    histograms and the layer × head images; the Custom Scalars charts are exactly the written metrics."""
+    model = DemoTransformer(vocab_size=24, d_model=48, n_layers=2, n_heads=12, seq_len=16, causal=False)
+    data = SyntheticDataModule(
+        vocab_size=24, seq_len=16, batch_size=4, num_batches=4, num_keys=4, num_values=2, num_pairs=2,
+        num_queries=1,
+    )  # fmt: skip
+    logger = tensorboard_logger(tmp_path)
+    fit(model, [SpectralMonitor(every_n_steps=2)], logger, max_steps=2, data=data, log_every_n_steps=2)
+    events = read_back(logger.log_dir)
+    scalars = set(events.Tags()["scalars"])
+    layers = ("blocks.0.attention", "blocks.1.attention")
+    for layer in layers:
+        written = {tag for tag in scalars if tag.startswith("attention/") and layer in tag}
+        assert len(written) <= 30, sorted(written)
+        expected = {
+            f"{name}/{layer}" for info in CATALOG if info.family == "attention" for name in info.written_names
+        }
+        assert written == expected  # bidirectional, so eigen_gap too: every attention metric of the catalogue
+        for metric in HISTOGRAM_METRICS:
+            histogram = events.Histograms(f"attention/{metric}_per_head/{layer}")
+            assert [event.histogram_value.num for event in histogram] == [12, 12]
+    assert not [tag for tag in scalars if re.search(r"/head_\d+$", tag)]
+    assert {f"attention/figures/{metric}" for metric in HEATMAP_METRICS} <= set(events.Tags()["images"])
+
+    layout = layout_pb2.Layout.FromString(events.Tensors(LAYOUT_TAG)[-1].tensor_proto.string_val[0])
+    charts = {chart.title: list(chart.multiline.tag) for c in layout.category for chart in c.chart}
+    monitor_tags = {tag for tag in scalars if tag.split("/")[0] in {info.family for info in CATALOG}}
+    for title, regexes in charts.items():
+        drawn = {tag for tag in monitor_tags if any(re.match(regex, tag) for regex in regexes)}
+        assert drawn and all(tag.startswith(title + "/") for tag in drawn), title
+    assert {"/".join(tag.split("/")[:2]) for tag in monitor_tags} == set(charts)

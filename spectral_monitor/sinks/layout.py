@@ -14,9 +14,10 @@ tuples (the writer only indexes them) so layouts can be shared and compared with
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Iterable
+
+from spectral_monitor.catalog import GROUPS, group_of
 
 MULTILINE = "Multiline"
 MARGIN = "Margin"
@@ -47,20 +48,6 @@ def per_layer_layout(scalar_tags: Iterable[str]) -> Layout:
     return {family: dict(sorted(charts.items())) for family, charts in sorted(layout.items())}
 
 
-DIAGNOSES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Rank collapse", ("attention/rank_one_residual*", "attention/effective_rank*", "attention/spectral_gap*",
-                       "attention/eigen_gap*", "attention/stable_rank*", "attention/threshold_rank*",
-                       "attention/sigma*", "attention/dobrushin*", "attention/head_diversity*")),
-    ("Entropy", ("attention/entropy*", "attention/self_attention*", "weights/qk_spectral_norm*")),
-    ("Token collapse", ("tokens/*",)),
-    ("Signal propagation", ("jacobian/*",)),
-    ("Curvature", ("curvature/*", "ntk/*")),
-    ("Weights", ("weights/*",)),
-    ("Alerts", ("alerts/*",)),
-)  # fmt: skip
-"""Custom Scalars categories by what they diagnose: ``family/metric`` patterns, first match wins. A metric
-matching none keeps a category named after its family."""
-
 SHARPNESS_MARGIN = ("Curvature", "sharpness vs its edge of stability", "curvature/sharpness/model",
                     "curvature/sharpness/model", "curvature/sharpness_threshold/model")  # fmt: skip
 """The margin chart of sharpness: the band from the sharpness up to the optimizer's edge is the margin left;
@@ -68,23 +55,20 @@ it closes when the sharpness reaches the edge."""
 
 
 def diagnosis_layout(scalar_tags: Iterable[str]) -> Layout:
-    """``per_layer_layout`` with its charts grouped by diagnosis (:data:`DIAGNOSES`), chart titles
-    ``family/metric``, and the sharpness margin chart once sharpness and its threshold are both logged."""
+    """``per_layer_layout`` with its charts grouped by diagnosis, chart titles ``family/metric``, and the
+    sharpness margin chart once sharpness and its threshold are both logged.
+
+    A metric's category is its dashboard group in :mod:`spectral_monitor.catalog` (a static table of names:
+    nothing here knows how a metric is computed), in the catalogue's order of groups; a metric the
+    catalogue does not list (another probe's) gets a category named after its family, after those.
+    """
     tags = list(scalar_tags)
     layout: Layout = {}
     for family, charts in per_layer_layout(tags).items():
         for metric, chart in charts.items():
             name = f"{family}/{metric}"
-            category = next(
-                (
-                    title
-                    for title, patterns in DIAGNOSES
-                    if any(fnmatch.fnmatchcase(name, p) for p in patterns)
-                ),
-                family,
-            )
-            layout.setdefault(category, {})[name] = chart
-    order = [title for title, _ in DIAGNOSES]
+            layout.setdefault(group_of(name) or family, {})[name] = chart
+    order = list(GROUPS)
     layout = {
         category: dict(sorted(layout[category].items()))
         for category in sorted(layout, key=lambda c: (order.index(c) if c in order else len(order), c))

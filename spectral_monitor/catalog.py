@@ -1,0 +1,618 @@
+"""The catalogue of every metric the monitor writes: what it means, its range, which way is healthy, what
+collapse looks like, where it comes from, where the dashboard shows it and which alert thresholds read it.
+
+Plain data with no dependency on torch or Lightning: the TensorBoard layout
+(:func:`spectral_monitor.sinks.layout.diagnosis_layout`), ``spectral-monitor report``, the validation of
+alert rules and the metrics reference page (``python -m spectral_monitor.catalog`` writes
+``docs/metrics.md``) all read it. The definitions themselves live in :mod:`spectral_monitor.metrics` and the
+probes; a scalar tag is ``family/metric/layer[/head_h]`` (``spectral_monitor.records.Measurement.tag``).
+
+Per attention layer the monitor writes every metric's mean over heads, and ``<metric>_min`` /
+``<metric>_max`` over heads only where :attr:`MetricInfo.head_aggregates` says the spread diagnoses
+something; each head's own value as a scalar only with ``SpectralMonitor(per_head=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import fnmatch
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CATALOG",
+    "DIAGNOSES",
+    "FAMILY_GROUPS",
+    "GROUPS",
+    "HEALTHY_DIRECTIONS",
+    "AlertThreshold",
+    "Diagnosis",
+    "MetricInfo",
+    "close_metric_names",
+    "diagnosis",
+    "group_of",
+    "histogram_metrics",
+    "is_known_metric",
+    "layer_head_heatmap_metrics",
+    "metric_info",
+    "metric_names",
+    "metrics_markdown",
+]
+
+GROUPS = (
+    "Rank collapse",
+    "Entropy",
+    "Token collapse",
+    "Signal propagation",
+    "Curvature",
+    "Weights",
+    "Alerts",
+    "Overhead",
+)
+"""The dashboard groups (TensorBoard Custom Scalars categories), in the order they are shown."""
+
+FAMILY_GROUPS = {
+    "tokens": "Token collapse",
+    "weights": "Weights",
+    "jacobian": "Signal propagation",
+    "curvature": "Curvature",
+    "ntk": "Curvature",
+    "alerts": "Alerts",
+}
+"""The group of a metric the catalogue does not list, by family (attention has none: its metrics split
+between rank collapse and entropy)."""
+
+HEALTHY_DIRECTIONS = ("higher", "lower", "middle", "steady", "none")
+"""Which way a metric is healthy: ``middle`` = away from both ends of its range, ``steady`` = slow change
+(its trend matters, not its level), ``none`` = a reading, not a judgement."""
+
+_AGGREGATES = ("min", "max")
+_NUMBERED = "<k>"
+"""A name holding ``<k>`` stands for a numbered series: ``hessian_eigenvalue_<k>`` is ``_1``, ``_2``, ..."""
+_OPS = (">=", "<=", "nonfinite")
+_RELATIVE_TO = ("value", "first", "median", "depth")
+
+
+def _numbered_regex(name: str) -> re.Pattern[str]:
+    return re.compile(re.escape(name).replace(re.escape(_NUMBERED), "[1-9][0-9]*"))
+
+
+@dataclass(frozen=True)
+class AlertThreshold:
+    """One condition of a default alert rule on a metric: the rule fires at ``threshold`` and an open alert
+    clears past ``clear``; ``relative_to`` says what is compared (``first``/``median``: a ratio to the
+    metric's first value / running median; ``depth``: the difference from the first layer at that step)."""
+
+    rule: str
+    op: str
+    threshold: float | None = None
+    clear: float | None = None
+    relative_to: str = "value"
+
+    def describe(self) -> str:
+        if self.op == "nonfinite":
+            return f"`{self.rule}`: NaN or inf"
+        unit = {"value": "", "first": " × its first value", "median": " × its running median",
+                "depth": " above the first layer's"}[self.relative_to]  # fmt: skip
+        text = f"`{self.rule}`: {self.op} {self.threshold:g}{unit}"
+        return text if self.clear is None else f"{text} (clears {_opposite(self.op)} {self.clear:g})"
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """What one metric of the monitor is.
+
+    Attributes:
+        family: the first part of its tags (``attention``, ``tokens``, ``weights``, ``curvature``,
+            ``jacobian``, ``ntk``, ``alerts``).
+        name: the second part (``<k>`` in a numbered series: ``hessian_eigenvalue_<k>``).
+        range: its unit or range.
+        healthy: one of :data:`HEALTHY_DIRECTIONS`.
+        meaning: its definition, in one line.
+        collapse: what trouble looks like in it (empty when it judges nothing).
+        reference: the paper it comes from (empty for bookkeeping).
+        group: the dashboard group (one of :data:`GROUPS`).
+        layer: what the third part of its tags names (an attention module, a block, a weight, ...).
+        written: when it is written (every logging step by default, or the argument that turns it on).
+        head_aggregates: ``"min"``/``"max"``: also written per layer as ``<name>_min``/``<name>_max`` over
+            heads, for the metrics whose spread across heads diagnoses something.
+        per_head: has a value per head (a scalar ``.../head_h`` with ``per_head=True``).
+        histogram: its per-head values are written as the histogram ``<family>/<name>_per_head/<layer>``.
+        heatmap: drawn as a layer × head image ``attention/figures/<name>`` on figure steps.
+        key: a row of ``spectral-monitor report``'s per-layer table.
+        thresholds: the default alert rules' conditions on it.
+    """
+
+    family: str
+    name: str
+    range: str
+    healthy: str
+    meaning: str
+    collapse: str
+    reference: str
+    group: str
+    layer: str
+    written: str = "every logging step"
+    head_aggregates: tuple[str, ...] = ()
+    per_head: bool = False
+    histogram: bool = False
+    heatmap: bool = False
+    key: bool = False
+    thresholds: tuple[AlertThreshold, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.healthy not in HEALTHY_DIRECTIONS:
+            raise ValueError(f"healthy of {self.full_name} must be one of {HEALTHY_DIRECTIONS}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group of {self.full_name} must be one of {GROUPS}, got {self.group!r}")
+        if not set(self.head_aggregates) <= set(_AGGREGATES) or (self.head_aggregates and not self.per_head):
+            raise ValueError(
+                f"head_aggregates of {self.full_name} must be drawn from {_AGGREGATES}, per head"
+            )
+        for threshold in self.thresholds:
+            if threshold.op not in _OPS or threshold.relative_to not in _RELATIVE_TO:
+                raise ValueError(
+                    f"threshold {threshold} of {self.full_name} has an unknown op or relative_to"
+                )
+
+    @property
+    def full_name(self) -> str:
+        """``family/name``."""
+        return f"{self.family}/{self.name}"
+
+    @property
+    def written_names(self) -> tuple[str, ...]:
+        """The ``family/metric`` names its scalars are written under: itself and its head aggregates."""
+        return (self.full_name, *(f"{self.full_name}_{aggregate}" for aggregate in self.head_aggregates))
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A default alert rule read as a diagnosis: its conditions (the :class:`AlertThreshold` s of the
+    catalogue naming ``rule``) combine with ``combine`` (``any``/``all``) and, on attention, must hold in
+    every head of a layer."""
+
+    rule: str
+    title: str
+    combine: str
+    meaning: str
+
+
+_ATTENTION = "attention module"
+_HEADS = "the spread over heads is written as"
+_BLOCK = "transformer block"
+_WEIGHT = "weight (`.q`/`.k`/`.v` split out of attention)"
+_MODEL = "`model`, or a parameter block"
+
+CATALOG: tuple[MetricInfo, ...] = (
+    MetricInfo(
+        "attention", "entropy", "[0, 1]", "middle",
+        "mean over queries of −Σⱼ Aᵢⱼ log Aᵢⱼ / log(keys of row i)",
+        "→ 0 in every head: entropy collapse (precedes loss spikes); → 1 in every head of a bidirectional "
+        "layer: uniform attention", "Zhai et al. 2023", "Entropy", _ATTENTION,
+        head_aggregates=("min", "max"), per_head=True, histogram=True, heatmap=True, key=True,
+        thresholds=(
+            AlertThreshold("uniform_attention", ">=", 0.98, 0.95),
+            AlertThreshold("entropy_collapse", "<=", 0.05, 0.1),
+            AlertThreshold("entropy_collapse", "<=", 0.3, 0.5, "median"),
+            AlertThreshold("non_finite", "nonfinite"),
+        ),
+    ),
+    MetricInfo(
+        "attention", "sigma1", "[1, √(max column sum)]", "lower", "σ₁, the top singular value of A",
+        "≫ 1: an attention sink (one key column takes most of the mass; common and healthy in trained LMs)",
+        "Xiao et al. 2023", "Rank collapse", _ATTENTION, head_aggregates=("max",), per_head=True,
+        thresholds=(AlertThreshold("non_finite", "nonfinite"),),
+    ),
+    MetricInfo(
+        "attention", "sigma2", "[0, σ₁]", "higher", "σ₂, the second singular value of A",
+        "→ 0: A near rank one", "Nait Saada et al. 2025", "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "spectral_gap", "[0, 1]", "lower", "1 − σ₂/σ₁",
+        "→ 1: A near rank one (a single head there is normal: sinks, positional heads)",
+        "Nait Saada et al. 2025", "Rank collapse", _ATTENTION, head_aggregates=("min", "max"), per_head=True,
+        histogram=True, key=True,
+    ),
+    MetricInfo(
+        "attention", "eigen_gap", "[0, 1]", "lower",
+        "1 − |λ₂| of A; bidirectional attention only (a causal A's eigenvalues are its diagonal)",
+        "→ 1 with entropy → 1: uniform attention, no lookup (long-context collapse)", "",
+        "Rank collapse", _ATTENTION, head_aggregates=("min",), per_head=True,
+        thresholds=(AlertThreshold("uniform_attention", ">=", 0.95, 0.9),),
+    ),
+    MetricInfo(
+        "attention", "rank_one_residual", "[0, 1]", "higher", "‖A − 1āᵀ‖_F / ‖A‖_F, ā the mean row",
+        "→ 0 in every head: every query attends alike, rank collapse", "Dong et al. 2021", "Rank collapse",
+        _ATTENTION, head_aggregates=("min", "max"), per_head=True, histogram=True, heatmap=True, key=True,
+        thresholds=(AlertThreshold("rank_collapse", "<=", 0.05, 0.1),),
+    ),
+    MetricInfo(
+        "attention", "stable_rank", "[1, n]", "higher", "‖A‖_F² / σ₁²", "→ 1: collapse", "",
+        "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "effective_rank", "[1, min(n, m)]", "higher",
+        "exp(entropy of σ/Σσ), the effective rank of A", "→ 1: collapse", "Roy & Vetterli 2007",
+        "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "effective_rank_ratio", "(0, 1]", "higher",
+        "effective rank / min(valid rows, valid keys)",
+        "→ 0 (1/n) in every head: rank collapse", "Roy & Vetterli 2007", "Rank collapse", _ATTENTION,
+        head_aggregates=("min", "max"), per_head=True, histogram=True, heatmap=True, key=True,
+        thresholds=(AlertThreshold("rank_collapse", "<=", 0.01, 0.02),),
+    ),
+    MetricInfo(
+        "attention", "threshold_rank", "[1, min(n, m)]", "higher",
+        "smallest k with Σ_{i≤k} σᵢ² ≥ 0.99 ‖A‖_F² (on the Krylov path only where σ₁, σ₂ reach it)",
+        "→ 1: collapse", "", "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "dobrushin", "[0, 1]", "higher",
+        "½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁, Dobrushin's coefficient (bounds |λ₂|; submultiplicative over layers)",
+        "→ 0: rows identical", "Dobrushin 1956", "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "self_attention", "[0, 1]", "lower", "tr(A)/n, the mass each query keeps on itself",
+        "→ 1: identity, no mixing", "", "Entropy", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "head_diversity", "[0, 1) bits", "higher",
+        "mean Jensen–Shannon distance between the heads' normalised singular-value spectra",
+        "→ 0: the heads have one rank structure (redundant heads)", "", "Rank collapse", _ATTENTION,
+        written="every head_diversity_every_n_logs-th logging step",
+    ),
+    MetricInfo(
+        "attention", "head_diversity_min", "[0, 1) bits", "higher",
+        "the distance of the closest pair of heads", "→ 0: two heads with the same rank structure", "",
+        "Rank collapse", _ATTENTION, written="every head_diversity_every_n_logs-th logging step",
+    ),
+    MetricInfo(
+        "tokens", "cosine_similarity", "[−1, 1]", "lower", "mean over i ≠ j of cos(xᵢ, xⱼ)",
+        "→ 1 across depth: token collapse", "Noci et al. 2022", "Token collapse", _BLOCK, key=True,
+        thresholds=(
+            AlertThreshold("token_collapse", ">=", 0.95, 0.9),
+            AlertThreshold("token_collapse", ">=", 0.5, 0.4, "depth"),
+        ),
+    ),
+    MetricInfo(
+        "tokens", "token_residual", "[0, 1]", "higher", "‖X − 1x̄ᵀ‖_F / ‖X‖_F, x̄ the token mean",
+        "→ 0: token collapse", "Dong et al. 2021", "Token collapse", _BLOCK, key=True,
+        thresholds=(
+            AlertThreshold("token_collapse", "<=", 0.05, 0.1),
+            AlertThreshold("non_finite", "nonfinite"),
+        ),
+    ),
+    MetricInfo(
+        "tokens", "stable_rank", "[1, min(n, d)]", "higher", "‖X‖_F² / σ₁² of the block's output",
+        "→ 1: one direction", "", "Token collapse", _BLOCK,
+    ),
+    MetricInfo(
+        "tokens", "effective_rank", "[1, min(n, d)]", "higher", "effective rank of the block's output",
+        "→ 1: one direction", "Roy & Vetterli 2007", "Token collapse", _BLOCK,
+    ),
+    MetricInfo(
+        "weights", "spectral_norm", "≥ 0", "steady", "σ₁(W), warm-started block Lanczos",
+        "runaway growth", "", "Weights", _WEIGHT, per_head=True, histogram=True, key=True,
+        thresholds=(
+            AlertThreshold("weight_runaway", ">=", 20.0, 15.0, "first"),
+            AlertThreshold("non_finite", "nonfinite"),
+        ),
+    ),
+    MetricInfo(
+        "weights", "frobenius_norm", "≥ 0", "steady", "‖W‖_F", "runaway growth", "", "Weights", _WEIGHT,
+        per_head=True, histogram=True, thresholds=(AlertThreshold("non_finite", "nonfinite"),),
+    ),
+    MetricInfo(
+        "weights", "stable_rank", "[1, min(N, M)]", "none", "‖W‖_F² / σ₁(W)²", "", "", "Weights", _WEIGHT,
+        per_head=True, histogram=True,
+    ),
+    MetricInfo(
+        "weights", "spectral_norm_residual", "≥ 0", "lower",
+        "relative Ritz residual of the σ₁ estimate (σ₁'s relative error is about half of it)", "", "",
+        "Weights", _WEIGHT, per_head=True,
+    ),
+    MetricInfo(
+        "weights", "qk_spectral_norm", "≥ 0", "steady", "‖W_Q^hᵀ W_K^h‖₂ of each head, exact",
+        "growth precedes entropy collapse", "Zhai et al. 2023", "Entropy", _ATTENTION, per_head=True,
+        histogram=True,
+    ),
+    MetricInfo(
+        "weights", "qk_spectral_norm_max", "≥ 0", "steady", "the largest ‖W_Q^hᵀ W_K^h‖₂ over heads",
+        "growth precedes entropy collapse", "Zhai et al. 2023", "Entropy", _ATTENTION,
+    ),
+    *(
+        MetricInfo("weights", name, unit, healthy, meaning, collapse, reference, "Weights", _WEIGHT,
+                   written="every weight_spectra_every_n_logs-th logging step")  # fmt: skip
+        for name, unit, healthy, meaning, collapse, reference in (
+            ("mp_edge", "≥ 0", "none", "σ̂(√N + √M), σ̂² = ‖W‖_F²/(NM): the bulk edge of an iid matrix", "",
+             "Marchenko & Pastur 1967"),
+            ("mp_spikes", "count", "none", "#{σᵢ > mp_edge}: singular values above the noise bulk",
+             "≈ 0 at initialisation; growth = learned structure", "Martin & Mahoney 2021"),
+            ("alpha", "> 1", "middle", "power-law tail exponent of the eigenvalues σᵢ² (WeightWatcher's MLE)",
+             "outside [2, 6] in a trained layer", "Martin & Mahoney 2021"),
+            ("alpha_ks_distance", "[0, 1]", "lower", "Kolmogorov–Smirnov distance of the power-law fit", "",
+             "Clauset et al. 2009"),
+            ("energy_rank_90", "[1, min(N, M)]", "none", "smallest rank keeping 90% of ‖W‖_F²",
+             "well below min(N, M): the layer can be factorised", ""),
+            ("energy_rank_99", "[1, min(N, M)]", "none", "smallest rank keeping 99% of ‖W‖_F²",
+             "well below min(N, M): the layer can be factorised", ""),
+        )  # fmt: skip
+    ),
+    MetricInfo(
+        "curvature", "sharpness", "≥ 0 (typically)", "none",
+        "λ_max of the loss Hessian on the probe batch (Adam: of P^-1/2 H P^-1/2)",
+        "past the edge of stability (see sharpness_ratio)", "Cohen et al. 2021", "Curvature", _MODEL,
+        written="opt-in: curvature", key=True, thresholds=(AlertThreshold("non_finite", "nonfinite"),),
+    ),
+    MetricInfo(
+        "curvature", "sharpness_threshold", "> 0", "none",
+        "the optimizer's edge of stability: 2/η (SGD), (2+2β)/η (momentum), 38/η (Adam, β₁ = 0.9)", "",
+        "Cohen et al. 2022", "Curvature", _MODEL, written="opt-in: curvature",
+    ),
+    MetricInfo(
+        "curvature", "sharpness_ratio", "≥ 0", "lower", "sharpness / sharpness_threshold",
+        "≈ 1 is the normal edge of stability; sustained ≥ 1.5: the loss is about to blow up",
+        "Cohen et al. 2021", "Curvature", _MODEL, written="opt-in: curvature", key=True,
+        thresholds=(AlertThreshold("edge_of_stability", ">=", 1.5, 1.2),),
+    ),
+    MetricInfo(
+        "curvature", f"hessian_eigenvalue_{_NUMBERED}", "real", "none",
+        "the k-th largest algebraic eigenvalue of the loss Hessian (k = 1..top_k)", "", "Cohen et al. 2021",
+        "Curvature", _MODEL, written="opt-in: curvature",
+    ),
+    MetricInfo(
+        "curvature", "hessian_min_eigenvalue", "real", "none",
+        "the most negative eigenvalue of the loss Hessian (min_eigenvalue=True)", "", "", "Curvature", _MODEL,
+        written="opt-in: curvature",
+    ),
+    MetricInfo(
+        "curvature", "hessian_trace", "real", "none", "tr H by Hutch++", "", "Meyer et al. 2021", "Curvature",
+        _MODEL, written="opt-in: curvature",
+    ),
+    MetricInfo(
+        "curvature", "hessian_trace_se", "≥ 0", "lower", "standard error of hessian_trace", "", "",
+        "Curvature", _MODEL, written="opt-in: curvature",
+    ),
+    MetricInfo(
+        "curvature", "gradient_alignment", "[0, 1]", "none",
+        "|cos| between the top Hessian eigenvector and the gradient", "", "Gur-Ari et al. 2018", "Curvature",
+        _MODEL, written="opt-in: curvature",
+    ),
+    MetricInfo(
+        "jacobian", "jacobian_norm", "≥ 0", "steady", "‖∂x_l/∂x_{l−1}‖₂ of a block, for one sequence",
+        "sustained growth ≫ 1: exploding signal", "", "Signal propagation", _BLOCK,
+        written="opt-in: jacobian",
+        key=True,
+        thresholds=(
+            AlertThreshold("jacobian_explosion", ">=", 200.0, 100.0, "first"),
+            AlertThreshold("non_finite", "nonfinite"),
+        ),
+    ),
+    MetricInfo(
+        "jacobian", "residual_branch_norm", "≥ 0", "steady", "‖J − I‖₂ of a block: its residual branch alone",
+        "sustained growth: the branch dominates the skip path", "", "Signal propagation", _BLOCK,
+        written="opt-in: jacobian",
+    ),
+    MetricInfo(
+        "jacobian", "end_to_end_norm", "≥ 0", "steady", "‖∂x_L/∂x_0‖₂ of the whole stack (layer `model`)",
+        "sustained growth ≫ 1: exploding signal", "", "Signal propagation", "`model`",
+        written="opt-in: jacobian",
+        key=True,
+        thresholds=(
+            AlertThreshold("jacobian_explosion", ">=", 200.0, 100.0, "first"),
+            AlertThreshold("non_finite", "nonfinite"),
+        ),
+    ),
+    *(
+        MetricInfo("ntk", name, unit, "none", meaning, "", "Jacot et al. 2018", "Curvature", "`model`",
+                   written="opt-in: ntk")  # fmt: skip
+        for name, unit, meaning in (
+            ("ntk_trace", "≥ 0", "tr K of the empirical NTK of the probe examples"),
+            ("ntk_max_eigenvalue", "≥ 0", "λ_max of the empirical NTK"),
+            ("ntk_condition_number", "≥ 1", "λ_max/λ_min of the empirical NTK (inf when λ_min ≤ 0)"),
+            ("ntk_effective_rank", "[1, examples]", "effective rank of the empirical NTK's eigenvalues"),
+        )
+    ),
+    *(
+        MetricInfo(family, name, unit, "lower", meaning, "", "", "Overhead", "`model`",
+                   written=f"opt-in: {family}")
+        for family in ("curvature", "jacobian", "ntk")
+        for name, unit, meaning in (
+            ("overhead_ms", "ms", f"wall time of the {family} probe at this step"),
+            ("overhead_percent", "%", f"the {family} probe's time against the last training step"),
+        )
+    ),
+    MetricInfo(
+        "alerts", "open", "count", "lower", "open alerts of the rule (the layer part names the rule)", "", "",
+        "Alerts", "alert rule", written="every step the rules run",
+    ),
+    MetricInfo(
+        "alerts", "fired", "count", "lower", "alerts of the rule fired so far (cumulative)", "", "",
+        "Alerts", "alert rule", written="every step the rules run",
+    ),
+)  # fmt: skip
+"""Every metric the monitor writes, attention first."""
+
+DIAGNOSES: tuple[Diagnosis, ...] = (
+    Diagnosis("rank_collapse", "Rank collapse", "any", "every head of a layer rank one"),
+    Diagnosis("uniform_attention", "Uniform attention", "all", "every head of a bidirectional layer uniform"),
+    Diagnosis("entropy_collapse", "Entropy collapse", "any", "every head of a layer on one key per query"),
+    Diagnosis("token_collapse", "Token collapse", "any", "a block's tokens nearly identical"),
+    Diagnosis("edge_of_stability", "Edge of stability", "any", "sharpness well past the optimizer's edge"),
+    Diagnosis("jacobian_explosion", "Signal explosion", "any", "a block's Jacobian norm running away"),
+    Diagnosis("weight_runaway", "Weight runaway", "any", "a weight's σ₁ running away"),
+    Diagnosis("non_finite", "Non-finite values", "any", "NaN or inf in what the monitor saw"),
+)
+"""The default alert rules as diagnoses, in the order ``spectral-monitor report`` gives its verdicts."""
+
+_BY_NAME = {(info.family, info.name): info for info in CATALOG}
+_NUMBERED_NAMES = [(info, _numbered_regex(info.name)) for info in CATALOG if _NUMBERED in info.name]
+
+
+def metric_info(family: str, name: str) -> MetricInfo:
+    """The entry of ``family/name``; a head aggregate (``entropy_min``) gives its metric's entry.
+
+    Raises ``KeyError`` naming close names for a metric the monitor does not write.
+    """
+    info = _lookup(family, name)
+    if info is None:
+        suggestions = close_metric_names(f"{family}/{name}")
+        hint = f"; did you mean {', '.join(suggestions)}?" if suggestions else ""
+        raise KeyError(f"{family}/{name} is not a metric spectral-monitor writes{hint}")
+    return info
+
+
+def metric_names() -> list[str]:
+    """Every ``family/metric`` name the monitor writes scalars under, head aggregates included (a numbered
+    series once, as ``curvature/hessian_eigenvalue_<k>``)."""
+    return [name for info in CATALOG for name in info.written_names]
+
+
+def group_of(family_metric: str) -> str | None:
+    """The dashboard group of a ``family/metric`` name (head aggregates included); for a name the catalogue
+    does not list, its family's group (:data:`FAMILY_GROUPS`) or ``None``."""
+    family, _, name = family_metric.partition("/")
+    info = _lookup(family, name)
+    return FAMILY_GROUPS.get(family) if info is None else info.group
+
+
+def diagnosis(rule: str) -> tuple[Diagnosis, list[tuple[MetricInfo, AlertThreshold]]]:
+    """The diagnosis of a default rule and each (metric, threshold) it reads, in catalogue order."""
+    found = next((entry for entry in DIAGNOSES if entry.rule == rule), None)
+    if found is None:
+        raise KeyError(f"{rule!r} is not a default rule; the diagnoses are {[d.rule for d in DIAGNOSES]}")
+    return found, [(info, t) for info in CATALOG for t in info.thresholds if t.rule == rule]
+
+
+def histogram_metrics(family: str) -> tuple[str, ...]:
+    """The metrics of ``family`` whose per-head values are written as histograms."""
+    return tuple(info.name for info in CATALOG if info.family == family and info.histogram)
+
+
+def layer_head_heatmap_metrics() -> tuple[str, ...]:
+    """The attention metrics drawn as layer × head images on figure steps."""
+    return tuple(info.name for info in CATALOG if info.family == "attention" and info.heatmap)
+
+
+def is_known_metric(pattern: str) -> bool:
+    """Whether the monitor can write a scalar matching ``pattern``, an ``fnmatch`` pattern over
+    ``family/metric`` or ``family/metric/layer[/head_h]`` (layers are the model's own: any layer part goes).
+    """
+    family_metric = "/".join(pattern.split("/")[:2])
+    return any(_matches(name, family_metric) for name in metric_names())
+
+
+def close_metric_names(pattern: str, limit: int = 3) -> list[str]:
+    """Up to ``limit`` ``family/metric`` names close to ``pattern`` (for a "did you mean")."""
+    family_metric = "/".join(pattern.split("/")[:2])
+    return difflib.get_close_matches(family_metric, metric_names(), n=limit, cutoff=0.6)
+
+
+def metrics_markdown() -> str:
+    """The metrics reference page (``docs/metrics.md``), rendered from :data:`CATALOG`."""
+    lines = [
+        "# Metrics reference",
+        "",
+        "<!-- Generated by `python -m spectral_monitor.catalog` from spectral_monitor/catalog.py; "
+        "edit that, not this page. -->",
+        "",
+        "Every scalar the monitor writes is tagged `family/metric/layer[/head_h]`. A is one attention matrix "
+        "(n queries × m keys, rows summing to 1 after masking), σ₁ ≥ σ₂ ≥ … its singular values; X the "
+        "residual-stream states of one sequence (n × d); W a weight (N × M). The definitions are the "
+        "functions of `spectral_monitor.metrics`; this page is generated from `spectral_monitor.catalog`, "
+        "which the dashboard layout, `spectral-monitor report` and the alert rules read too.",
+        "",
+        "Per attention layer the monitor writes each metric's mean over heads; `<metric>_min` and "
+        "`<metric>_max` over heads only where the spread diagnoses something (column *head spread*); each "
+        "head's own value as a scalar only with `SpectralMonitor(per_head=True)`. Per-head detail is always "
+        "in the histograms `<family>/<metric>_per_head/<layer>` and, on figure steps, the layer × head "
+        "images `attention/figures/<metric>`.",
+        "",
+        "*Healthy*: which way the metric is healthy (`middle`: away from both ends; `steady`: slow change, "
+        "its trend matters; `none`: a reading, not a judgement).",
+    ]
+    for family in dict.fromkeys(info.family for info in CATALOG):
+        entries = [info for info in CATALOG if info.family == family]
+        lines += ["", f"## {family}", "", f"Tags `{family}/<metric>/<layer>`, the layer being the "
+                  f"{entries[0].layer}.", ""]  # fmt: skip
+        lines += [
+            "| metric | definition | range | healthy | trouble | reference | group | written | head spread "
+            "| alert thresholds |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for info in entries:
+            spread = ", ".join(f"`_{aggregate}`" for aggregate in info.head_aggregates)
+            extras = [word for word, on in (("histogram", info.histogram), ("heatmap", info.heatmap)) if on]
+            if extras:
+                spread = "; ".join(filter(None, [spread, ", ".join(extras)]))
+            cells = [
+                f"`{info.name}`",
+                info.meaning,
+                info.range,
+                info.healthy,
+                info.collapse,
+                info.reference,
+                info.group,
+                info.written,
+                spread,
+                "; ".join(threshold.describe() for threshold in info.thresholds),
+            ]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines += ["", "## Diagnoses", "", "What `spectral-monitor report` gives a verdict on, one per default "
+              "alert rule: *collapsed* where the latest reading meets the threshold, *watch* where it is "
+              "between the threshold and the clear level, *healthy* otherwise. On attention the worst head "
+              "decides (`_max` of a `<=` condition, `_min` of a `>=` one).", "",
+              "| diagnosis | rule | reads | conditions combine |", "|---|---|---|---|"]  # fmt: skip
+    for entry in DIAGNOSES:
+        _, reads = diagnosis(entry.rule)
+        read = "; ".join(
+            f"`{info.full_name}` {threshold.describe().split(': ', 1)[1]}" for info, threshold in reads
+        )
+        lines.append(f"| {entry.title}: {entry.meaning} | `{entry.rule}` | {read} | {entry.combine} |")
+    return "\n".join(lines) + "\n"
+
+
+def _lookup(family: str, name: str) -> MetricInfo | None:
+    info = _BY_NAME.get((family, name))
+    if info is None:
+        for aggregate in _AGGREGATES:
+            base = _BY_NAME.get((family, name.removesuffix(f"_{aggregate}")))
+            if base is not None and name.endswith(f"_{aggregate}") and aggregate in base.head_aggregates:
+                return base
+        info = next(
+            (entry for entry, regex in _NUMBERED_NAMES if entry.family == family and regex.fullmatch(name)),
+            None,
+        )
+    return info
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if _NUMBERED not in name:
+        return fnmatch.fnmatchcase(name, pattern)
+    examples = (name, name.replace(_NUMBERED, "1"), name.replace(_NUMBERED, "12"))
+    return any(fnmatch.fnmatchcase(example, pattern) for example in examples) or bool(
+        _numbered_regex(name).fullmatch(pattern)
+    )
+
+
+def _opposite(op: str) -> str:
+    return {">=": "<", "<=": ">"}[op]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the metrics reference page (default ``docs/metrics.md`` of the source checkout)."""
+    parser = argparse.ArgumentParser(description="Write the metrics reference page from the catalogue.")
+    default = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+    parser.add_argument("--out", type=Path, default=default, help="the page to write (default: %(default)s)")
+    arguments = parser.parse_args(argv)
+    arguments.out.write_text(metrics_markdown(), encoding="utf-8")
+    print(f"wrote {arguments.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

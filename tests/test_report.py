@@ -1,0 +1,149 @@
+"""``spectral-monitor report``: verdicts against the catalogue's thresholds on readings whose verdict is
+known, aligned columns for long layer names, and a run that loads neither torch nor Lightning."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from spectral_monitor.report import NOT_MEASURED, RunScalars, verdicts
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG = "model.transformer.h.11.attn.a_module_name_longer_than_any_column_width"
+
+SERIES = {
+    # Rank collapse: one layer past the threshold (collapsed), one between it and the clear level (watch).
+    "attention/rank_one_residual_max": {"model.h.0.attn": [0.5, 0.04, 0.03], LONG: [0.5, 0.2, 0.08]},
+    "attention/effective_rank_ratio_max": {"model.h.0.attn": [0.5, 0.4, 0.3], LONG: [0.5, 0.4, 0.3]},
+    # Entropy collapse: the mean falls to 0.25 of its running median (collapsed <= 0.3).
+    "attention/entropy": {"model.h.0.attn": [0.8, 0.8, 0.2], LONG: [0.8, 0.8, 0.8]},
+    "attention/entropy_max": {"model.h.0.attn": [0.9, 0.9, 0.3], LONG: [0.9, 0.9, 0.9]},
+    "attention/entropy_min": {"model.h.0.attn": [0.7, 0.7, 0.1], LONG: [0.7, 0.7, 0.7]},
+    # Token collapse across depth: blocks.10 is 0.45 above blocks.0 (watch: >= 0.4, < 0.5); blocks.2 0.3.
+    "tokens/cosine_similarity": {"blocks.0": [0.1, 0.1, 0.1], "blocks.2": [0.1, 0.2, 0.4],
+                                 "blocks.10": [0.1, 0.3, 0.55]},
+    "tokens/token_residual": {"blocks.0": [0.9, 0.9, 0.9], "blocks.2": [0.9, 0.9, 0.9],
+                              "blocks.10": [0.9, 0.9, float("nan")]},
+    # Weight runaway: 25 times its first value (collapsed >= 20).
+    "weights/spectral_norm": {"head": [1.0, 5.0, 25.0], "embedding": [2.0, 2.0, 2.0]},
+}  # fmt: skip
+STEPS = [0, 49, 99]
+
+
+def run_of(series: dict[str, dict[str, list[float]]]) -> RunScalars:
+    run = RunScalars(Path("run"))
+    for metric, by_layer in series.items():
+        run.series[metric] = {
+            layer: (np.array(STEPS), np.array(values, dtype=np.float64)) for layer, values in by_layer.items()
+        }
+    return run
+
+
+def test_verdicts_name_the_worst_layer_and_its_reading_against_the_thresholds() -> None:
+    judged = {entry.diagnosis.rule: entry for entry in verdicts(run_of(SERIES))}
+    rank = judged["rank_collapse"]
+    assert (rank.verdict, rank.layer, rank.step) == ("collapsed", "model.h.0.attn", 99)
+    assert rank.reading == "attention/rank_one_residual_max 0.030 (collapsed <= 0.05, watch <= 0.1)"
+    entropy = judged["entropy_collapse"]
+    assert (entropy.verdict, entropy.layer) == ("collapsed", "model.h.0.attn")
+    assert entropy.reading.startswith("attention/entropy × running median 0.250 (collapsed <= 0.3")
+    tokens = judged["token_collapse"]
+    assert (tokens.verdict, tokens.layer) == ("watch", "blocks.10")
+    assert tokens.reading.startswith(
+        "tokens/cosine_similarity − first layer 0.450 (collapsed >= 0.5, watch >= 0.4)"
+    )
+    weights = judged["weight_runaway"]
+    assert (weights.verdict, weights.layer) == ("collapsed", "head")
+    assert weights.reading.startswith("weights/spectral_norm × first 25.000")
+    non_finite = judged["non_finite"]
+    assert (non_finite.verdict, non_finite.layer) == ("collapsed", "blocks.10")
+    # Causal attention writes no eigen_gap, so uniform attention (both conditions) cannot be judged.
+    for rule in ("uniform_attention", "edge_of_stability", "jacobian_explosion"):
+        assert judged[rule].verdict == NOT_MEASURED
+
+
+def test_the_watch_band_lies_between_the_clear_level_and_the_threshold() -> None:
+    def rank_verdict(residual: float) -> str:
+        series = {"attention/rank_one_residual_max": {"l": [0.5, 0.5, residual]}}
+        (rank,) = [entry for entry in verdicts(run_of(series)) if entry.diagnosis.rule == "rank_collapse"]
+        return rank.verdict
+
+    assert [rank_verdict(r) for r in (0.05, 0.0500001, 0.1, 0.1000001)] == [
+        "collapsed",
+        "watch",
+        "watch",
+        "healthy",
+    ]
+
+
+def test_the_worst_head_is_read_where_the_spread_is_written_else_the_mean() -> None:
+    # Every head must be rank one: the _max decides; without it, the mean.
+    spread = {"attention/rank_one_residual": {"l": [0.5, 0.5, 0.02]},
+              "attention/rank_one_residual_max": {"l": [0.5, 0.5, 0.3]}}  # fmt: skip
+    (rank,) = [entry for entry in verdicts(run_of(spread)) if entry.diagnosis.rule == "rank_collapse"]
+    assert rank.verdict == "healthy"
+    mean_only = {"attention/rank_one_residual": {"l": [0.5, 0.5, 0.02]}}
+    (rank,) = [entry for entry in verdicts(run_of(mean_only)) if entry.diagnosis.rule == "rank_collapse"]
+    assert (rank.verdict, rank.reading.split()[0]) == ("collapsed", "attention/rank_one_residual")
+
+
+def write_events(logdir: Path) -> None:
+    writer = SummaryWriter(str(logdir))
+    for metric, by_layer in SERIES.items():
+        for layer, values in by_layer.items():
+            for step, value in zip(STEPS, values, strict=True):
+                writer.add_scalar(f"{metric}/{layer}", value, step)
+    writer.close()
+
+
+def test_report_prints_aligned_columns_and_loads_neither_torch_nor_lightning(tmp_path: Path) -> None:
+    write_events(tmp_path / "logs")
+    code = (
+        "import sys; from spectral_monitor.cli import main; "
+        f"status = main(['report', {str(tmp_path / 'logs')!r}, '--out', {str(tmp_path / 'out')!r}]); "
+        "print('loaded:', [m for m in ('torch', 'pytorch_lightning', 'lightning') if m in sys.modules]); "
+        "sys.exit(status)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout
+    assert "loaded: []" in printed
+    verdict_lines = printed.split("verdicts", 1)[1].splitlines()[1:]
+    header, rule = verdict_lines[0], verdict_lines[1]
+    assert set(rule) == {"-"}
+    for title, verdict in (("Rank collapse", "collapsed"), ("Token collapse", "watch"),
+                           ("Uniform attention", NOT_MEASURED)):  # fmt: skip
+        (line,) = [line for line in verdict_lines if line.startswith(title)]
+        assert line[header.index("verdict") :].startswith(verdict)
+
+    table = printed[printed.index("\nlayer ") + 1 :].splitlines()
+    table = table[: next(i for i, line in enumerate(table) if line.startswith("alerts"))]
+    header, rows = table[0], table[2:]
+    assert any(row.startswith(LONG) for row in rows)
+    metric_column = header.index("metric")
+    latest_end = header.index("latest") + len("latest")
+    for row in rows:
+        assert row[metric_column - 2 : metric_column] == "  " and row[metric_column] != " ", row
+        assert re.fullmatch(r"[+-]?[\d.e+-]+|nan", row[:latest_end].split()[-1]), row
+
+
+@pytest.mark.parametrize("files", [False, True])
+def test_report_on_a_logdir_without_monitor_scalars_is_an_error(tmp_path: Path, files: bool) -> None:
+    if files:
+        writer = SummaryWriter(str(tmp_path))
+        writer.add_scalar("train/loss", 1.0, 0)
+        writer.close()
+    code = f"from spectral_monitor.cli import main; raise SystemExit(main(['report', {str(tmp_path)!r}]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
+    assert result.returncode == 2
+    assert "spectral-monitor report: error:" in result.stderr
