@@ -7,6 +7,7 @@ process, and its event file is read back.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,3 +75,42 @@ def test_readme_example_trains_and_writes_attention_spectra(tmp_path: Path) -> N
     tags = read_back(event_file.parent).Tags()["scalars"]
     for family in ("attention/entropy/", "tokens/cosine_similarity/", "weights/spectral_norm/"):
         assert any(tag.startswith(family) for tag in tags), (family, sorted(tags)[:20])
+
+
+RUN_EXAMPLES = """
+import json, os, sys, tempfile, traceback
+import torch
+
+torch.set_num_threads(1)
+failures = []
+for name, code in json.loads(sys.stdin.read()):
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(scratch)
+        try:
+            exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        except Exception:
+            failures.append(name + ":\\n" + traceback.format_exc())
+        finally:
+            os.chdir("/")
+print("\\n".join(failures))
+sys.exit(1 if failures else 0)
+"""
+
+
+@pytest.mark.slow
+def test_every_python_example_in_the_docs_runs_as_written() -> None:
+    examples = [
+        (f"{page.name} example {index}", code)
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for index, code in enumerate(fenced_blocks(page.read_text(), "python"))
+    ]
+    assert len(examples) >= 10, [name for name, _ in examples]
+    run = subprocess.run(
+        [sys.executable, "-c", RUN_EXAMPLES],
+        input=json.dumps(examples),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"},
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-5000:]
