@@ -3,7 +3,7 @@
 Same model (the demo transformer, 2 layers, d = 64), same batch, eval mode, math SDPA kernel for everyone,
 in one process, at two points of training: after 20 AdamW steps (early, where power iteration does best),
 and trained, after 300 steps (loss 0.005: one outlier eigenvalue over a bulk whose top values nearly
-coincide; the setting of the issue's own PyHessian measurements).
+coincide).
 
 Accuracy first: each method's own knob (PyHessian's ``tol``,
 hessian-eigenthings' Lanczos ``max_iter``, our ``tol``) walks a ladder until the top-k is within 1e-3

@@ -4,9 +4,9 @@ The model is the demo transformer at a larger width, with a planted rank-4 signa
 the MP edge) added to every weight of the even blocks, so that some layers have spikes above the bulk and
 heavy-ish tails. WeightWatcher runs with ``randomize=False`` (no randomised-ESD comparison) and
 ``mp_fit=True`` (its spike count needs its MP fit); both tools fit α on the eigenvalues σ² of every
-``nn.Linear`` weight. Spikes differ by definition: ours count σ above σ̂(√N + √M) with σ̂² = ‖W‖_F²/(NM)
-(DESIGN.md), WeightWatcher's fit the bulk's σ to the ESD, so a strong signal (which inflates ‖W‖_F) is
-counted against a lower edge there.
+``nn.Linear`` weight. Spikes differ by definition: ours count σ above σ̂(√N + √M) with σ̂² = ‖W‖_F²/(NM);
+WeightWatcher's fit the bulk's σ to the ESD, so a strong signal (which inflates ‖W‖_F) is counted against
+a lower edge there.
 
     pip install -e '.[bench]'
     python benchmarks/bench_weight_spectra.py --width 256 --layers 4

@@ -1,4 +1,4 @@
-"""Float64 numpy references for DESIGN.md's metric catalogue, and the matrices whose answers the tests know.
+"""Float64 numpy references for the metric catalogue, and the matrices whose answers the tests know.
 
 Written straight from the catalogue and never from ``spectral_monitor``, so that each test compares two
 independent implementations of one definition. A reference takes ONE matrix (a 2-D array) and returns plain

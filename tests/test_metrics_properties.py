@@ -1,7 +1,7 @@
 """Properties the attention metrics have on every row-stochastic matrix, and how bad input is handled.
 
 Hypothesis draws attention matrices of any shape and sharpness, with exact zeros, masks and causal
-structure; each test states one inequality or invariance of the catalogue (DESIGN.md) and checks it on the
+structure; each test states one inequality or invariance of the metric definitions and checks it on the
 implementation's output. Below them: a non-finite batch element poisons only itself, and bad arguments
 raise a ValueError that names them.
 """

@@ -1,6 +1,6 @@
 """The metric catalogue against float64 numpy references and closed forms.
 
-Each attention, token and weight metric of DESIGN.md is compared, key by key, with an independent float64
+Each attention, token and weight metric is compared, key by key, with an independent float64
 reference (``reference_metrics``) on random, structured and adversarial batches; matrices with a known answer
 pin the definitions down in closed form; the Krylov path is held to stated accuracies and to an honest
 standard error.

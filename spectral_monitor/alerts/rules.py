@@ -4,7 +4,7 @@ A rule is plain data (dataclasses of plain types), so LightningCLI builds it fro
 It reads ``Measurement`` records by ``family/metric`` and knows nothing of how they were computed or where
 alerts go; :class:`~spectral_monitor.alerts.engine.AlertEngine` evaluates rules on each logging step.
 
-Thresholds are in the normalised units of DESIGN.md's catalogue (entropy / log n, effective rank / n, ...)
+Thresholds are in the normalised units of the metrics (entropy / log n, effective rank / n, ...)
 so a default holds at any sequence length. The defaults and the runs that calibrated them are listed in
 :func:`default_rules`.
 """
@@ -328,7 +328,7 @@ RANK_COLLAPSE = Rule(
 """Every head of a layer rank one: all queries attend the same way (Dong et al. 2021).
 
 Per layer, not per head: an attention-sink head or a fixed positional head is rank one by design in healthy
-models (DESIGN.md). Skips step 0 and needs 2 evaluations in a row: an untrained bidirectional model with
+models. Skips step 0 and needs 2 evaluations in a row: an untrained bidirectional model with
 small initial logits looks exactly like this (long_context_collapse.yaml and its healthy twin alike have
 flat rows at step 0 until the logits grow). Calibrated on configs/long_context_collapse.yaml (rank-one
 residual 0.024–0.044 in every head, effective rank / n 0.003–0.004, steps 0–74), against

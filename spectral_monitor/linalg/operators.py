@@ -251,7 +251,7 @@ def _gram_sweep(matrices: Tensor, x: Tensor, riding: Tensor | None = None) -> tu
     width = x.shape[2]
     # Each block's first product is formed transposed, (A_b [x, riding])ᵀ, so its rows feed the second
     # product as they are: 20.7 against 27.6 ms at 1024² with 4 columns, where A_b x was copied transposed
-    # (session 12's Xeon, blocks of 16 rows across the batch).
+    # (an AVX-512/AMX Xeon, blocks of 16 rows across the batch).
     both_rows = (x if riding is None else torch.cat([x, riding], dim=2)).transpose(1, 2).contiguous()
     matrix_bytes = rows * cols * matrices.element_size()
     group = max(GRAM_SWEEP_GROUP, GRAM_SWEEP_BYTES // matrix_bytes)

@@ -1,4 +1,4 @@
-"""The metric catalogue of DESIGN.md as pure functions: tensors in, named tensors out.
+"""The metric catalogue as pure functions: tensors in, named tensors out.
 
 The one definition of each metric lives here; nothing else in the package re-derives one.
 """

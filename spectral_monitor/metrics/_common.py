@@ -7,7 +7,7 @@ from torch import Tensor
 
 METHODS = ("auto", "exact", "krylov")
 ENERGY_LEVEL = 0.99
-"""Threshold rank keeps this fraction of the squared Frobenius norm (DESIGN.md catalogue)."""
+"""Threshold rank keeps this fraction of the squared Frobenius norm (the threshold rank's definition)."""
 
 
 def check_matrices(value: object, name: str) -> Tensor:

@@ -1,6 +1,6 @@
 """Attention-matrix metrics: entropy, singular and eigen gaps, rank-one residual, ranks, Dobrushin.
 
-One definition of each (DESIGN.md's catalogue), batched over any leading dims. Two paths compute the spectral
+One definition of each, batched over any leading dims. Two paths compute the spectral
 members: "exact" (``svdvals``/``eigvals``, the reference and the small-n path) and "krylov" (block Lanczos for
 σ₁, σ₂; stochastic Lanczos quadrature for effective and threshold rank; block Arnoldi for |λ₂|), which
 touches each matrix a few dozen times instead of factorising it.

@@ -1,6 +1,6 @@
 """What random attention looks like: the baselines a measured attention spectrum is read against.
 
-Two regimes (DESIGN.md, "facts to get right"), for A = softmax(logits) over n keys, no mask:
+Two regimes, for A = softmax(logits) over n keys, no mask:
 
 - **iid logits** (every query-key logit drawn independently, standard deviation s): A = (1/n)(11ᵀ + E) with
   E an n×n matrix of nearly independent entries of variance e^{s²} − 1, so σ₁ ≈ 1 and σ₂ ≈ 2√(e^{s²} − 1)/√n
@@ -9,7 +9,7 @@ Two regimes (DESIGN.md, "facts to get right"), for A = softmax(logits) over n ke
   n = 4096, against 2√(e − 1) ≈ 2.62).
 - **real query/key logits** (scale·q_i·k_j with iid Gaussian rows q_i, k_j of width d_k, logit standard
   deviation s): to first order A ≈ (1/n)(11ᵀ + scale·QKᵀ), and QKᵀ has rank d_k with singular values near
-  ab(√n + √d_k)², so σ₂ ≈ (s/√d_k)(1 + √(d_k/n))² when n ≫ d_k (the DESIGN.md law at s = 1). It tends to
+  ab(√n + √d_k)², so σ₂ ≈ (s/√d_k)(1 + √(d_k/n))² when n ≫ d_k ((1/√d_k)(1 + √(d_k/n))² at s = 1). It tends to
   s/√d_k, not 0: random low-rank attention does not collapse as n grows. Measured within 6% for d_k ≥ 16 at
   n ≥ 32·d_k (tests/test_toolbox_sweep.py); for d_k ≤ 8 the neglected nonlinear terms add up to ~20%.
 """

@@ -79,7 +79,7 @@ def energy_rank(singular_values: Tensor, level: float) -> Tensor:
 
     The rank a truncated SVD needs to keep that fraction of ‖W‖_F² (Eckart–Young: the discarded fraction is
     then the relative squared Frobenius error, at most 1 − level). ``singular_values`` (..., k) sorted
-    descending; the threshold rank of DESIGN.md's catalogue is ``energy_rank(σ, 0.99)``.
+    descending; the attention metrics' threshold rank is ``energy_rank(σ, 0.99)``.
     """
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1:
         raise ValueError(f"level must be a fraction in (0, 1], got {level!r}")

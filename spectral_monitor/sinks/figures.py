@@ -35,7 +35,7 @@ from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
 ENERGY_LEVEL = 0.99
-"""The cumulative-energy level marked on spectrum figures: the threshold-rank definition of DESIGN.md."""
+"""The cumulative-energy level marked on spectrum figures: the threshold rank's definition."""
 LOG_DECADES = 6
 """Decades of the spectrum figure's log axis below its largest value; smaller singular values (float32
 rounding of a rank-deficient matrix) fall off its bottom."""
