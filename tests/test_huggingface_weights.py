@@ -1,8 +1,9 @@
 """The weight probe reads the query, key and value projections of Hugging Face attention as each family names
-them, per head: BERT and RoBERTa (``query``/``key``/``value``), T5 (``q``/``k``/``v``/``o``), Llama with
-grouped keys and ViT (``q_proj``/``k_proj``/``v_proj``/``o_proj``) and GPT-2 (packed ``c_attn``). Each head's
-‖W_Q^hᵀ W_K^g‖₂ and each head's σ₁ are checked against float64 SVDs of the module's own weights, split as the
-model's forward splits its heads (contiguous rows of width d_k).
+them, per head: BERT and RoBERTa (``query``/``key``/``value``), T5 (``q``/``k``/``v``/``o``), DistilBERT
+(``q_lin``/``k_lin``/``v_lin``), Llama with grouped keys and ViT (``q_proj``/``k_proj``/``v_proj``/``o_proj``)
+and GPT-2 (packed ``c_attn``). Each head's ‖W_Q^hᵀ W_K^g‖₂ and each head's σ₁ are checked against float64
+SVDs of the module's own weights, split as the model's forward splits its heads
+(contiguous rows of width d_k).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def vit() -> nn.Module:
     return transformers.ViTModel(config)
 
 
+def distilbert() -> nn.Module:
+    config = transformers.DistilBertConfig(dim=16, hidden_dim=24, n_layers=1, n_heads=4, vocab_size=VOCAB)
+    return transformers.DistilBertModel(config)
+
+
 def llama() -> nn.Module:
     config = transformers.LlamaConfig(
         hidden_size=16,
@@ -101,6 +107,9 @@ LAYOUTS = {
     ),
     "t5": Layout(t5, "encoder.block.0.layer.0.SelfAttention", ("q", "k", "v"), 3, 3, "o"),
     "vit": Layout(vit, "layers.0.attention", ("q_proj", "k_proj", "v_proj"), 4, 4, "o_proj"),
+    "distilbert": Layout(
+        distilbert, "transformer.layer.0.attention", ("q_lin", "k_lin", "v_lin"), 4, 4, "out_lin"
+    ),
     "llama": Layout(llama, "layers.0.self_attn", ("q_proj", "k_proj", "v_proj"), 4, 2, "o_proj"),
     "gpt2": Layout(gpt2, "h.0.attn", ("c_attn", "c_attn", "c_attn"), 4, 4, "c_proj"),
 }

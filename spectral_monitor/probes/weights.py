@@ -13,7 +13,8 @@ projections of every attention module the probe recognises, split out of packed 
   int head count ``n_head``, ``n_heads`` or ``num_heads`` (nanoGPT, timm, the demo model).
 - separate ``nn.Linear`` query, key and value projections (the value one optional) named ``q_proj``,
   ``k_proj``, ``v_proj`` (Hugging Face Llama, Mistral, OPT, BART, ViT, ...), ``query``, ``key``, ``value``
-  (BERT, RoBERTa, ViT before transformers 5) or ``q``, ``k``, ``v`` (T5), with an int head width
+  (BERT, RoBERTa, ViT before transformers 5), ``q``, ``k``, ``v`` (T5) or ``q_lin``, ``k_lin``, ``v_lin``
+  (DistilBERT), with an int head width
   ``head_dim``, ``attention_head_size`` or ``key_value_proj_dim``, or else an int query-head count
   ``num_heads``, ``n_heads``, ``n_head`` or ``num_attention_heads``; the key-head count follows from the key
   projection's rows (grouped-query attention). The output projection (``o_proj``, ``o``, ``dense``) is an
@@ -107,7 +108,12 @@ _CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: tra
 _PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
 _HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _HEAD_WIDTH_NAMES = ("head_dim", "attention_head_size", "key_value_proj_dim")
-_SEPARATE_PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+_SEPARATE_PROJECTION_NAMES = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("query", "key", "value"),
+    ("q", "k", "v"),
+    ("q_lin", "k_lin", "v_lin"),
+)
 _PER_HEAD_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank")
 
 
