@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.metrics import attention_metrics
-from spectral_monitor.probes import AttentionCapture, AttentionRecording
+from spectral_monitor.probes import AttentionCapture, AttentionRecording, huggingface
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 
 transformers = pytest.importorskip("transformers")
@@ -446,3 +446,31 @@ def test_a_fit_with_the_monitor_on_eager_gpt2_logs_attention_and_trains_bit_iden
     layers = {tag for tag in entropy if "/head_" not in tag}
     assert layers == {f"attention/entropy/model.transformer.h.{index}.attn" for index in range(2)}
     assert all([step for step, _ in series] == [0, 1, 2] for series in entropy.values())
+
+
+def test_a_failure_reading_an_eager_call_is_recorded_and_the_forward_goes_on_unless_strict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreadable(*args: Any) -> None:
+        raise RuntimeError("unreadable eager call")
+
+    monkeypatch.setattr(huggingface, "_report", unreadable)
+    torch.manual_seed(0)
+    model = gpt2("eager").eval()
+    inputs = batch("none")
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        with AttentionCapture(model).armed() as recording:
+            logits = model(**inputs).logits
+        assert torch.equal(logits, expected)
+        assert [skipped.layer for skipped in recording.skipped] == [
+            "transformer.h.0.attn",
+            "transformer.h.1.attn",
+        ]
+        assert all("unreadable eager call" in skipped.reason for skipped in recording.skipped)
+
+        with (
+            pytest.raises(RuntimeError, match="unreadable eager call"),
+            AttentionCapture(model, strict=True).armed(),
+        ):
+            model(**inputs)
