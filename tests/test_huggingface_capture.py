@@ -20,7 +20,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from reference_metrics import attention_reference_batch
-from reliability_helpers import fit, read_back, scalar_series, tensorboard_logger
+from reliability_helpers import fit, monitor_reports, read_back, scalar_series, tensorboard_logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -474,3 +474,29 @@ def test_a_failure_reading_an_eager_call_is_recorded_and_the_forward_goes_on_unl
             AttentionCapture(model, strict=True).armed(),
         ):
             model(**inputs)
+
+
+class HandWrittenModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8)
+        self.attention = HandWrittenAttention()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        return self.attention(self.embedding(ids)).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.slow
+def test_the_monitors_warning_for_unseen_attention_names_the_extractor_to_register(tmp_path: Path) -> None:
+    inputs = batch("right")
+    data = DataLoader(TensorDataset(inputs["input_ids"], inputs["attention_mask"]), batch_size=BATCH)
+    monitor = SpectralMonitor(every_n_steps=1, families=["attention"], figures_every_n_logs=0)
+    with monitor_reports() as reports:
+        fit(HandWrittenModel(), [monitor], tensorboard_logger(tmp_path), 2, data=data)
+    (report,) = reports.messages
+    assert "no attention-kernel call" in report
+    assert "spectral_monitor.probes.register_attention_extractor(HandWrittenAttention, extractor)" in report
