@@ -20,13 +20,13 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from reference_metrics import attention_reference_batch
-from reliability_helpers import fit, read_back, scalar_series, tensorboard_logger
+from reliability_helpers import fit, monitor_reports, read_back, scalar_series, tensorboard_logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.metrics import attention_metrics
-from spectral_monitor.probes import AttentionCapture, AttentionRecording
+from spectral_monitor.probes import AttentionCapture, AttentionRecording, huggingface
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 
 transformers = pytest.importorskip("transformers")
@@ -446,3 +446,57 @@ def test_a_fit_with_the_monitor_on_eager_gpt2_logs_attention_and_trains_bit_iden
     layers = {tag for tag in entropy if "/head_" not in tag}
     assert layers == {f"attention/entropy/model.transformer.h.{index}.attn" for index in range(2)}
     assert all([step for step, _ in series] == [0, 1, 2] for series in entropy.values())
+
+
+def test_a_failure_reading_an_eager_call_is_recorded_and_the_forward_goes_on_unless_strict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreadable(*args: Any) -> None:
+        raise RuntimeError("unreadable eager call")
+
+    monkeypatch.setattr(huggingface, "_report", unreadable)
+    torch.manual_seed(0)
+    model = gpt2("eager").eval()
+    inputs = batch("none")
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        with AttentionCapture(model).armed() as recording:
+            logits = model(**inputs).logits
+        assert torch.equal(logits, expected)
+        assert [skipped.layer for skipped in recording.skipped] == [
+            "transformer.h.0.attn",
+            "transformer.h.1.attn",
+        ]
+        assert all("unreadable eager call" in skipped.reason for skipped in recording.skipped)
+
+        with (
+            pytest.raises(RuntimeError, match="unreadable eager call"),
+            AttentionCapture(model, strict=True).armed(),
+        ):
+            model(**inputs)
+
+
+class HandWrittenModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 8)
+        self.attention = HandWrittenAttention()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, _ = batch
+        return self.attention(self.embedding(ids)).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.slow
+def test_the_monitors_warning_for_unseen_attention_names_the_extractor_to_register(tmp_path: Path) -> None:
+    inputs = batch("right")
+    data = DataLoader(TensorDataset(inputs["input_ids"], inputs["attention_mask"]), batch_size=BATCH)
+    monitor = SpectralMonitor(every_n_steps=1, families=["attention"], figures_every_n_logs=0)
+    with monitor_reports() as reports:
+        fit(HandWrittenModel(), [monitor], tensorboard_logger(tmp_path), 2, data=data)
+    (report,) = reports.messages
+    assert "no attention-kernel call" in report
+    assert "spectral_monitor.probes.register_attention_extractor(HandWrittenAttention, extractor)" in report

@@ -536,7 +536,9 @@ class _ArmedForward:
                 lambda: _captured(layer, _scaled_dot_product_inputs(*args, **kwargs), *self._sampling()),
             )
 
-    def _on_uncapturable_call(self, reason: str) -> None:
+    def _on_uncapturable_call(self, reason: str, error: Exception | None) -> None:
+        if error is not None and self._capture.strict:
+            raise error
         if not self._names or self._names[-1] in self._seen:
             return
         self._seen.add(self._names[-1])

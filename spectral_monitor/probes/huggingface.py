@@ -45,17 +45,20 @@ _LOGIT_CHANGING_ARGUMENTS = ("softcap", "sinks", "s_aux")
 ScaledDotProductCall = Callable[[tuple[Any, ...], dict[str, Any]], None]
 """Receives one attention computation as the positional and keyword arguments of an equivalent
 ``F.scaled_dot_product_attention`` call."""
+UncapturableCall = Callable[[str, Exception | None], None]
+"""Receives why one attention computation was not captured, and the error when reading it failed."""
 
 
 def observe_eager_attention(
-    model: nn.Module, on_call: ScaledDotProductCall, on_uncapturable: Callable[[str], None]
+    model: nn.Module, on_call: ScaledDotProductCall, on_uncapturable: UncapturableCall
 ) -> Callable[[], None]:
     """Reports every eager attention call of ``model``'s Hugging Face attention modules until the returned
     function is called.
 
     ``on_call(args, kwargs)`` runs after the eager function returned, inside the attention module's forward;
-    ``on_uncapturable(reason)`` instead, for an eager function whose logits are not q·k plus a mask.
-    Only calls whose module belongs to ``model`` are reported.
+    ``on_uncapturable(reason, None)`` instead, for an eager function whose logits are not q·k plus a mask,
+    and ``on_uncapturable(reason, error)`` when reading the call failed (the receiver decides whether that
+    error reaches the forward). Only calls whose module belongs to ``model`` are reported.
     """
     own_modules = {id(module) for module in model.modules()}
     replaced: dict[int, tuple[dict[str, Any], Callable[..., Any], Callable[..., Any]]] = {}
@@ -67,9 +70,12 @@ def observe_eager_attention(
         def eager_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             output = original(module, *args, **kwargs)
             if active and id(module) in own_modules:
-                call = signature.bind(module, *args, **kwargs)
-                call.apply_defaults()
-                _report(call.arguments, on_call, on_uncapturable)
+                try:
+                    call = signature.bind(module, *args, **kwargs)
+                    call.apply_defaults()
+                    _report(call.arguments, on_call, on_uncapturable)
+                except Exception as error:
+                    on_uncapturable(f"capture failed: {error!r}", error)
             return output
 
         eager_attention_forward.__wrapped__ = original  # type: ignore[attr-defined]
@@ -132,7 +138,7 @@ def attention_not_seen_advice(model: nn.Module) -> str:
 
 
 def _report(
-    arguments: dict[str, Any], on_call: ScaledDotProductCall, on_uncapturable: Callable[[str], None]
+    arguments: dict[str, Any], on_call: ScaledDotProductCall, on_uncapturable: UncapturableCall
 ) -> None:
     extra = arguments.get("kwargs", {})
     changing = [
@@ -141,7 +147,8 @@ def _report(
     if changing:
         on_uncapturable(
             f"eager attention with {', '.join(changing)} changes the logits beyond q·k plus a mask; "
-            "not captured"
+            "not captured",
+            None,
         )
         return
     query, key, value = arguments["query"], arguments["key"], arguments["value"]

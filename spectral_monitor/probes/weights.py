@@ -11,8 +11,14 @@ projections of every attention module the probe recognises, split out of packed 
   ``num_heads``; as cross-attention (``is_cross_attention``) ``c_attn`` holds [W_K | W_V] and ``q_attn`` W_Q.
 - a packed ``nn.Linear`` ``c_attn`` or ``qkv`` with rows [W_Q; W_K; W_V], heads contiguous within each, and an
   int head count ``n_head``, ``n_heads`` or ``num_heads`` (nanoGPT, timm, the demo model).
-- ``nn.Linear`` ``q_proj``, ``k_proj``, ``v_proj`` with an int ``head_dim`` (Hugging Face Llama, Mistral, OPT,
-  BART, ...; grouped-query attention included).
+- separate ``nn.Linear`` query, key and value projections (the value one optional) named ``q_proj``,
+  ``k_proj``, ``v_proj`` (Hugging Face Llama, Mistral, OPT, BART, ViT, ...), ``query``, ``key``, ``value``
+  (BERT, RoBERTa, ViT before transformers 5), ``q``, ``k``, ``v`` (T5) or ``q_lin``, ``k_lin``, ``v_lin``
+  (DistilBERT), with an int head width
+  ``head_dim``, ``attention_head_size`` or ``key_value_proj_dim``, or else an int query-head count
+  ``num_heads``, ``n_heads``, ``n_head`` or ``num_attention_heads``; the key-head count follows from the key
+  projection's rows (grouped-query attention). The output projection (``o_proj``, ``o``, ``dense``) is an
+  ``nn.Linear`` and measured as one.
 - any other layout through ``attention_readers``.
 
 Names and records (family ``"weights"``). A weight is named by its module (``blocks.0.mlp.0``); a projection
@@ -100,7 +106,14 @@ _EXACT_MAX_SIZE = 32
 _MAX_BATCH_BYTES = 256 * 2**20
 _CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
 _PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
-_HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads")
+_HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+_HEAD_WIDTH_NAMES = ("head_dim", "attention_head_size", "key_value_proj_dim")
+_SEPARATE_PROJECTION_NAMES = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("query", "key", "value"),
+    ("q", "k", "v"),
+    ("q_lin", "k_lin", "v_lin"),
+)
 _PER_HEAD_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank")
 
 
@@ -669,20 +682,26 @@ def _read_packed_linear_attention(module: nn.Module) -> AttentionWeights | None:
 
 
 def _read_separate_projection_attention(module: nn.Module) -> AttentionWeights | None:
-    projections = [module._modules.get(f"{role}_proj") for role in ("q", "k", "v")]
-    if not all(isinstance(p, nn.Linear) for p in projections[:2]):
-        return None
-    head_dim = getattr(module, "head_dim", None)
-    if not _is_positive_int(head_dim):
+    for names in _SEPARATE_PROJECTION_NAMES:
+        projections = [module._modules.get(name) for name in names]
+        if all(isinstance(projection, nn.Linear) for projection in projections[:2]):
+            break
+    else:
         return None
     query, key = (_stored_weight(projection, "weight") for projection in projections[:2])
     value = _stored_weight(projections[2], "weight") if isinstance(projections[2], nn.Linear) else None
-    if query is None or key is None or query.shape[0] % head_dim or key.shape[0] % head_dim:
+    if query is None or key is None:
+        return None
+    head_dim = next((getattr(module, name) for name in _HEAD_WIDTH_NAMES if hasattr(module, name)), None)
+    if not _is_positive_int(head_dim):
+        heads = next((getattr(module, name) for name in _HEAD_COUNT_NAMES if hasattr(module, name)), None)
+        if not _is_positive_int(heads) or query.shape[0] % heads:
+            return None
+        head_dim = query.shape[0] // heads
+    if query.shape[0] % head_dim or key.shape[0] % head_dim:
         return None
     replaces = tuple(
-        f"{role}_proj"
-        for role, projection in zip("qkv", projections, strict=True)
-        if isinstance(projection, nn.Linear)
+        name for name, projection in zip(names, projections, strict=True) if isinstance(projection, nn.Linear)
     )
     return _layout_or_none(query, key, value, query.shape[0] // head_dim, key.shape[0] // head_dim, replaces)
 

@@ -1,0 +1,198 @@
+"""The weight probe reads the query, key and value projections of Hugging Face attention as each family names
+them, per head: BERT and RoBERTa (``query``/``key``/``value``), T5 (``q``/``k``/``v``/``o``), DistilBERT
+(``q_lin``/``k_lin``/``v_lin``), Llama with grouped keys and ViT (``q_proj``/``k_proj``/``v_proj``/``o_proj``)
+and GPT-2 (packed ``c_attn``). Each head's ‖W_Q^hᵀ W_K^g‖₂ and each head's σ₁ are checked against float64
+SVDs of the module's own weights, split as the model's forward splits its heads
+(contiguous rows of width d_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_weight_probes import attention_probabilities
+from torch import nn
+
+from spectral_monitor.probes.weights import WeightProbe
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 40
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family keeps one attention module's projections, and how many heads it has."""
+
+    build: Any
+    attention: str  # the attention module's qualified name
+    projections: tuple[str, str, str]  # query, key, value submodule names (GPT-2: one packed name)
+    heads: int
+    key_heads: int
+    output: str  # the output projection, measured whole
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24, vocab_size=VOCAB
+    )
+    return transformers.BertModel(config)
+
+
+def roberta() -> nn.Module:
+    config = transformers.RobertaConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=24,
+        vocab_size=VOCAB,
+        max_position_embeddings=20,
+        pad_token_id=1,
+    )
+    return transformers.RobertaModel(config)
+
+
+def t5() -> nn.Module:
+    config = transformers.T5Config(d_model=16, d_kv=6, d_ff=24, num_layers=1, num_heads=3, vocab_size=VOCAB)
+    return transformers.T5EncoderModel(config)
+
+
+def vit() -> nn.Module:
+    config = transformers.ViTConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=24,
+        image_size=8,
+        patch_size=4,
+    )
+    return transformers.ViTModel(config)
+
+
+def distilbert() -> nn.Module:
+    config = transformers.DistilBertConfig(dim=16, hidden_dim=24, n_layers=1, n_heads=4, vocab_size=VOCAB)
+    return transformers.DistilBertModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
+    return transformers.LlamaModel(config)
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_embd=16, n_layer=1, n_head=4, n_positions=16, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2Model(config)
+
+
+LAYOUTS = {
+    "bert": Layout(bert, "encoder.layer.0.attention.self", ("query", "key", "value"), 4, 4, "output.dense"),
+    "roberta": Layout(
+        roberta, "encoder.layer.0.attention.self", ("query", "key", "value"), 4, 4, "output.dense"
+    ),
+    "t5": Layout(t5, "encoder.block.0.layer.0.SelfAttention", ("q", "k", "v"), 3, 3, "o"),
+    "vit": Layout(vit, "layers.0.attention", ("q_proj", "k_proj", "v_proj"), 4, 4, "o_proj"),
+    "distilbert": Layout(
+        distilbert, "transformer.layer.0.attention", ("q_lin", "k_lin", "v_lin"), 4, 4, "out_lin"
+    ),
+    "llama": Layout(llama, "layers.0.self_attn", ("q_proj", "k_proj", "v_proj"), 4, 2, "o_proj"),
+    "gpt2": Layout(gpt2, "h.0.attn", ("c_attn", "c_attn", "c_attn"), 4, 4, "c_proj"),
+}
+
+
+def projection_weights(model: nn.Module, layout: Layout) -> list[torch.Tensor]:
+    """W_Q, W_K, W_V as (out, in) float64, read from the model's own modules."""
+    attention = model.get_submodule(layout.attention)
+    if layout.projections[0] == "c_attn":  # a Conv1D stores (in, out) with columns [W_Q | W_K | W_V]
+        return list(attention.c_attn.weight.detach().double().T.chunk(3))
+    return [attention.get_submodule(name).weight.detach().double() for name in layout.projections]
+
+
+def largest_singular_value(matrix: torch.Tensor) -> float:
+    return float(np.linalg.svd(matrix.numpy(), compute_uv=False)[0])
+
+
+@pytest.mark.parametrize("family", LAYOUTS)
+def test_each_head_of_hugging_face_attention_is_measured_against_float64(family: str) -> None:
+    layout = LAYOUTS[family]
+    torch.manual_seed(0)
+    model = layout.build().eval()
+    records = {record.tag: record.value for record in WeightProbe(model, per_head=True).measure(0)}
+    query, key, value = projection_weights(model, layout)
+    width = query.shape[0] // layout.heads
+    group = layout.heads // layout.key_heads
+
+    def head(weight: torch.Tensor, index: int) -> torch.Tensor:
+        return weight[index * width : (index + 1) * width]
+
+    name = layout.attention
+    expected_norms = []
+    for index in range(layout.heads):
+        bilinear = head(query, index).T @ head(key, index // group)
+        expected_norms.append(largest_singular_value(bilinear))
+        assert records[f"weights/qk_spectral_norm/{name}/head_{index}"] == pytest.approx(
+            expected_norms[-1], rel=1e-5
+        )
+        assert records[f"weights/spectral_norm/{name}.q/head_{index}"] == pytest.approx(
+            largest_singular_value(head(query, index)), rel=1e-5
+        )
+    for index in range(layout.key_heads):
+        for role, weight in (("k", key), ("v", value)):
+            assert records[f"weights/spectral_norm/{name}.{role}/head_{index}"] == pytest.approx(
+                largest_singular_value(head(weight, index)), rel=1e-5
+            )
+    assert f"weights/spectral_norm/{name}.k/head_{layout.key_heads}" not in records
+    assert records[f"weights/qk_spectral_norm_max/{name}"] == pytest.approx(max(expected_norms), rel=1e-5)
+    # the projections are reported as q, k, v, not also whole under their own names; the output one is whole
+    for projection in set(layout.projections) - {"q", "k", "v"}:
+        assert f"weights/spectral_norm/{name}.{projection}" not in records
+    output = f"{name}.{layout.output}" if not layout.output.startswith("output") else None
+    if output is not None:
+        assert f"weights/spectral_norm/{output}" in records
+
+
+def test_the_bert_split_gives_the_heads_the_model_computes() -> None:
+    torch.manual_seed(1)
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=24,
+        vocab_size=VOCAB,
+        attn_implementation="eager",
+    )
+    model = transformers.BertModel(config).eval()
+    attention = model.encoder.layer[0].attention.self
+    seen = {}
+    attention.query.register_forward_hook(lambda _, args, output: seen.update(x=args[0]))
+    with torch.no_grad():
+        attentions = model(torch.randint(0, VOCAB, (2, 6)), output_attentions=True).attentions
+
+    matrices = dict(WeightProbe(model).named_matrices())
+    name = "encoder.layer.0.attention.self"
+    assert f"{name}.query" not in matrices and f"{name}.q" in matrices
+    expected = attention_probabilities(
+        seen["x"],
+        seen["x"],
+        matrices[f"{name}.q"],
+        matrices[f"{name}.k"],
+        attention.query.bias,
+        attention.key.bias,
+        4,
+    )
+    torch.testing.assert_close(attentions[0], expected)  # the same heads, in the same order
