@@ -4,6 +4,7 @@ padded queries left out, and sequences with nothing to measure reported as such,
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,3 +150,36 @@ def test_padded_queries_come_from_the_innermost_module_that_says():
 def test_token_mask_must_be_a_function_of_the_batch():
     with pytest.raises(ValueError, match="token_mask"):
         SpectralMonitor(token_mask=torch.ones(2, 3))
+
+
+@pytest.mark.slow
+def test_the_documented_extractor_example_runs(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing import event_accumulator
+    from torch.utils.data import DataLoader
+
+    from spectral_monitor.probes import attention as attention_probe
+
+    page = (Path(__file__).parent.parent / "docs" / "extractors.md").read_text()
+    example = page.split("A complete example:")[1].split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    registered = dict(attention_probe._GLOBAL_EXTRACTORS)
+    namespace: dict = {}
+    try:
+        exec(compile(example, "docs/extractors.md", "exec"), namespace)
+        generator = torch.Generator().manual_seed(0)
+        padding = (torch.arange(6) < torch.tensor([[6], [3]])).long()
+        batches = [
+            {"input_ids": torch.randint(0, 64, (2, 6), generator=generator), "attention_mask": padding}
+            for _ in range(10)
+        ]
+        trainer = namespace["trainer"]
+        trainer.fit(namespace["Encoder"](), DataLoader(batches, batch_size=None))
+    finally:
+        attention_probe._GLOBAL_EXTRACTORS.clear()
+        attention_probe._GLOBAL_EXTRACTORS.update(registered)
+    events = event_accumulator.EventAccumulator(str(trainer.logger.log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = [event.step for event in events.Scalars("attention/entropy/blocks.0.attention")]
+    assert steps == [0, 4, 9]
+    ranks = [event.value for event in events.Scalars("attention/effective_rank/blocks.1.attention")]
+    assert all(0 < rank <= 6 for rank in ranks)
