@@ -15,7 +15,7 @@ from torch import nn
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.metrics.masks import additive_mask, attendable_pattern, is_causal_pattern
-from spectral_monitor.probes import AttentionCapture
+from spectral_monitor.probes import AttentionCapture, AttentionInputs
 from spectral_monitor.probes.token_masks import ForwardTokenMasks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,3 +183,25 @@ def test_the_documented_extractor_example_runs(tmp_path, monkeypatch):
     assert steps == [0, 4, 9]
     ranks = [event.value for event in events.Scalars("attention/effective_rank/blocks.1.attention")]
     assert all(0 < rank <= 6 for rank in ranks)
+
+
+def test_an_extractor_may_say_which_queries_are_real():
+    class ByHand(nn.Module):
+        def forward(self, q, k):
+            return torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+
+    real = torch.tensor([[True, True, False, True]])
+
+    def extractor(module, args, kwargs, output):
+        q, k = args
+        return AttentionInputs(q=q, k=k, query_mask=real)
+
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    capture = AttentionCapture(ByHand(), extractors={ByHand: extractor})
+    with capture.armed() as recording:
+        capture.model(q, k)
+    assert torch.equal(recording.captured[0].query_mask, real)
+    # Combined with the batch's token mask: a query is real only if both say so.
+    with capture.armed(token_mask=torch.tensor([[True, False, True, True]])) as recording:
+        capture.model(q, k)
+    assert recording.captured[0].query_mask.tolist() == [[True, False, False, True]]
