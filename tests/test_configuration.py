@@ -57,6 +57,7 @@ BAD_VALUES = {
     "alerts": ([{"disable": ["non_finite"]}, "default"], "AlertConfig"),
     "on_alert": (["print", 3], "callable"),
     "stop_on": (["rank_collapse", ["no_such_rule"]], "rule"),
+    "token_mask": ([3, "attention_mask"], "function of the batch"),
 }
 
 BAD_CASES = [

@@ -158,6 +158,26 @@ def run_monitored(family: Family) -> MonitoredRun:
     return MonitoredRun(logged, alerts, trainer.global_step)
 
 
+def assert_conforms(family: Family, run: MonitoredRun, case: str) -> float:
+    """Asserts that what the monitor logged for ``case`` equals the reference; returns the largest error."""
+    layers, blocks = family.reference(family.cases[case])
+    return largest_error(run.logged[case], layers, blocks)
+
+
+def assert_no_false_alarm(family: Family, run: MonitoredRun) -> None:
+    """Every case ran (``stop_on=["non_finite"]`` did not stop the run) and no alert was about NaN."""
+    assert run.steps == len(family.cases)
+    assert not [event for event in run.alerts if event.rule == "non_finite"]
+
+
+def assert_far_from_uniform(family: Family) -> None:
+    """The reference attention of every layer is sharp enough that normalisations can be told apart."""
+    layers, _ = family.reference(next(iter(family.cases.values())))
+    for reference in layers:
+        entropy = _attention_per_head(reference)["entropy"]
+        assert float(np.mean(entropy)) < 0.9, f"{reference.layer}: entropy {np.mean(entropy):.3f}"
+
+
 def batch_size(batch: dict[str, Tensor]) -> int:
     return next(iter(batch.values())).shape[0]
 

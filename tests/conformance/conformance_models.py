@@ -122,7 +122,7 @@ def gpt2_family() -> Family:
         attn_implementation="sdpa",
     )
     model = GPT2LMHeadModel(config)
-    sharpen_attention(model, ("c_attn.weight",), 3.0)
+    sharpen_attention(model, ("c_attn.weight",), 25.0)
     return _hf_causal_lm_family("gpt2", model, "transformer.h", "attn", 1)
 
 
@@ -144,7 +144,7 @@ def llama_family() -> Family:
         attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config)
-    sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 4.0)
+    sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 25.0)
     return _hf_causal_lm_family("llama", model, "model.layers", "self_attn", 2)
 
 
@@ -164,7 +164,7 @@ def bert_family() -> Family:
         attn_implementation="sdpa",
     )
     model = BertModel(config)
-    sharpen_attention(model, ("query.weight", "key.weight"), 4.0)
+    sharpen_attention(model, ("query.weight", "key.weight"), 25.0)
     twin = _eager_twin(model)
     block_modules = [
         (f"model.encoder.layer.{index}", layer) for index, layer in enumerate(twin.encoder.layer)
@@ -209,7 +209,7 @@ def vit_family() -> Family:
         attn_implementation="sdpa",
     )
     model = ViTModel(config, add_pooling_layer=False)
-    sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 4.0)
+    sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 25.0)
     twin = _eager_twin(model, add_pooling_layer=False)
     layer_names = [f"layers.{index}.attention" for index in range(config.num_hidden_layers)]
     block_modules = [(f"model.layers.{index}", block) for index, block in enumerate(twin.layers)]
