@@ -250,36 +250,7 @@ def close_or_both_nan(first: torch.Tensor, second: np.ndarray | torch.Tensor) ->
     )
 
 
-def twins_gap(family: str, padding: str) -> str | None:
-    """Why the eager and sdpa twins do not yet log the same metrics in a case, or ``None``."""
-    if FAMILIES[family].causal and padding == "none":
-        return "eager's explicit causal mask is measured as non-causal, sdpa's is_causal=True as causal"
-    return None
-
-
-def reference_gap(family: str, padding: str) -> str | None:
-    """Why the logged metrics do not yet equal the definitions' float64 reference in a case, or ``None``."""
-    gaps = []
-    if FAMILIES[family].causal:
-        gaps.append("a causal pattern given as an explicit mask is measured as non-causal")
-    if padding != "none":
-        gaps.append("padded queries are kept")
-    return "; ".join(gaps) or None
-
-
-def marked_with(gap_of: Any) -> list[Any]:
-    """``CASES``, each expected to fail (strictly) where ``gap_of`` names a gap."""
-    return [
-        case
-        if gap_of(*case.values) is None
-        else pytest.param(
-            *case.values, id=case.id, marks=pytest.mark.xfail(strict=True, reason=gap_of(*case.values))
-        )
-        for case in CASES
-    ]
-
-
-@pytest.mark.parametrize(("family", "padding"), marked_with(twins_gap))
+@pytest.mark.parametrize(("family", "padding"), CASES)
 def test_eager_and_sdpa_twins_log_the_same_attention_metrics(family: str, padding: str) -> None:
     eager, sdpa = twins(family)
     inputs = batch(padding)
@@ -294,7 +265,7 @@ def test_eager_and_sdpa_twins_log_the_same_attention_metrics(family: str, paddin
             )
 
 
-@pytest.mark.parametrize(("family", "padding"), marked_with(reference_gap))
+@pytest.mark.parametrize(("family", "padding"), CASES)
 def test_eager_metrics_equal_the_float64_reference_on_real_queries_and_attendable_keys(
     family: str, padding: str
 ) -> None:
