@@ -452,7 +452,7 @@ def test_unmatched_patterns_warn_once_with_existing_module_names(tmp_path: Path)
 def test_a_tight_memory_budget_keeps_fewer_sequences_and_says_so_once(tmp_path: Path) -> None:
     # Per layer and sequence, q, k and the probabilities take 2 heads x 3 x 8 x 8 x 4 bytes = 1.5 KiB:
     # 4 KiB holds one sequence of both layers, not two.
-    monitor = SpectralMonitor(every_n_steps=1, memory_budget_mb=4 / 1024)
+    monitor = SpectralMonitor(every_n_steps=1, memory_budget_mb=4 / 1024, per_head=True)
     logger = tensorboard_logger(tmp_path)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
