@@ -103,8 +103,8 @@ FAMILIES = ("attention", "tokens", "weights")
 """What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
 ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
 
-MIN_MEMORY_BUDGET_MB = 1.0
-"""The smallest ``memory_budget_mb``: the blockwise attention path works in blocks of at least 1 MiB."""
+MIN_MEMORY_BUDGET_MB = 2**-10
+"""The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
 
 HISTOGRAM_METRICS = histogram_metrics("attention")
 """The attention metrics whose per-head values are also written as a histogram (``<metric>_per_head``), as
@@ -184,10 +184,12 @@ class SpectralMonitor(*CALLBACK_BASES):
             it). ``None``: everything.
         exclude: patterns of module names not to measure; applied after ``include``.
         max_sequences: sequences of the batch captured (the first ones: no random numbers drawn).
-        memory_budget_mb: most memory the attention capture may hold; over it fewer sequences, then heads,
-            then layers are kept, with a warning. A layer whose probabilities would not fit it, or with at
-            least ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, is measured from q and k in blocks within what is
-            left of it (``attention_metrics_from_qk``), and left out of the figures and head diversity.
+        memory_budget_mb: most memory the attention capture may hold (at least 1/1024, 1 KiB); over it
+            fewer sequences, then heads, then layers are kept, with a warning. A layer whose probabilities
+            would not fit it, or with at least ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, is measured from q
+            and k in blocks within what is left of it (``attention_metrics_from_qk``), and left out of the
+            figures and head diversity. It bounds what the capture holds, not the working memory of the
+            metrics and figures computed from it.
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
             each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
             12-head model writes 24 attention scalars per layer rather than 167; the alert rules read

@@ -441,8 +441,9 @@ def test_a_probe_batch_torch_load_would_refuse_is_left_out_and_the_run_resumes(t
         checkpoint = checkpointed_run(
             tmp_path, second_order_monitor(), NamedBatchEncoder(), data=named_batches()
         )
-    (report,) = reports.messages
+    report, end_of_run = reports.messages
     assert "checkpointing the probe batch" in report and "test_resume.TokenBatch" in report
+    assert "end of the run" in end_of_run and "checkpointing the probe batch failed at steps" in end_of_run
     assert torch.load(checkpoint)  # weights_only=True, as Lightning reads it
 
     resumed = second_order_monitor()

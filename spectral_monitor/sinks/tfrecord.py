@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import socket
 import struct
@@ -132,6 +133,10 @@ def open_for_appending(path: str) -> BinaryIO:
     return open(path, "ab", buffering=0)  # noqa: SIM115 - EventFile closes it
 
 
+_FILE_NUMBERS = itertools.count(1)
+"""Numbers the event files this process opens, so two opened within one second get distinct names."""
+
+
 class EventFile:
     """The monitor's own TensorBoard event file in a run directory, written synchronously.
 
@@ -148,7 +153,6 @@ class EventFile:
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         self.log_dir = os.fspath(log_dir)
         self._file: BinaryIO | None = None
-        self._files_opened = 0
 
     def add_summary(self, summary: Summary, step: int, walltime: float | None = None) -> None:
         """``summary`` as one event at ``step``."""
@@ -171,10 +175,9 @@ class EventFile:
 
     def _open(self) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
-        self._files_opened += 1
         name = (
             f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}."
-            f"{self._files_opened}.spectral_monitor"
+            f"{next(_FILE_NUMBERS)}.spectral_monitor"
         )
         self._file = open_for_appending(os.path.join(self.log_dir, name))
         header = Event(wall_time=time.time(), file_version="brain.Event:2")

@@ -28,15 +28,19 @@ def layer_head_distances(sample: AttentionSample) -> torch.Tensor:
     that sequence (NaN overall when it is non-finite in every sequence), as the metrics write non-finite
     data. Its matrix is not decomposed: an SVD of non-finite values fails to converge.
     """
-    probs = sample.probs.to(torch.float64)
-    # Padded queries and unattendable keys are zeroed whatever they hold (a padded row may be NaN).
-    if sample.query_mask is not None:
-        probs = torch.where(sample.query_mask[:, None, :, None], probs, 0.0)
-    if sample.key_mask is not None:
-        probs = torch.where(sample.key_mask[:, None, None, :], probs, 0.0)
-    finite = probs.isfinite().all(dim=-1).all(dim=-1)  # (S, H)
-    singular_values = torch.linalg.svdvals(torch.where(finite[..., None, None], probs, 0.0))
-    singular_values = torch.where(finite[..., None], singular_values, torch.nan)
+    sequences, heads, queries, keys = sample.probs.shape
+    # One float64 matrix at a time: the whole (S, H, n, n) batch in float64 was 128 MiB at n = 2048.
+    singular_values = torch.full((sequences, heads, min(queries, keys)), torch.nan, dtype=torch.float64)
+    for sequence in range(sequences):
+        for head in range(heads):
+            matrix = sample.probs[sequence, head].to(torch.float64)
+            # Padded queries and unattendable keys are zeroed whatever they hold (a padded row may be NaN).
+            if sample.query_mask is not None:
+                matrix = torch.where(sample.query_mask[sequence, :, None], matrix, 0.0)
+            if sample.key_mask is not None:
+                matrix = torch.where(sample.key_mask[sequence, None, :], matrix, 0.0)
+            if bool(matrix.isfinite().all()):
+                singular_values[sequence, head] = torch.linalg.svdvals(matrix)
     return head_spectral_distances(singular_values).nanmean(dim=0)
 
 
