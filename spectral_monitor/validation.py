@@ -5,19 +5,16 @@ with the argument's name and says what is allowed.
 ``ProbeDataOptions``) and the alert configuration (``AlertConfig``, ``Rule``, ``Condition``) all check
 through these functions. Booleans are ``bool`` (``"no"`` and ``1`` are refused), lists of names are lists
 (a single string is refused, not read letter by letter), and an alert's metric pattern must match a metric
-the monitor writes (:func:`known_metric_names`), with the nearest names offered when it does not.
+the monitor writes (:mod:`spectral_monitor.catalog`), with the nearest names offered when it does not.
 """
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import functools
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from spectral_monitor.metrics import ATTENTION_METRICS
+from spectral_monitor.catalog import close_metric_names, is_known_metric, metric_names
 
 __all__ = [
     "check_bool",
@@ -30,7 +27,6 @@ __all__ = [
     "check_names",
     "check_number",
     "check_patterns",
-    "known_metric_names",
 ]
 
 
@@ -146,65 +142,14 @@ def check_mapping(name: str, value: object) -> Mapping[str, Any]:
     return value
 
 
-_TOKEN_METRICS = ("cosine_similarity", "token_residual", "stable_rank", "effective_rank")
-_WEIGHT_METRICS = (
-    "spectral_norm",
-    "frobenius_norm",
-    "stable_rank",
-    "spectral_norm_residual",
-    "qk_spectral_norm",
-    "qk_spectral_norm_max",
-    "mp_edge",
-    "mp_spikes",
-    "alpha",
-    "alpha_ks_distance",
-    "energy_rank_90",
-    "energy_rank_99",
-)
-_CURVATURE_METRICS = (
-    "sharpness",
-    "sharpness_threshold",
-    "sharpness_ratio",
-    "gradient_alignment",
-    "hessian_min_eigenvalue",
-    "hessian_trace",
-    "hessian_trace_se",
-    *(f"hessian_eigenvalue_{k}" for k in range(1, 65)),
-)
-_JACOBIAN_METRICS = ("jacobian_norm", "residual_branch_norm", "end_to_end_norm")
-_NTK_METRICS = ("ntk_trace", "ntk_max_eigenvalue", "ntk_condition_number", "ntk_effective_rank")
-_OVERHEAD_METRICS = ("overhead_ms", "overhead_percent")
-
-
-@functools.cache
-def known_metric_names() -> frozenset[str]:
-    """``family/metric`` of every scalar the monitor writes: the names alert rules may read."""
-    attention = [
-        f"{metric}{suffix}"
-        for metric in (*ATTENTION_METRICS, "head_diversity")
-        for suffix in ("", "_min", "_max")
-    ]
-    names = {
-        "attention": attention,
-        "tokens": _TOKEN_METRICS,
-        "weights": _WEIGHT_METRICS,
-        "curvature": (*_CURVATURE_METRICS, *_OVERHEAD_METRICS),
-        "jacobian": (*_JACOBIAN_METRICS, *_OVERHEAD_METRICS),
-        "ntk": (*_NTK_METRICS, *_OVERHEAD_METRICS),
-        "alerts": ("open", "fired"),
-    }
-    return frozenset(f"{family}/{metric}" for family, metrics in names.items() for metric in metrics)
-
-
-def check_metric_pattern(name: str, pattern: str, known: Iterable[str] | None = None) -> str:
-    """``pattern`` if it matches at least one of ``known`` (default :func:`known_metric_names`); otherwise a
+def check_metric_pattern(name: str, pattern: str) -> str:
+    """``pattern`` if it matches a metric of the catalogue (:mod:`spectral_monitor.catalog`); otherwise a
     ValueError naming ``name`` and the closest names."""
-    known = sorted(known_metric_names() if known is None else known)
-    if any(fnmatch.fnmatchcase(metric, pattern) for metric in known):
+    if is_known_metric(pattern):
         return pattern
-    close = difflib.get_close_matches(pattern, known, n=3, cutoff=0.6)
+    close = close_metric_names(pattern)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    families = sorted({metric.split("/", 1)[0] for metric in known})
+    families = sorted({metric.split("/", 1)[0] for metric in metric_names()})
     raise ValueError(
         f"{name} {pattern!r} matches no metric the monitor writes (families {families}, "
         f"e.g. 'attention/entropy', 'weights/spectral_norm'){hint}"
