@@ -44,6 +44,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from spectral_monitor.distributed import global_rank
@@ -437,6 +438,7 @@ class SecondOrderProbes:
         self._batches: list[Any] = []
         self._curvature_warm: dict[str, CurvatureWarmStart] = {}
         self._jacobian_warm: dict[str, Tensor] = {}
+        self._jacobian_skipped_warned: set[str] = set()
         self._spaces: dict[str, ParameterSpace] | None = None
         self._space_layouts: dict[str, Layout] = {}  # of the spaces the curvature warm vectors belong to
         self._last_step = -1
@@ -614,6 +616,12 @@ class SecondOrderProbes:
             generator=self._generator,
         )
         self._jacobian_warm = norms.warm
+        for name, reason in norms.skipped.items():
+            if name not in self._jacobian_skipped_warned:
+                self._jacobian_skipped_warned.add(name)
+                rank_zero_warn(f"SpectralMonitor: the Jacobian norm of {name!r} is not measured: {reason}")
+        for layer, converged in norms.converged.items():
+            event.measurements.append(Measurement(step, "jacobian", "converged", layer, float(converged)))
         for layer, value in norms.jacobian_norm.items():
             event.measurements.append(Measurement(step, "jacobian", "jacobian_norm", layer, value))
         for layer, value in norms.residual_branch_norm.items():
@@ -660,6 +668,8 @@ def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -
         for k, value in enumerate(estimate.eigenvalues.tolist())
     ]
     records.append(Measurement(step, "curvature", "gradient_alignment", layer, estimate.gradient_alignment))
+    records.append(Measurement(step, "curvature", "converged", layer, float(estimate.converged)))
+    records.append(Measurement(step, "curvature", "hessian_products", layer, float(estimate.products)))
     edge = estimate.edge
     records.append(Measurement(step, "curvature", "sharpness", layer, estimate.sharpness))
     if edge is not None:

@@ -33,6 +33,8 @@ StopCriterion = Literal["residual", "eigenvalue"]
 STOP_CRITERIA = ("residual", "eigenvalue")
 RelativeTo = Literal["largest", "each"]
 RELATIVE_TO = ("largest", "each")
+InitMode = Literal["prepend", "mix"]
+INIT_MODES = ("prepend", "mix")
 INITIAL_BASIS_BLOCKS = 12
 """Blocks the Lanczos basis has room for before it grows: σ₁, σ₂ of softmax attention take 11–17."""
 EACH_FLOOR = 1e-3
@@ -165,6 +167,8 @@ def lanczos_eigsh(
     dtype: torch.dtype | None = None,
     criterion: StopCriterion = "residual",
     relative_to: RelativeTo = "largest",
+    init_mode: InitMode = "prepend",
+    spare_vectors: int = 0,
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
@@ -198,13 +202,17 @@ def lanczos_eigsh(
         raise ValueError(f"criterion must be one of {STOP_CRITERIA}, got {criterion!r}")
     if relative_to not in RELATIVE_TO:
         raise ValueError(f"relative_to must be one of {RELATIVE_TO}, got {relative_to!r}")
+    if init_mode not in INIT_MODES:
+        raise ValueError(f"init_mode must be one of {INIT_MODES}, got {init_mode!r}")
+    if not isinstance(spare_vectors, int) or spare_vectors < 0:
+        raise ValueError(f"spare_vectors must be an int >= 0, got {spare_vectors!r}")
     work = working_dtype(op.dtype, dtype)
     sign = 1.0 if which == "largest" else -1.0
     generator = generator if generator is not None else default_generator(op.device)
     width = min(block_size if block_size is not None else max(2 * k, 4), n)
     if width < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    warm_width = 0 if init is None else init.shape[-1]
+    warm_width = 0 if init is None or init_mode == "mix" else init.shape[-1]
     if (width + warm_width) * max_iters < k:
         raise ValueError(
             f"(block_size + warm vectors) * max_iters must be >= k={k}, "
@@ -215,8 +223,11 @@ def lanczos_eigsh(
     if init is not None:
         if init.ndim != 3 or init.shape[0] != batch or init.shape[1] != n:
             raise ValueError(f"init must have shape ({batch}, {n}, r), got {tuple(init.shape)}")
-        warm = init.to(device=op.device, dtype=work)[:, :, : max(0, n - width)]
-        start = torch.cat([warm, start], dim=2)
+        warm = init.to(device=op.device, dtype=work)
+        if init_mode == "prepend":
+            start = torch.cat([warm[:, :, : max(0, n - width)], start], dim=2)
+        else:
+            start = _mixed_start(warm, start)
 
     # Blocks and the basis are kept as rows (B, b, n): a product with the transpose of a (B, n, k) basis
     # read it with a stride, and full reorthogonalisation, which reads the whole basis twice a block, took
@@ -226,7 +237,7 @@ def lanczos_eigsh(
         return y if sign > 0 else -y
 
     values = torch.full((batch, k), float("nan"), dtype=work, device=op.device)
-    vectors = torch.zeros((batch, n, k), dtype=work, device=op.device)
+    vectors = torch.zeros((batch, n, k + spare_vectors), dtype=work, device=op.device)
     residual = torch.full((batch, k), float("inf"), dtype=work, device=op.device)
     iterations = torch.zeros(batch, dtype=torch.long, device=op.device)
     converged = torch.zeros(batch, dtype=torch.bool, device=op.device)
@@ -288,23 +299,25 @@ def lanczos_eigsh(
 
         theta, ritz = (t.to(work) for t in torch.linalg.eigh(tridiagonal.double()))
         wanted_theta = theta[:, -k:].flip(1)
-        wanted_vectors = ritz[:, :, -k:].flip(2)
-        res = (next_coupling @ wanted_vectors[:, -width_now:, :]).norm(dim=1)
+        kept_vectors = ritz[:, :, -min(k + spare_vectors, ritz.shape[2]) :].flip(2)
+        every_residual = (next_coupling @ ritz[:, -width_now:, :]).norm(dim=1)
+        res = every_residual[:, -k:].flip(1)
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
         relative = res / magnitude[:, None]
         judged_against = magnitude[:, None]
         if relative_to == "each":
             judged_against = torch.maximum(wanted_theta.abs(), EACH_FLOOR * judged_against)
-        estimate = res if criterion == "residual" else _eigenvalue_error(theta, res, k)
+        estimate = res if criterion == "residual" else _eigenvalue_error(theta, every_residual, k)
         error = estimate / judged_against
         exhausted = room <= 0
-        met = active_op.agreed((error <= tol).all(dim=1))
+        resolved = _resolves_past_wanted(theta, every_residual, k, tol * judged_against[:, -1])
+        met = active_op.agreed((error <= tol).all(dim=1) & resolved)
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
 
         if bool(finishing.any()):
             done = active[finishing]
             values[done] = sign * wanted_theta[finishing]
-            vectors[done] = basis.rows[finishing].mT @ wanted_vectors[finishing]
+            vectors[done, :, : kept_vectors.shape[2]] = basis.rows[finishing].mT @ kept_vectors[finishing]
             residual[done] = relative[finishing]
             iterations[done] = iteration
             converged[done] = met[finishing] | exhausted
@@ -333,18 +346,48 @@ def lanczos_eigsh(
     return EigenResult(values=values, vectors=vectors, info=info)
 
 
-def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
-    """min(r, r²/gap) for the top ``k`` Ritz values of ascending ``theta`` (B, m), residuals (B, k) top first.
+def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
+    """The start block (B, n, b) of a ``"mix"`` warm start: each column of ``fresh`` (random) normalised,
+    plus the normalised warm vectors, warm vector j added to column j mod b."""
+    unit = torch.finfo(fresh.dtype).tiny
+    start = fresh / fresh.norm(dim=1, keepdim=True).clamp_min(unit)
+    warm = warm / warm.norm(dim=1, keepdim=True).clamp_min(unit)
+    for column in range(warm.shape[2]):
+        start[:, :, column % start.shape[2]] += warm[:, :, column]
+    return start
 
-    The gap is to the nearest other Ritz value; the lowest Ritz value has no known gap below it, so a
-    wanted pair there (m = k) is judged by its residual alone.
+
+def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
+    """min(r, r²/δ) for the top ``k`` of the ascending Ritz values ``theta`` (B, m), from the residuals of
+    every Ritz pair ``residual`` (B, m); returned top first (B, k).
+
+    δ is the gap from θᵢ to the nearest *interval* [θⱼ − rⱼ, θⱼ + rⱼ] of another Ritz pair (each holds an
+    eigenvalue), not to θⱼ itself: a Ritz value still moving through a cluster has a wide interval, so it
+    narrows the gap instead of making it look as wide as the distance between two unresolved values. A
+    pair with no other Ritz value, or whose neighbour's interval reaches it, is judged by r alone.
     """
-    steps = theta[:, 1:] - theta[:, :-1]
-    below = torch.cat([torch.zeros_like(theta[:, :1]), steps], dim=1)
-    above = torch.cat([steps, torch.full_like(theta[:, :1], float("inf"))], dim=1)
-    gap = torch.minimum(below, above)[:, -k:].flip(1)
-    estimate = residual.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
-    return torch.minimum(residual, estimate)
+    distance = (theta[:, :, None] - theta[:, None, :]).abs() - residual[:, None, :]
+    distance.diagonal(dim1=1, dim2=2).fill_(float("inf"))
+    gap = distance.amin(dim=2).clamp_min(0)[:, -k:].flip(1)
+    wanted = residual[:, -k:].flip(1)
+    estimate = wanted.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
+    return torch.minimum(wanted, estimate)
+
+
+def _resolves_past_wanted(theta: Tensor, residual: Tensor, k: int, negligible: Tensor) -> Tensor:
+    """Whether the Krylov space has resolved the first Ritz pair past the ``k`` wanted ones (B,): its
+    residual is at most half its distance to the k-th wanted value, or ``negligible`` (B,) (it has converged
+    itself, as an exactly repeated eigenvalue does).
+
+    Without it a space whose wanted values converged first, a warm vector that is an eigenvector of the
+    second eigenvalue, or a few steps that have not yet separated a cluster, would be accepted while the
+    random part of the space still holds an unresolved value next to them: the one that would have moved
+    above them.
+    """
+    if theta.shape[1] <= k:
+        return torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
+    below = theta[:, -k - 1]
+    return residual[:, -k - 1] <= torch.maximum((theta[:, -k] - below) / 2, negligible)
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:
