@@ -169,6 +169,7 @@ def lanczos_eigsh(
     relative_to: RelativeTo = "largest",
     init_mode: InitMode = "prepend",
     spare_vectors: int = 0,
+    failure_probability: float | None = None,
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
@@ -206,6 +207,8 @@ def lanczos_eigsh(
         raise ValueError(f"init_mode must be one of {INIT_MODES}, got {init_mode!r}")
     if not isinstance(spare_vectors, int) or spare_vectors < 0:
         raise ValueError(f"spare_vectors must be an int >= 0, got {spare_vectors!r}")
+    if failure_probability is not None and not 0 < failure_probability < 1:
+        raise ValueError(f"failure_probability must be None or in (0, 1), got {failure_probability!r}")
     work = working_dtype(op.dtype, dtype)
     sign = 1.0 if which == "largest" else -1.0
     generator = generator if generator is not None else default_generator(op.device)
@@ -311,6 +314,10 @@ def lanczos_eigsh(
         error = estimate / judged_against
         exhausted = room <= 0
         resolved = _resolves_past_wanted(theta, every_residual, k, tol * judged_against[:, -1])
+        if failure_probability is not None:
+            resolved &= _krylov_certifies(
+                theta, every_residual, k, tol * judged_against, iteration - 1, n, failure_probability
+            )
         met = active_op.agreed((error <= tol).all(dim=1) & resolved)
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
 
@@ -372,6 +379,42 @@ def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
     wanted = residual[:, -k:].flip(1)
     estimate = wanted.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
     return torch.minimum(wanted, estimate)
+
+
+def _krylov_certifies(
+    theta: Tensor,
+    residual: Tensor,
+    k: int,
+    tolerance: Tensor,
+    degree: int,
+    n: int,
+    failure_probability: float,
+) -> Tensor:
+    """Whether a Krylov polynomial of ``degree`` from a random start would have shown, with probability
+    1 − ``failure_probability``, an eigenvalue hidden above each wanted Ritz value θᵢ by its gap δᵢ (B,).
+
+    The Kaniel–Paige–Saad bound: λ − θ ≤ S (tan φ₀ / T_d(1 + 2γ))² for the eigenvalue λ that the start
+    vector makes an angle φ₀ with, γ = δ/S its gap relative to the spread S of the spectrum and T_d the
+    Chebyshev polynomial of degree d. A random start (or a warm vector plus a random one, whose component
+    along any fixed direction has the same density, twice the norm) has cos φ₀ ≥ p/√n with probability at
+    least 1 − p·√(2/π), so tan φ₀ ≤ 2√n/p. The test asks T_d(1 + 2δᵢ/S) ≥ (2√n/p)·√(S/τᵢ): an eigenvalue
+    δᵢ or more above θᵢ would then have pulled a Ritz value to within τᵢ (the tolerance) of it. δᵢ is the
+    Kato–Temple gap the error bound used (to the nearest other Ritz interval), at least τᵢ; S is the span of
+    the Ritz values widened by the end ones' residuals, which can only underestimate the true spread where
+    the far end of the spectrum has not converged.
+    """
+    if theta.shape[1] <= k:
+        return torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
+    tiny = torch.finfo(theta.dtype).tiny
+    wanted = theta[:, -k:].flip(1)
+    spread = (theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None].clamp_min(tiny)
+    distance = (wanted[:, :, None] - theta[:, None, :]).abs() - residual[:, None, :]
+    own = torch.arange(theta.shape[1] - 1, theta.shape[1] - k - 1, -1, device=theta.device)
+    distance[:, torch.arange(k, device=theta.device), own] = float("inf")
+    gap = torch.maximum(distance.amin(dim=2), tolerance)
+    needed = (2 * n**0.5 / failure_probability) * (spread / tolerance.clamp_min(tiny)).sqrt()
+    reached = degree * torch.acosh(1 + 2 * gap / spread)
+    return (reached >= torch.acosh(needed.clamp_min(1))).all(dim=1)
 
 
 def _resolves_past_wanted(theta: Tensor, residual: Tensor, k: int, negligible: Tensor) -> Tensor:

@@ -203,6 +203,10 @@ WARM_SPARE_VECTORS = 3
 eigenvalues cluster (λ₂..λ₄ within 10% of λ₁), and a warm space that holds the cluster resolves the gap to
 λ₂ in its first products instead of seeing only λ₁ and the bulk."""
 
+FAILURE_PROBABILITY = 0.01
+"""Probability, over the random start, that a Hessian eigenvalue is reported converged while an eigenvalue
+more than its gap above it was never seen (:func:`~spectral_monitor.linalg.lanczos_eigsh`)."""
+
 HessianMethod = Literal["func", "autograd"]
 HESSIAN_METHODS = ("func", "autograd")
 
@@ -394,6 +398,7 @@ def hessian_eigenvalues(
         relative_to="each",
         init_mode="mix",
         spare_vectors=WARM_SPARE_VECTORS,
+        failure_probability=FAILURE_PROBABILITY,
     )
 
 
