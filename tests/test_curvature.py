@@ -21,6 +21,7 @@ from spectral_monitor.probes.curvature import (
     HessianOperator,
     ParameterSpace,
     edge_of_stability,
+    hessian_eigenvalues,
     measure_curvature,
 )
 from spectral_monitor.probes.jacobian import block_jacobian_norms
@@ -182,6 +183,46 @@ def test_warm_vectors_of_a_moved_hessian_give_the_cold_answer() -> None:
     warm = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400, warm=stale)
     assert warm.converged
     torch.testing.assert_close(warm.eigenvalues, exact, rtol=1e-5, atol=0)
+
+
+def clustered_operator(top: list[float], n: int = 400) -> tuple[DenseOperator, Tensor, Tensor]:
+    """A symmetric operator with eigenvalues ``top`` over a bulk in [-0.3, 0.6]; its eigenvectors."""
+    generator = torch.Generator().manual_seed(1)
+    bulk = torch.rand(n - len(top), generator=generator, dtype=torch.float64) * 0.9 - 0.3
+    spectrum = torch.cat([torch.tensor(top, dtype=torch.float64), bulk])
+    basis, _ = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    return DenseOperator(((basis * spectrum) @ basis.T)[None], symmetric=True), basis, spectrum
+
+
+def test_a_stale_warm_vector_inside_a_one_percent_cluster_is_not_accepted() -> None:
+    # λ₁ = 1, λ₂ = 0.995, λ₃ = 0.99; the warm vector is λ₂'s eigenvector exactly (the top one of the
+    # Hessian before an eigenvalue crossing), alone or with λ₃'s and λ₄'s.
+    op, basis, _ = clustered_operator([1.0, 0.995, 0.99])
+    for stale in (basis[:, 1:2], basis[:, 1:4]):
+        for seed in range(5):
+            result = hessian_eigenvalues(
+                op, tol=1e-3, max_products=300, init=stale, generator=torch.Generator().manual_seed(seed)
+            )
+            assert bool(result.info.converged.all())
+            assert float(result.values[0, 0]) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_each_of_the_top_k_is_within_the_tolerance_of_its_own_value() -> None:
+    # A small third eigenvalue next to a large first: judged against λ₁, 1e-3 would allow it 2% off.
+    op, _, _ = clustered_operator([20.0, 1.0, 0.95], n=300)
+    for seed in range(3):
+        result = hessian_eigenvalues(
+            op, 3, tol=1e-3, max_products=300, generator=torch.Generator().manual_seed(seed)
+        )
+        assert bool(result.info.converged.all())
+        relative = (result.values[0] - torch.tensor([20.0, 1.0, 0.95], dtype=torch.float64)).abs()
+        assert float((relative / torch.tensor([20.0, 1.0, 0.95], dtype=torch.float64)).max()) <= 1e-3
+
+
+def test_a_budget_too_small_to_certify_reports_not_converged() -> None:
+    op, _, _ = clustered_operator([1.0, 0.995, 0.99])
+    result = hessian_eigenvalues(op, tol=1e-3, max_products=12)
+    assert not bool(result.info.converged.any())
 
 
 class HeldBackOperator(DenseOperator):
@@ -351,6 +392,53 @@ def test_block_jacobian_norms_match_the_svd_of_the_explicit_jacobian() -> None:
         )
     composed = jacobian(lambda s: layers[1](layers[0](s[None]))[0], inputs[0])
     assert norms.end_to_end_norm == pytest.approx(float(torch.linalg.matrix_norm(composed, 2)), rel=1e-6)
+
+
+class ResidualMLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mlp(x)
+
+
+class ResidualMLP(nn.Module):
+    """Residual blocks on plain (batch, features) input."""
+
+    def __init__(self, width: int = 6, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ResidualMLPBlock(width) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_jacobian_sigma_1_stays_exact_over_warm_events_of_a_moving_residual_mlp() -> None:
+    # Each event warm-starts from the last one's vectors while the weights move between events, as in
+    # training: the norm of every event must be σ₁ of the explicit Jacobian, not a stale σ₂.
+    torch.manual_seed(0)
+    model = ResidualMLP().double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    warm, generator = None, torch.Generator().manual_seed(0)
+    for _ in range(8):
+        norms = block_jacobian_norms(
+            model, lambda: model(x), sequence=2, tol=1e-6, max_iters=60, warm=warm, generator=generator
+        )
+        warm = norms.warm
+        assert not norms.skipped and all(norms.converged.values())
+        state = x[2]
+        for index, block in enumerate(model.blocks):
+            explicit = torch.autograd.functional.jacobian(lambda s, block=block: block(s[None])[0], state)
+            assert norms.jacobian_norm[f"blocks.{index}"] == pytest.approx(
+                float(torch.linalg.matrix_norm(explicit, 2)), rel=1e-5
+            )
+            state = block(state[None])[0].detach()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter), alpha=0.15)
 
 
 @pytest.mark.parametrize("max_bytes", [2**30, 0])

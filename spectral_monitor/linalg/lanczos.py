@@ -37,6 +37,9 @@ InitMode = Literal["prepend", "mix"]
 INIT_MODES = ("prepend", "mix")
 INITIAL_BASIS_BLOCKS = 12
 """Blocks the Lanczos basis has room for before it grows: σ₁, σ₂ of softmax attention take 11–17."""
+CERTAINTY = 0.01
+"""The ``failure_probability`` the probes' solves certify their answers to: the chance, over the random
+start, that an eigenvalue above a reported one was never seen (:func:`lanczos_eigsh`)."""
 EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
 instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
@@ -453,6 +456,7 @@ def top_singular(
     return_vectors: bool | Literal["left", "right"] = True,
     criterion: StopCriterion = "residual",
     relative_to: RelativeTo = "largest",
+    failure_probability: float | None = None,
 ) -> SingularResult:
     """The ``k`` largest singular triplets of a batch of (possibly rectangular) matrices ``(B, m, n)``.
 
@@ -481,6 +485,7 @@ def top_singular(
         dtype=work,
         criterion=criterion,
         relative_to=relative_to,
+        failure_probability=failure_probability,
     )
     sigma = result.values.clamp_min(0).sqrt()
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]

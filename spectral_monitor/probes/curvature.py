@@ -41,6 +41,7 @@ from spectral_monitor.linalg import (
     lanczos_eigsh,
     lanczos_quadrature,
 )
+from spectral_monitor.linalg.lanczos import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 
 __all__ = [
@@ -202,10 +203,6 @@ WARM_SPARE_VECTORS = 3
 """Ritz vectors kept past the wanted ones for the next event's warm start: at the edge of stability the top
 eigenvalues cluster (λ₂..λ₄ within 10% of λ₁), and a warm space that holds the cluster resolves the gap to
 λ₂ in its first products instead of seeing only λ₁ and the bulk."""
-
-FAILURE_PROBABILITY = 0.01
-"""Probability, over the random start, that a Hessian eigenvalue is reported converged while an eigenvalue
-more than its gap above it was never seen (:func:`~spectral_monitor.linalg.lanczos_eigsh`)."""
 
 HessianMethod = Literal["func", "autograd"]
 HESSIAN_METHODS = ("func", "autograd")
@@ -398,7 +395,7 @@ def hessian_eigenvalues(
         relative_to="each",
         init_mode="mix",
         spare_vectors=WARM_SPARE_VECTORS,
-        failure_probability=FAILURE_PROBABILITY,
+        failure_probability=CERTAINTY,
     )
 
 

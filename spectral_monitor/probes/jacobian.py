@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from spectral_monitor.linalg import FunctionOperator, top_singular
+from spectral_monitor.linalg.lanczos import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 from spectral_monitor.probes.residual import _batch_first, _first_tensor, find_transformer_blocks
 
@@ -246,5 +247,6 @@ def _spectral_norm(
         init=init,
         generator=generator,
         return_vectors="right",
+        failure_probability=CERTAINTY,
     )
     return float(result.values[0, 0]), bool(result.info.converged.all()), result.right[0].detach().clone()
