@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, nargs="+", default=[0.8, 1.2])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -124,7 +124,10 @@ class CurvatureOptions:
             block name to ``fnmatch`` patterns over parameter names. Each block is its own layer.
         whole_model: measure the Hessian over every trainable parameter (layer ``"model"``).
         max_products: Hessian-vector products each Lanczos run may spend per event.
-        tol: estimated eigenvalue error, relative to the largest |eigenvalue|, at which Lanczos stops.
+        tol: eigenvalue error bound, relative to each eigenvalue itself, at which Lanczos stops (with the
+            cluster past it resolved and the gap certified from the random start: ``docs/curvature.md``).
+            Every event also writes ``converged`` (1 or 0) and ``hessian_products``; the alerts never read
+            a layer's values at an event that did not converge.
         method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
         checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
             resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
@@ -226,7 +229,9 @@ class JacobianOptions:
         residual_branch: also ‖J − I‖₂ (``residual_branch_norm``).
         end_to_end: also the norm from the first block's input to the last block's output.
         max_iters: Lanczos iterations (of two products each way) per norm.
-        tol: relative Ritz residual of the Gram operator at which Lanczos stops.
+        tol: relative Ritz residual of the Gram operator at which Lanczos stops (with the gap to σ₂
+            certified from the random start); each block writes ``converged`` (1 or 0), and the alerts
+            never read a block's norms at an event that did not converge.
     """
 
     every_n_steps: int = 100

@@ -1,13 +1,35 @@
 """Batched block Lanczos with full reorthogonalisation: extreme eigenpairs and top singular triplets.
 
 One Krylov process runs for every batch element at once (a batch of attention heads, of layers, or a single
-Hessian). Each element stops on its own Ritz residual; when most of a batch has converged the operator is
-restricted to the rest, so finished elements stop costing products.
+Hessian). Each element stops on its own test; when most of a batch has converged the operator is restricted
+to the rest, so finished elements stop costing products.
 
-Warm start: previous Ritz vectors are *prepended* to a random block of the cold width. The warm Krylov space
-then contains the cold one at every iteration, so by the min-max principle its extreme Ritz values are at
-least as accurate as a cold start's after the same number of iterations, whatever the warm vectors are worth
-(the guard); a good warm start converges after one or two block products.
+What ``converged`` means. A Ritz pair (θ, y) with residual r = ‖Op y − θ y‖ has an eigenvalue within r of θ
+(the residual bound, for any symmetric operator). If that eigenvalue is the only one within δ of θ, it is
+within r²/δ of θ (Kato–Temple). The solver takes δ as the distance from θ to the nearest *interval*
+[θⱼ − rⱼ, θⱼ + rⱼ] of another Ritz pair, so an unresolved neighbour narrows the gap instead of widening it,
+and asks for three things: min(r, r²/δ) within ``tol`` of the eigenvalue (of each wanted one with
+``relative_to="each"``); the first Ritz pair past the wanted ones resolved (its residual at most half its
+distance to them, or converged itself); and, with ``failure_probability`` p, a Krylov polynomial of high
+enough degree that an eigenvalue δ or more above θ, had the space missed it, would have pulled a Ritz value
+to it from a random start with probability 1 − p (the Kaniel–Paige–Saad bound, :func:`_krylov_certifies`).
+
+When it can still fail. A Krylov method sees nothing of an eigenvector orthogonal to its start space: the
+guarantee is over the random start, not over the operator. A Gaussian start has a component below p/√n
+along a fixed eigenvector with probability about p·√(2/π); the degree test is sized for that. The spread of
+the spectrum in that test is the Ritz values' span (widened by the end residuals), which underestimates the
+true spread until the far end has converged, so the test can be optimistic early. Without
+``failure_probability`` only the first two tests apply: a cluster the space has not yet split (1% apart,
+say) can then pass as one eigenvalue. Exactly repeated eigenvalues need a block at least as wide as the
+multiplicity. Products are formed in the operator's dtype; in float32 the residuals bottom out near 1e-7
+of the largest |θ|.
+
+Warm starts. ``init_mode="prepend"``: previous Ritz vectors are put in front of a random block of the cold
+width; the warm Krylov space contains the cold one at every iteration, so by the min-max principle its
+extreme Ritz values are at least as accurate as a cold start's after the same number of iterations.
+``init_mode="mix"``: each warm vector is added to a random start vector, so a single-vector Lanczos keeps
+its width and every start vector keeps a random component along every eigenvector. Either way the answer
+is accepted only by the same test as a cold one.
 """
 
 from __future__ import annotations
@@ -50,7 +72,8 @@ class ConvergenceInfo:
     """How an iterative estimate converged, per batch element.
 
     ``iterations``: block iterations used; ``residual``: Ritz residual norms ‖Op y − θ y‖ of the returned
-    pairs, relative to max |θ|; ``converged``: every returned pair met the tolerance; ``products``: total
+    pairs, relative to max |θ|; ``converged``: every returned pair passed the test of
+    :func:`lanczos_eigsh`; ``products``: total
     operator-vector products spent on the whole batch (one block product of width b counts b per element).
     """
 
@@ -62,7 +85,8 @@ class ConvergenceInfo:
 
 @dataclass
 class EigenResult:
-    """Extreme eigenpairs of a batch of symmetric operators: ``values`` (B, k), ``vectors`` (B, n, k)."""
+    """Extreme eigenpairs of a batch of symmetric operators: ``values`` (B, k), ``vectors`` (B, n, k), or
+    (B, n, k + spare) with ``spare_vectors``."""
 
     values: Tensor
     vectors: Tensor
@@ -177,18 +201,20 @@ def lanczos_eigsh(
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
     Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair meets
-    ``tol`` · max|θ| by ``criterion``: ``"residual"``, the Ritz residual r (an eigenvalue lies within r of
-    θ: a bound on the error, usually far above it); ``"eigenvalue"``, the estimated eigenvalue error
-    min(r, r²/gap) with the gap to the nearest other Ritz value (the Kato–Temple bound with the Ritz gap
-    standing in for the unknown true one: an estimate, not a bound, that stops as soon as the eigenvalue is
-    good enough instead of its vector). ``relative_to="each"`` judges each wanted pair against its own |θᵢ|
-    (floored at ``EACH_FLOOR`` · max|θ|) instead of the largest: a small wanted eigenvalue next to a large one
-    (σ₂² of attention with a sink, 2e-3 σ₁²) is then resolved to ``tol`` of itself, not of the large one.
-    An element whose product is non-finite stops with NaN values, not
-    converged. A ``block_size`` below ``k`` is allowed (single-vector Lanczos
-    needs the fewest products when exact multiplicities are not expected). ``init`` (B, n, r) warm-starts
-    from earlier vectors (the module docstring says why it is safe).
-    ``max_iters`` caps block iterations; ``info`` says what each element reached.
+    ``tol`` by ``criterion`` and the space has resolved the Ritz pair past them (the module docstring says
+    what that guarantees and assumes): ``"residual"``, the Ritz residual r (an eigenvalue lies within r of
+    θ: a bound on the error, usually far above it); ``"eigenvalue"``, the Kato–Temple error min(r, r²/δ)
+    with δ the gap to the nearest other Ritz interval. ``relative_to="largest"`` judges against max|θ|;
+    ``"each"`` judges each wanted pair against its own |θᵢ| (floored at ``EACH_FLOOR`` · max|θ|, where float
+    rounding of the products, not θ, sets the scale an error can reach). ``failure_probability`` adds the
+    Kaniel–Paige–Saad degree test, which makes a cluster the space has not split, or a warm vector that is an
+    eigenvector of a lower eigenvalue, cost products instead of accuracy.
+    An element whose product is non-finite stops with NaN values, not converged. A ``block_size`` below
+    ``k`` is allowed (single-vector Lanczos needs the fewest products when exact multiplicities are not
+    expected). ``init`` (B, n, r) warm-starts from earlier vectors, as ``init_mode`` says. ``spare_vectors``:
+    that many Ritz vectors past the wanted ones are returned too (``vectors`` is (B, n, k + spare), the
+    spare ones not judged), for the next warm start to hold a cluster. ``max_iters`` caps block iterations;
+    ``info`` says what each element reached (``converged`` False where the cap came first).
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
     if not op.symmetric:
@@ -462,7 +488,8 @@ def top_singular(
 
     Block Lanczos on the Gram operator (AᵀA or AAᵀ, whichever is smaller); ``init`` holds earlier right
     singular vectors (B, n, r) for a warm start. Tolerance is on the Gram operator's Ritz residual, relative
-    to σ₁² (``criterion`` and ``relative_to`` as :func:`lanczos_eigsh` has them, on σᵢ²). ``return_vectors``
+    to σ₁² (``criterion``, ``relative_to`` and ``failure_probability`` as :func:`lanczos_eigsh` has them, on
+    σᵢ²). ``return_vectors``
     says which singular vectors to return (``True``: both, as scipy's ``svds``):
     the Gram operator's own side comes free, the other costs one more product.
     """

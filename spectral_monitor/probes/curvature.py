@@ -4,9 +4,9 @@ Everything here takes a module and a *loss closure* (no Lightning). The closure 
 inside :func:`~spectral_monitor.probes._autodiff.probing`; its gradient's graph is built once per event
 and kept, so every Hessian-vector product of every Lanczos iteration (and of the trace and density) is
 one backward through that cached graph, batched over a block of vectors when the block is wider than one.
-``benchmarks/README.md`` has the measurements behind the defaults: ``torch.func`` reverse-over-reverse,
+``docs/curvature.md`` has the measurements behind the defaults: ``torch.func`` reverse-over-reverse,
 single-vector Lanczos (on the CPU a batched pass over b vectors costs about b single products), and a stop
-on the estimated eigenvalue error rather than on the Ritz residual.
+on an eigenvalue error bound whose gap is certified from the random start.
 
 The Hessian is an operator of :mod:`spectral_monitor.linalg`, so the engine's block Lanczos (top-k largest
 algebraic eigenvalues, per-event product budget, warm start from the last event's Ritz vectors),
@@ -508,7 +508,8 @@ class CurvatureEstimate:
     ``min_eigenvalue``: the most negative (smallest algebraic) eigenvalue if asked; ``trace``: Hutch++;
     ``density``: quadrature nodes and weights of the spectral density; ``gradient_alignment``: |cos| of the
     top eigenvector with the gradient; ``products``: Hessian-vector products spent; ``converged``: every
-    Lanczos run met its tolerance within its budget; ``warm``: vectors for the next event.
+    Lanczos run passed its test within its budget (:func:`hessian_eigenvalues`); the values are returned
+    either way; ``warm``: vectors for the next event.
     """
 
     eigenvalues: Tensor
@@ -549,7 +550,7 @@ def measure_curvature(
     ``probing(module, mode)``: nothing of the module, its ``.grad`` or the RNG streams changes.
     ``method``: how Hessian-vector products are formed (:class:`HessianOperator`).
     ``max_products`` bounds each Lanczos run (top-k, most negative, preconditioned top-1), which stops
-    at an estimated relative eigenvalue error ``tol`` (:func:`hessian_eigenvalues`, block width
+    when each eigenvalue's error bound is within ``tol`` of itself (:func:`hessian_eigenvalues`, block width
     ``block_size``);
     ``trace_products`` > 0 (at least 6) adds the Hutch++ trace, ``density_probes`` > 1 the quadrature of
     the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
