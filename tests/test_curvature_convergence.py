@@ -10,6 +10,7 @@ explicit float64 Hessian's λ₁ computed by a dense symmetric eigensolver.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ EOS_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "eos_accura
 def eos_accuracy():
     spec = importlib.util.spec_from_file_location("eos_accuracy", EOS_SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -85,8 +85,7 @@ class ConvergenceInfo:
 
 @dataclass
 class EigenResult:
-    """Extreme eigenpairs of a batch of symmetric operators: ``values`` (B, k), ``vectors`` (B, n, k), or
-    (B, n, k + spare) with ``spare_vectors``."""
+    """Extreme eigenpairs of a batch of symmetric operators: ``values`` (B, k), ``vectors`` (B, n, k)."""
 
     values: Tensor
     vectors: Tensor
@@ -195,7 +194,6 @@ def lanczos_eigsh(
     criterion: StopCriterion = "residual",
     relative_to: RelativeTo = "largest",
     init_mode: InitMode = "prepend",
-    spare_vectors: int = 0,
     failure_probability: float | None = None,
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
@@ -211,9 +209,8 @@ def lanczos_eigsh(
     eigenvector of a lower eigenvalue, cost products instead of accuracy.
     An element whose product is non-finite stops with NaN values, not converged. A ``block_size`` below
     ``k`` is allowed (single-vector Lanczos needs the fewest products when exact multiplicities are not
-    expected). ``init`` (B, n, r) warm-starts from earlier vectors, as ``init_mode`` says. ``spare_vectors``:
-    that many Ritz vectors past the wanted ones are returned too (``vectors`` is (B, n, k + spare), the
-    spare ones not judged), for the next warm start to hold a cluster. ``max_iters`` caps block iterations;
+    expected). ``init`` (B, n, r) warm-starts from earlier vectors, as ``init_mode`` says. ``max_iters`` caps
+    block iterations;
     ``info`` says what each element reached (``converged`` False where the cap came first).
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
@@ -234,8 +231,6 @@ def lanczos_eigsh(
         raise ValueError(f"relative_to must be one of {RELATIVE_TO}, got {relative_to!r}")
     if init_mode not in INIT_MODES:
         raise ValueError(f"init_mode must be one of {INIT_MODES}, got {init_mode!r}")
-    if not isinstance(spare_vectors, int) or spare_vectors < 0:
-        raise ValueError(f"spare_vectors must be an int >= 0, got {spare_vectors!r}")
     if failure_probability is not None and not 0 < failure_probability < 1:
         raise ValueError(f"failure_probability must be None or in (0, 1), got {failure_probability!r}")
     work = working_dtype(op.dtype, dtype)
@@ -269,7 +264,7 @@ def lanczos_eigsh(
         return y if sign > 0 else -y
 
     values = torch.full((batch, k), float("nan"), dtype=work, device=op.device)
-    vectors = torch.zeros((batch, n, k + spare_vectors), dtype=work, device=op.device)
+    vectors = torch.zeros((batch, n, k), dtype=work, device=op.device)
     residual = torch.full((batch, k), float("inf"), dtype=work, device=op.device)
     iterations = torch.zeros(batch, dtype=torch.long, device=op.device)
     converged = torch.zeros(batch, dtype=torch.bool, device=op.device)
@@ -331,7 +326,7 @@ def lanczos_eigsh(
 
         theta, ritz = (t.to(work) for t in torch.linalg.eigh(tridiagonal.double()))
         wanted_theta = theta[:, -k:].flip(1)
-        kept_vectors = ritz[:, :, -min(k + spare_vectors, ritz.shape[2]) :].flip(2)
+        wanted_vectors = ritz[:, :, -k:].flip(2)
         every_residual = (next_coupling @ ritz[:, -width_now:, :]).norm(dim=1)
         res = every_residual[:, -k:].flip(1)
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
@@ -353,7 +348,7 @@ def lanczos_eigsh(
         if bool(finishing.any()):
             done = active[finishing]
             values[done] = sign * wanted_theta[finishing]
-            vectors[done, :, : kept_vectors.shape[2]] = basis.rows[finishing].mT @ kept_vectors[finishing]
+            vectors[done] = basis.rows[finishing].mT @ wanted_vectors[finishing]
             residual[done] = relative[finishing]
             iterations[done] = iteration
             converged[done] = met[finishing] | exhausted

@@ -199,11 +199,6 @@ class ParameterSpace:
         return self.flatten([p.detach()[None] for p in self.parameters])[0]
 
 
-WARM_SPARE_VECTORS = 3
-"""Ritz vectors kept past the wanted ones for the next event's warm start: at the edge of stability the top
-eigenvalues cluster (λ₂..λ₄ within 10% of λ₁), and a warm space that holds the cluster resolves the gap to
-λ₂ in its first products instead of seeing only λ₁ and the bulk."""
-
 HessianMethod = Literal["func", "autograd"]
 HESSIAN_METHODS = ("func", "autograd")
 
@@ -394,7 +389,6 @@ def hessian_eigenvalues(
         criterion="eigenvalue",
         relative_to="each",
         init_mode="mix",
-        spare_vectors=WARM_SPARE_VECTORS,
         failure_probability=CERTAINTY,
     )
 
