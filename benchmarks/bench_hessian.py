@@ -11,8 +11,9 @@ relative error of a float64 reference; the first setting that meets it is kept, 
 (counted by wrapping each method's own Hessian-vector product). Then time: every method at its setting, and
 one training step (forward + gradient), run interleaved ``--repeats`` times; each time is the median, each
 ratio the median of the per-round ratios (so load that comes and goes on a shared machine hits all sides
-alike), with their range in brackets. Every time includes building the graph the products need (PyHessian's and ours: one forward and a
-``create_graph`` gradient, kept; hessian-eigenthings rebuilds it for every product).
+alike), with their range in brackets. Every time includes building the graph the products need
+(PyHessian's and ours: one forward and a ``create_graph`` gradient, kept; hessian-eigenthings rebuilds it
+for every product).
 
 Warm rows start from Ritz vectors of an earlier event: on the same Hessian (the best case), and from the
 model five AdamW steps earlier (what a callback sees when it probes often). The float64 reference is the

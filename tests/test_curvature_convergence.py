@@ -44,7 +44,7 @@ def test_every_sharpness_logged_at_the_edge_of_stability_is_the_exact_top_eigenv
     assert all(event.converged for event in events)
     # The run is at the edge for its second half: the exact ratio λ₁η/2 hovers around 1 there.
     late = [event.exact * learning_rate / 2 for event in events if event.step >= 250]
-    assert 0.9 <= min(late) and max(late) <= 1.2, late
+    assert min(late) >= 0.9 and max(late) <= 1.2, late
 
 
 def test_the_report_counts_the_events_that_did_not_converge(
