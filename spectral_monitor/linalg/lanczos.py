@@ -16,7 +16,9 @@ to it from a random start with probability 1 − p (the Kaniel–Paige–Saad bo
 
 When it can still fail. A Krylov method sees nothing of an eigenvector orthogonal to its start space: the
 guarantee is over the random start, not over the operator. A Gaussian start has a component below p/√n
-along a fixed eigenvector with probability about p·√(2/π); the degree test is sized for that. The spread of
+along a fixed eigenvector with probability about p·√(2/π); the degree test is sized for that. It covers an
+unseen eigenvalue δ or more above θ; one closer than δ is excluded only by the Ritz intervals (an unsplit
+cluster shows there as a wide interval next to θ, which shrinks δ, but nothing proves it must). The spread of
 the spectrum in that test is the Ritz values' span (widened by the end residuals), which underestimates the
 true spread until the far end has converged, so the test can be optimistic early. Without
 ``failure_probability`` only the first two tests apply: a cluster the space has not yet split (1% apart,
