@@ -44,7 +44,7 @@ The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whiche
 lies within about half of it (relative) of the estimate. It is σ₁ when the Krylov space has seen σ₁'s
 vector, which a cold start's random block does with high probability; a warm estimate runs a fixed
 ``iterations_per_step`` and is not certified (``docs/curvature.md`` says what a certified solve costs), so
-after two singular values cross it can follow the one that was on top for a few steps.
+after two singular values cross it can follow the one that was on top.
 ‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
 
 Sharded models: under FSDP a weight is whole only inside ``spectral_monitor.distributed.full_parameters``
