@@ -147,7 +147,7 @@ class CurvatureOptions:
     density_steps: int = 30
     blocks: list[str] | dict[str, list[str]] | None = None
     whole_model: bool = True
-    max_products: int = 64
+    max_products: int = 128
     tol: float = 1e-3
     method: HessianMethod = "func"
     checkpoint_warm_vectors: bool = True
