@@ -23,8 +23,8 @@ the spectrum in that test is the Ritz values' span (widened by the end residuals
 true spread until the far end has converged, so the test can be optimistic early. Without
 ``failure_probability`` only the first two tests apply: a cluster the space has not yet split (1% apart,
 say) can then pass as one eigenvalue. Exactly repeated eigenvalues need a block at least as wide as the
-multiplicity. Products are formed in the operator's dtype; in float32 the residuals bottom out near 1e-7
-of the largest |θ|.
+multiplicity. Products are formed in the operator's dtype; in float32 a residual cannot fall much below
+float32 rounding of the largest |θ|.
 
 Warm starts. ``init_mode="prepend"``: previous Ritz vectors are put in front of a random block of the cold
 width; the warm Krylov space contains the cold one at every iteration, so by the min-max principle its
