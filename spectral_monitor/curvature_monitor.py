@@ -240,7 +240,7 @@ class JacobianOptions:
     sequence: int = 0
     residual_branch: bool = True
     end_to_end: bool = True
-    max_iters: int = 20
+    max_iters: int = 40
     tol: float = 1e-3
 
     def __post_init__(self) -> None:

@@ -108,7 +108,7 @@ def block_jacobian_norms(
     residual_branch: bool = True,
     end_to_end: bool = True,
     tol: float = 1e-3,
-    max_iters: int = 20,
+    max_iters: int = 40,
     warm: dict[str, Tensor] | None = None,
     mode: ProbeMode = "eval",
     generator: torch.Generator | None = None,
