@@ -1,8 +1,8 @@
 """Top Hessian eigenvalues: spectral-monitor's curvature probe against PyHessian and hessian-eigenthings.
 
 Same model (the demo transformer, 2 layers, d = 64), same batch, eval mode, math SDPA kernel for everyone,
-in one process, at two points of training: after 20 AdamW steps (early, where power iteration does best),
-and trained, after 300 steps (loss 0.005: one outlier eigenvalue over a bulk whose top values nearly
+in one process, at three points of training: after 20 AdamW steps (early, where power iteration does best),
+100 (mid) and 300 (trained, loss 0.005: one outlier eigenvalue over a bulk whose top values nearly
 coincide).
 
 Accuracy first: each method's own knob (PyHessian's ``tol``,
@@ -11,8 +11,9 @@ relative error of a float64 reference; the first setting that meets it is kept, 
 (counted by wrapping each method's own Hessian-vector product). Then time: every method at its setting, and
 one training step (forward + gradient), run interleaved ``--repeats`` times; each time is the median, each
 ratio the median of the per-round ratios (so load that comes and goes on a shared machine hits all sides
-alike). Every time includes building the graph the products need (PyHessian's and ours: one forward and a
-``create_graph`` gradient, kept; hessian-eigenthings rebuilds it for every product).
+alike), with their range in brackets. Every time includes building the graph the products need
+(PyHessian's and ours: one forward and a ``create_graph`` gradient, kept; hessian-eigenthings rebuilds it
+for every product).
 
 Warm rows start from Ritz vectors of an earlier event: on the same Hessian (the best case), and from the
 model five AdamW steps earlier (what a callback sees when it probes often). The float64 reference is the
@@ -51,7 +52,7 @@ from spectral_monitor.probes.curvature import (
 
 TARGET = 1e-3
 TOLERANCES = (1e-3, 5e-4, 2e-4, 1e-4, 5e-5, 2e-5, 1e-5, 1e-6)
-TRAINING_STEPS = (20, 300)
+TRAINING_STEPS = (20, 100, 300)
 WARM_LAG = 5
 
 
@@ -236,7 +237,7 @@ def compare(training_steps: int, repeats: int, widths: bool) -> None:
                     case.label,
                     str(case.products),
                     f"{statistics.median(times):.3f}",
-                    f"{statistics.median(t / b for t, b in zip(times, baseline, strict=True)):.2f}",
+                    _median_and_range([t / b for t, b in zip(times, baseline, strict=True)]),
                     f"{statistics.median(t / s for t, s in zip(times, steps, strict=True)):.1f}",
                     f"{case.error:.1e}",
                     f"max_iter={case.setting}"
@@ -318,6 +319,11 @@ def float64_reference(model: DemoTransformer, tokens: torch.Tensor, targets: tor
     if not all(run.converged for run in runs) or disagreement > 1e-8:
         raise RuntimeError(f"the float64 references disagree by {disagreement:.1e}")
     return first.tolist()
+
+
+def _median_and_range(ratios: list[float]) -> str:
+    """The median of per-round ratios and their range: the spread a shared machine puts on them."""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
 def timed(run: Callable[[], object]) -> float:

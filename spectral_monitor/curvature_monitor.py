@@ -124,14 +124,17 @@ class CurvatureOptions:
             block name to ``fnmatch`` patterns over parameter names. Each block is its own layer.
         whole_model: measure the Hessian over every trainable parameter (layer ``"model"``).
         max_products: Hessian-vector products each Lanczos run may spend per event.
-        tol: estimated eigenvalue error, relative to the largest |eigenvalue|, at which Lanczos stops.
+        tol: eigenvalue error bound, relative to each eigenvalue itself, at which Lanczos stops (with the
+            cluster past it resolved and the gap certified from the random start: ``docs/curvature.md``).
+            Every event also writes ``converged`` (1 or 0) and ``hessian_products``; the alerts never read
+            a layer's values at an event that did not converge.
         method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
         checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
             resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
             (``"model"`` and each block) ``top_k`` vectors, one more with ``min_eigenvalue``, one more under
-            Adam/AdamW (the preconditioned sharpness), each as many float32 numbers (float64 for float64
-            parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds 800 MB
-            to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
+            Adam, AdamW or RMSprop (the preconditioned sharpness), each as many float32 numbers (float64 for
+            float64 parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds
+            800 MB to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
             probe batch is checkpointed either way.
     """
 
@@ -144,7 +147,7 @@ class CurvatureOptions:
     density_steps: int = 30
     blocks: list[str] | dict[str, list[str]] | None = None
     whole_model: bool = True
-    max_products: int = 64
+    max_products: int = 128
     tol: float = 1e-3
     method: HessianMethod = "func"
     checkpoint_warm_vectors: bool = True
@@ -203,7 +206,9 @@ class JacobianOptions:
         residual_branch: also ‖J − I‖₂ (``residual_branch_norm``).
         end_to_end: also the norm from the first block's input to the last block's output.
         max_iters: Lanczos iterations (of two products each way) per norm.
-        tol: relative Ritz residual of the Gram operator at which Lanczos stops.
+        tol: relative Ritz residual of the Gram operator at which Lanczos stops (with the gap to σ₂
+            certified from the random start); each block writes ``converged`` (1 or 0), and the alerts
+            never read a block's norms at an event that did not converge.
     """
 
     every_n_steps: int = 100
@@ -212,7 +217,7 @@ class JacobianOptions:
     sequence: int = 0
     residual_branch: bool = True
     end_to_end: bool = True
-    max_iters: int = 20
+    max_iters: int = 40
     tol: float = 1e-3
 
     def __post_init__(self) -> None:
@@ -389,6 +394,7 @@ class SecondOrderProbes:
         self._batches: list[Any] = []
         self._curvature_warm: dict[str, CurvatureWarmStart] = {}
         self._jacobian_warm: dict[str, Tensor] = {}
+        self._jacobian_skipped_warned: set[str] = set()
         self._spaces: dict[str, ParameterSpace] | None = None
         self._space_layouts: dict[str, Layout] = {}  # of the spaces the curvature warm vectors belong to
         self._last_step = -1
@@ -566,6 +572,12 @@ class SecondOrderProbes:
             generator=self._generator,
         )
         self._jacobian_warm = norms.warm
+        for name, reason in norms.skipped.items():
+            if name not in self._jacobian_skipped_warned:
+                self._jacobian_skipped_warned.add(name)
+                rank_zero_warn(f"SpectralMonitor: the Jacobian norm of {name!r} is not measured: {reason}")
+        for layer, converged in norms.converged.items():
+            event.measurements.append(Measurement(step, "jacobian", "converged", layer, float(converged)))
         for layer, value in norms.jacobian_norm.items():
             event.measurements.append(Measurement(step, "jacobian", "jacobian_norm", layer, value))
         for layer, value in norms.residual_branch_norm.items():
@@ -612,6 +624,8 @@ def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -
         for k, value in enumerate(estimate.eigenvalues.tolist())
     ]
     records.append(Measurement(step, "curvature", "gradient_alignment", layer, estimate.gradient_alignment))
+    records.append(Measurement(step, "curvature", "converged", layer, float(estimate.converged)))
+    records.append(Measurement(step, "curvature", "hessian_products", layer, float(estimate.products)))
     edge = estimate.edge
     records.append(Measurement(step, "curvature", "sharpness", layer, estimate.sharpness))
     if edge is not None:

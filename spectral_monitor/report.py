@@ -201,6 +201,8 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
         print()
         print(_text_table(rows))
         print(_text_alerts(alerts))
+        if convergence := _text_convergence(run):
+            print(convergence)
         plots = _write_plots(run, folder)
         markdown = folder / "report.md"
         markdown.write_text(_markdown(path, judged, rows, alerts, run.alert_tables, plots, folder))
@@ -350,6 +352,18 @@ def _text_alerts(alerts: dict[str, list[tuple[int, int]]]) -> str:
         at = ", ".join(f"{step}" if count == 1 else f"{step} (×{count})" for step, count in steps)
         lines.append(f"  {rule}: {total} at step{'s' if len(steps) > 1 else ''} {at}")
     return "\n".join(lines)
+
+
+def _text_convergence(run: RunScalars) -> str:
+    """How many curvature and Jacobian events (per family, over all layers) did not converge: their values
+    are logged but no alert reads them."""
+    counts = []
+    for family in ("curvature", "jacobian"):
+        flags = run.series.get(f"{family}/converged", {})
+        if flags:
+            values = np.concatenate([values for _, values in flags.values()])
+            counts.append(f"{family} {int((values == 0).sum())} of {values.size}")
+    return f"not converged: {', '.join(counts)}" if counts else ""
 
 
 def _markdown(

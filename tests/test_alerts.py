@@ -394,3 +394,20 @@ def test_the_dashboard_groups_charts_by_diagnosis_with_the_sharpness_margin() ->
         ("curvature/sharpness/model", "curvature/sharpness/model", "curvature/sharpness_threshold/model"),
     )
     assert "sharpness vs its edge of stability" not in diagnosis_layout(tags[:6])["Curvature"]
+
+
+def test_values_flagged_not_converged_never_reach_a_rule() -> None:
+    # The edge-of-stability rule, patience 1: a ratio of 3 fires it only where the solve converged.
+    rule = Rule("edge", [Condition("curvature/sharpness_ratio", ">=", 1.5, clear=1.2)], patience=1)
+
+    def events(converged: float) -> list:
+        engine = AlertEngine([rule])
+        records = [
+            Measurement(7, "curvature", "sharpness_ratio", "model", 3.0),
+            Measurement(7, "curvature", "converged", "model", converged),
+            Measurement(7, "curvature", "converged", "mlp", 1.0),
+        ]
+        return [(event.step, event.kind) for event in engine.evaluate(7, records)]
+
+    assert events(converged=1.0) == [(7, "fired")]
+    assert events(converged=0.0) == []

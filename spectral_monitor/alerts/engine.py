@@ -134,7 +134,9 @@ class AlertEngine:
     """Evaluates ``rules`` on each logging step's records and keeps their state.
 
     Records of families no rule reads are ignored, and a rule whose metrics are absent (curvature not
-    measured) is simply never evaluated.
+    measured) is simply never evaluated. An iterative estimate that did not converge is never read: where a
+    step's records hold ``family/converged/layer`` = 0 (the curvature and Jacobian probes write one per
+    layer), that family's other records of that layer at that step are dropped before any rule sees them.
     """
 
     def __init__(self, rules: Sequence[Rule]) -> None:
@@ -173,7 +175,7 @@ class AlertEngine:
 
     def evaluate(self, step: int, records: Iterable[Measurement]) -> list[AlertEvent]:
         """Advance every rule by one evaluation on ``records`` (one logging step); the events it caused."""
-        records = list(records)
+        records = _converged_only(list(records))
         relative = self._relative_values(records)
         lengths = _attention_lengths(records)
         events = []
@@ -349,6 +351,25 @@ class AlertEngine:
             )
             self._relative_reads[family_metric] = kinds
         return kinds
+
+
+CONVERGED_METRIC = "converged"
+
+
+def _converged_only(records: list[Measurement]) -> list[Measurement]:
+    """``records`` less those of each (family, layer) whose ``converged`` record says 0."""
+    unconverged = {
+        (record.family, record.layer)
+        for record in records
+        if record.metric == CONVERGED_METRIC and record.value == 0
+    }
+    if not unconverged:
+        return records
+    return [
+        record
+        for record in records
+        if record.metric == CONVERGED_METRIC or (record.family, record.layer) not in unconverged
+    ]
 
 
 def _units_of(

@@ -1,13 +1,37 @@
 """Batched block Lanczos with full reorthogonalisation: extreme eigenpairs and top singular triplets.
 
 One Krylov process runs for every batch element at once (a batch of attention heads, of layers, or a single
-Hessian). Each element stops on its own Ritz residual; when most of a batch has converged the operator is
-restricted to the rest, so finished elements stop costing products.
+Hessian). Each element stops on its own test; when most of a batch has converged the operator is restricted
+to the rest, so finished elements stop costing products.
 
-Warm start: previous Ritz vectors are *prepended* to a random block of the cold width. The warm Krylov space
-then contains the cold one at every iteration, so by the min-max principle its extreme Ritz values are at
-least as accurate as a cold start's after the same number of iterations, whatever the warm vectors are worth
-(the guard); a good warm start converges after one or two block products.
+What ``converged`` means. A Ritz pair (θ, y) with residual r = ‖Op y − θ y‖ has an eigenvalue within r of θ
+(the residual bound, for any symmetric operator). If that eigenvalue is the only one within δ of θ, it is
+within r²/δ of θ (Kato–Temple). The solver takes δ as the distance from θ to the nearest *interval*
+[θⱼ − rⱼ, θⱼ + rⱼ] of another Ritz pair, so an unresolved neighbour narrows the gap instead of widening it,
+and asks for three things: min(r, r²/δ) within ``tol`` of the eigenvalue (of each wanted one with
+``relative_to="each"``); the first Ritz pair past the wanted ones resolved (its residual at most half its
+distance to them, or converged itself); and, with ``failure_probability`` p, a Krylov polynomial of high
+enough degree that an eigenvalue δ or more above θ, had the space missed it, would have pulled a Ritz value
+to it from a random start with probability 1 − p (the Kaniel–Paige–Saad bound, :func:`_krylov_certifies`).
+
+When it can still fail. A Krylov method sees nothing of an eigenvector orthogonal to its start space: the
+guarantee is over the random start, not over the operator. A Gaussian start has a component below p/√n
+along a fixed eigenvector with probability about p·√(2/π); the degree test is sized for that. It covers an
+unseen eigenvalue δ or more above θ; one closer than δ is excluded only by the Ritz intervals (an unsplit
+cluster shows there as a wide interval next to θ, which shrinks δ, but nothing proves it must). The spread of
+the spectrum in that test is the Ritz values' span (widened by the end residuals), which underestimates the
+true spread until the far end has converged, so the test can be optimistic early. Without
+``failure_probability`` only the first two tests apply: a cluster the space has not yet split (1% apart,
+say) can then pass as one eigenvalue. Exactly repeated eigenvalues need a block at least as wide as the
+multiplicity. Products are formed in the operator's dtype; in float32 a residual cannot fall much below
+float32 rounding of the largest |θ|.
+
+Warm starts. ``init_mode="prepend"``: previous Ritz vectors are put in front of a random block of the cold
+width; the warm Krylov space contains the cold one at every iteration, so by the min-max principle its
+extreme Ritz values are at least as accurate as a cold start's after the same number of iterations.
+``init_mode="mix"``: each warm vector is added to a random start vector, so a single-vector Lanczos keeps
+its width and every start vector keeps a random component along every eigenvector. Either way the answer
+is accepted only by the same test as a cold one.
 """
 
 from __future__ import annotations
@@ -33,8 +57,13 @@ StopCriterion = Literal["residual", "eigenvalue"]
 STOP_CRITERIA = ("residual", "eigenvalue")
 RelativeTo = Literal["largest", "each"]
 RELATIVE_TO = ("largest", "each")
+InitMode = Literal["prepend", "mix"]
+INIT_MODES = ("prepend", "mix")
 INITIAL_BASIS_BLOCKS = 12
 """Blocks the Lanczos basis has room for before it grows: σ₁, σ₂ of softmax attention take 11–17."""
+CERTAINTY = 0.01
+"""The ``failure_probability`` the probes' solves certify their answers to: the chance, over the random
+start, that an eigenvalue above a reported one was never seen (:func:`lanczos_eigsh`)."""
 EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
 instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
@@ -45,7 +74,8 @@ class ConvergenceInfo:
     """How an iterative estimate converged, per batch element.
 
     ``iterations``: block iterations used; ``residual``: Ritz residual norms ‖Op y − θ y‖ of the returned
-    pairs, relative to max |θ|; ``converged``: every returned pair met the tolerance; ``products``: total
+    pairs, relative to max |θ|; ``converged``: every returned pair passed the test of
+    :func:`lanczos_eigsh`; ``products``: total
     operator-vector products spent on the whole batch (one block product of width b counts b per element).
     """
 
@@ -165,22 +195,25 @@ def lanczos_eigsh(
     dtype: torch.dtype | None = None,
     criterion: StopCriterion = "residual",
     relative_to: RelativeTo = "largest",
+    init_mode: InitMode = "prepend",
+    failure_probability: float | None = None,
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
     Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair meets
-    ``tol`` · max|θ| by ``criterion``: ``"residual"``, the Ritz residual r (an eigenvalue lies within r of
-    θ: a bound on the error, usually far above it); ``"eigenvalue"``, the estimated eigenvalue error
-    min(r, r²/gap) with the gap to the nearest other Ritz value (the Kato–Temple bound with the Ritz gap
-    standing in for the unknown true one: an estimate, not a bound, that stops as soon as the eigenvalue is
-    good enough instead of its vector). ``relative_to="each"`` judges each wanted pair against its own |θᵢ|
-    (floored at ``EACH_FLOOR`` · max|θ|) instead of the largest: a small wanted eigenvalue next to a large one
-    (σ₂² of attention with a sink, 2e-3 σ₁²) is then resolved to ``tol`` of itself, not of the large one.
-    An element whose product is non-finite stops with NaN values, not
-    converged. A ``block_size`` below ``k`` is allowed (single-vector Lanczos
-    needs the fewest products when exact multiplicities are not expected). ``init`` (B, n, r) warm-starts
-    from earlier vectors (the module docstring says why it is safe).
-    ``max_iters`` caps block iterations; ``info`` says what each element reached.
+    ``tol`` by ``criterion`` and the space has resolved the Ritz pair past them (the module docstring says
+    what that guarantees and assumes): ``"residual"``, the Ritz residual r (an eigenvalue lies within r of
+    θ: a bound on the error, usually far above it); ``"eigenvalue"``, the Kato–Temple error min(r, r²/δ)
+    with δ the gap to the nearest other Ritz interval. ``relative_to="largest"`` judges against max|θ|;
+    ``"each"`` judges each wanted pair against its own |θᵢ| (floored at ``EACH_FLOOR`` · max|θ|, where float
+    rounding of the products, not θ, sets the scale an error can reach). ``failure_probability`` adds the
+    Kaniel–Paige–Saad degree test, which makes a cluster the space has not split, or a warm vector that is an
+    eigenvector of a lower eigenvalue, cost products instead of accuracy.
+    An element whose product is non-finite stops with NaN values, not converged. A ``block_size`` below
+    ``k`` is allowed (single-vector Lanczos needs the fewest products when exact multiplicities are not
+    expected). ``init`` (B, n, r) warm-starts from earlier vectors, as ``init_mode`` says. ``max_iters`` caps
+    block iterations;
+    ``info`` says what each element reached (``converged`` False where the cap came first).
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
     if not op.symmetric:
@@ -198,13 +231,17 @@ def lanczos_eigsh(
         raise ValueError(f"criterion must be one of {STOP_CRITERIA}, got {criterion!r}")
     if relative_to not in RELATIVE_TO:
         raise ValueError(f"relative_to must be one of {RELATIVE_TO}, got {relative_to!r}")
+    if init_mode not in INIT_MODES:
+        raise ValueError(f"init_mode must be one of {INIT_MODES}, got {init_mode!r}")
+    if failure_probability is not None and not 0 < failure_probability < 1:
+        raise ValueError(f"failure_probability must be None or in (0, 1), got {failure_probability!r}")
     work = working_dtype(op.dtype, dtype)
     sign = 1.0 if which == "largest" else -1.0
     generator = generator if generator is not None else default_generator(op.device)
     width = min(block_size if block_size is not None else max(2 * k, 4), n)
     if width < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    warm_width = 0 if init is None else init.shape[-1]
+    warm_width = 0 if init is None or init_mode == "mix" else init.shape[-1]
     if (width + warm_width) * max_iters < k:
         raise ValueError(
             f"(block_size + warm vectors) * max_iters must be >= k={k}, "
@@ -215,8 +252,11 @@ def lanczos_eigsh(
     if init is not None:
         if init.ndim != 3 or init.shape[0] != batch or init.shape[1] != n:
             raise ValueError(f"init must have shape ({batch}, {n}, r), got {tuple(init.shape)}")
-        warm = init.to(device=op.device, dtype=work)[:, :, : max(0, n - width)]
-        start = torch.cat([warm, start], dim=2)
+        warm = init.to(device=op.device, dtype=work)
+        if init_mode == "prepend":
+            start = torch.cat([warm[:, :, : max(0, n - width)], start], dim=2)
+        else:
+            start = _mixed_start(warm, start)
 
     # Blocks and the basis are kept as rows (B, b, n): a product with the transpose of a (B, n, k) basis
     # read it with a stride, and full reorthogonalisation, which reads the whole basis twice a block, took
@@ -289,16 +329,22 @@ def lanczos_eigsh(
         theta, ritz = (t.to(work) for t in torch.linalg.eigh(tridiagonal.double()))
         wanted_theta = theta[:, -k:].flip(1)
         wanted_vectors = ritz[:, :, -k:].flip(2)
-        res = (next_coupling @ wanted_vectors[:, -width_now:, :]).norm(dim=1)
+        every_residual = (next_coupling @ ritz[:, -width_now:, :]).norm(dim=1)
+        res = every_residual[:, -k:].flip(1)
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
         relative = res / magnitude[:, None]
         judged_against = magnitude[:, None]
         if relative_to == "each":
             judged_against = torch.maximum(wanted_theta.abs(), EACH_FLOOR * judged_against)
-        estimate = res if criterion == "residual" else _eigenvalue_error(theta, res, k)
+        estimate = res if criterion == "residual" else _eigenvalue_error(theta, every_residual, k)
         error = estimate / judged_against
         exhausted = room <= 0
-        met = active_op.agreed((error <= tol).all(dim=1))
+        resolved = _resolves_past_wanted(theta, every_residual, k, tol * judged_against[:, -1])
+        if failure_probability is not None:
+            resolved &= _krylov_certifies(
+                theta, every_residual, k, tol * judged_against, iteration - 1, n, failure_probability
+            )
+        met = active_op.agreed((error <= tol).all(dim=1) & resolved)
         finishing = (met | exhausted | (iteration == max_iters)) & ~settled
 
         if bool(finishing.any()):
@@ -333,18 +379,84 @@ def lanczos_eigsh(
     return EigenResult(values=values, vectors=vectors, info=info)
 
 
-def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
-    """min(r, r²/gap) for the top ``k`` Ritz values of ascending ``theta`` (B, m), residuals (B, k) top first.
+def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
+    """The start block (B, n, b) of a ``"mix"`` warm start: each column of ``fresh`` (random) normalised,
+    plus the normalised warm vectors, warm vector j added to column j mod b."""
+    unit = torch.finfo(fresh.dtype).tiny
+    start = fresh / fresh.norm(dim=1, keepdim=True).clamp_min(unit)
+    warm = warm / warm.norm(dim=1, keepdim=True).clamp_min(unit)
+    for column in range(warm.shape[2]):
+        start[:, :, column % start.shape[2]] += warm[:, :, column]
+    return start
 
-    The gap is to the nearest other Ritz value; the lowest Ritz value has no known gap below it, so a
-    wanted pair there (m = k) is judged by its residual alone.
+
+def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
+    """min(r, r²/δ) for the top ``k`` of the ascending Ritz values ``theta`` (B, m), from the residuals of
+    every Ritz pair ``residual`` (B, m); returned top first (B, k).
+
+    δ is the gap from θᵢ to the nearest *interval* [θⱼ − rⱼ, θⱼ + rⱼ] of another Ritz pair (each holds an
+    eigenvalue), not to θⱼ itself: a Ritz value still moving through a cluster has a wide interval, so it
+    narrows the gap instead of making it look as wide as the distance between two unresolved values. A
+    pair with no other Ritz value, or whose neighbour's interval reaches it, is judged by r alone.
     """
-    steps = theta[:, 1:] - theta[:, :-1]
-    below = torch.cat([torch.zeros_like(theta[:, :1]), steps], dim=1)
-    above = torch.cat([steps, torch.full_like(theta[:, :1], float("inf"))], dim=1)
-    gap = torch.minimum(below, above)[:, -k:].flip(1)
-    estimate = residual.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
-    return torch.minimum(residual, estimate)
+    distance = (theta[:, :, None] - theta[:, None, :]).abs() - residual[:, None, :]
+    distance.diagonal(dim1=1, dim2=2).fill_(float("inf"))
+    gap = distance.amin(dim=2).clamp_min(0)[:, -k:].flip(1)
+    wanted = residual[:, -k:].flip(1)
+    estimate = wanted.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
+    return torch.minimum(wanted, estimate)
+
+
+def _krylov_certifies(
+    theta: Tensor,
+    residual: Tensor,
+    k: int,
+    tolerance: Tensor,
+    degree: int,
+    n: int,
+    failure_probability: float,
+) -> Tensor:
+    """Whether a Krylov polynomial of ``degree`` from a random start would have shown, with probability
+    1 − ``failure_probability``, an eigenvalue hidden above each wanted Ritz value θᵢ by its gap δᵢ (B,).
+
+    The Kaniel–Paige–Saad bound: λ − θ ≤ S (tan φ₀ / T_d(1 + 2γ))² for the eigenvalue λ that the start
+    vector makes an angle φ₀ with, γ = δ/S its gap relative to the spread S of the spectrum and T_d the
+    Chebyshev polynomial of degree d. A random start (or a warm vector plus a random one, whose component
+    along any fixed direction has the same density, twice the norm) has cos φ₀ ≥ p/√n with probability at
+    least 1 − p·√(2/π), so tan φ₀ ≤ 2√n/p. The test asks T_d(1 + 2δᵢ/S) ≥ (2√n/p)·√(S/τᵢ): an eigenvalue
+    δᵢ or more above θᵢ would then have pulled a Ritz value to within τᵢ (the tolerance) of it. δᵢ is the
+    Kato–Temple gap the error bound used (to the nearest other Ritz interval), at least τᵢ; S is the span of
+    the Ritz values widened by the end ones' residuals, which can only underestimate the true spread where
+    the far end of the spectrum has not converged.
+    """
+    if theta.shape[1] <= k:
+        return torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
+    tiny = torch.finfo(theta.dtype).tiny
+    wanted = theta[:, -k:].flip(1)
+    spread = (theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None].clamp_min(tiny)
+    distance = (wanted[:, :, None] - theta[:, None, :]).abs() - residual[:, None, :]
+    own = torch.arange(theta.shape[1] - 1, theta.shape[1] - k - 1, -1, device=theta.device)
+    distance[:, torch.arange(k, device=theta.device), own] = float("inf")
+    gap = torch.maximum(distance.amin(dim=2), tolerance)
+    needed = (2 * n**0.5 / failure_probability) * (spread / tolerance.clamp_min(tiny)).sqrt()
+    reached = degree * torch.acosh(1 + 2 * gap / spread)
+    return (reached >= torch.acosh(needed.clamp_min(1))).all(dim=1)
+
+
+def _resolves_past_wanted(theta: Tensor, residual: Tensor, k: int, negligible: Tensor) -> Tensor:
+    """Whether the Krylov space has resolved the first Ritz pair past the ``k`` wanted ones (B,): its
+    residual is at most half its distance to the k-th wanted value, or ``negligible`` (B,) (it has converged
+    itself, as an exactly repeated eigenvalue does).
+
+    Without it a space whose wanted values converged first, a warm vector that is an eigenvector of the
+    second eigenvalue, or a few steps that have not yet separated a cluster, would be accepted while the
+    random part of the space still holds an unresolved value next to them: the one that would have moved
+    above them.
+    """
+    if theta.shape[1] <= k:
+        return torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
+    below = theta[:, -k - 1]
+    return residual[:, -k - 1] <= torch.maximum((theta[:, -k] - below) / 2, negligible)
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:
@@ -367,12 +479,14 @@ def top_singular(
     return_vectors: bool | Literal["left", "right"] = True,
     criterion: StopCriterion = "residual",
     relative_to: RelativeTo = "largest",
+    failure_probability: float | None = None,
 ) -> SingularResult:
     """The ``k`` largest singular triplets of a batch of (possibly rectangular) matrices ``(B, m, n)``.
 
     Block Lanczos on the Gram operator (AᵀA or AAᵀ, whichever is smaller); ``init`` holds earlier right
     singular vectors (B, n, r) for a warm start. Tolerance is on the Gram operator's Ritz residual, relative
-    to σ₁² (``criterion`` and ``relative_to`` as :func:`lanczos_eigsh` has them, on σᵢ²). ``return_vectors``
+    to σ₁² (``criterion``, ``relative_to`` and ``failure_probability`` as :func:`lanczos_eigsh` has them, on
+    σᵢ²). ``return_vectors``
     says which singular vectors to return (``True``: both, as scipy's ``svds``):
     the Gram operator's own side comes free, the other costs one more product.
     """
@@ -395,6 +509,7 @@ def top_singular(
         dtype=work,
         criterion=criterion,
         relative_to=relative_to,
+        failure_probability=failure_probability,
     )
     sigma = result.values.clamp_min(0).sqrt()
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))[:, None, :]

@@ -4,9 +4,9 @@ Everything here takes a module and a *loss closure* (no Lightning). The closure 
 inside :func:`~spectral_monitor.probes._autodiff.probing`; its gradient's graph is built once per event
 and kept, so every Hessian-vector product of every Lanczos iteration (and of the trace and density) is
 one backward through that cached graph, batched over a block of vectors when the block is wider than one.
-``benchmarks/README.md`` has the measurements behind the defaults: ``torch.func`` reverse-over-reverse,
+``docs/curvature.md`` has the measurements behind the defaults: ``torch.func`` reverse-over-reverse,
 single-vector Lanczos (on the CPU a batched pass over b vectors costs about b single products), and a stop
-on the estimated eigenvalue error rather than on the Ritz residual.
+on an eigenvalue error bound whose gap is certified from the random start.
 
 The Hessian is an operator of :mod:`spectral_monitor.linalg`, so the engine's block Lanczos (top-k largest
 algebraic eigenvalues, per-event product budget, warm start from the last event's Ritz vectors),
@@ -14,8 +14,9 @@ Hutch++ and stochastic Lanczos quadrature all apply to it unchanged.
 
 Edge of stability (Cohen et al. 2021, 2022): gradient descent with step η cannot stay where λ_max(H) >
 2/η; with heavy-ball momentum β the edge is (2 + 2β)/η; Adam's is reached by the *preconditioned*
-sharpness λ_max(P^-1/2 H P^-1/2), P = diag(√v̂ + ε), at (2 + 2β₁)/((1 − β₁)η).
-:func:`edge_of_stability` reads η, β and P from a ``torch.optim`` optimizer's own state.
+sharpness λ_max(P^-1/2 H P^-1/2), P = (1 − β₁ᵗ)·diag(√(v/(1 − β₂ᵗ)) + ε), at (2 + 2β₁)/((1 − β₁)η).
+:func:`edge_of_stability` reads η, β, t and P from a ``torch.optim`` optimizer's own state (SGD, Adam,
+AdamW, RMSprop).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from spectral_monitor.linalg import (
     lanczos_eigsh,
     lanczos_quadrature,
 )
+from spectral_monitor.linalg.lanczos import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 
 __all__ = [
@@ -346,7 +348,7 @@ def hessian_eigenvalues(
     k: int = 1,
     *,
     which: str = "largest",
-    max_products: int = 64,
+    max_products: int = 128,
     tol: float = 1e-4,
     block_size: int = 1,
     init: Tensor | None = None,
@@ -354,20 +356,20 @@ def hessian_eigenvalues(
 ) -> EigenResult:
     """The ``k`` largest (or smallest) algebraic eigenpairs of a Hessian operator within a product budget.
 
-    Lanczos of width ``block_size``, which stops when every eigenvalue's estimated error
-    (``criterion="eigenvalue"`` of :func:`lanczos_eigsh`) is within ``tol`` of the largest |eigenvalue|, or
-    when the next block would exceed ``max_products``. Width 1 by default: on the CPU a batched pass over b
-    vectors costs about b single products and single-vector Lanczos reaches 1e-3 in the fewest products
-    (``benchmarks/README.md``); a width of at least the multiplicity is needed to resolve exactly repeated
-    eigenvalues.
+    Lanczos of width ``block_size`` that stops when each eigenvalue's error bound is within ``tol`` of that
+    eigenvalue and the space has resolved the Ritz value past the wanted ones (``criterion="eigenvalue"``,
+    ``relative_to="each"`` of :func:`~spectral_monitor.linalg.lanczos_eigsh`, whose docstring says what the
+    bound assumes), or when the next block would exceed ``max_products`` (``converged`` is then False).
+    Width 1 by default: on the CPU a batched pass over b vectors costs about b single products and
+    single-vector Lanczos reaches 1e-3 in the fewest products; a width of at least the multiplicity is
+    needed to resolve exactly repeated eigenvalues.
 
-    Warm vectors ``init`` (n, r) are tried first, in one block with ``block_size`` random vectors: if that
-    block meets ``tol``, r + ``block_size`` products were enough. Otherwise the Hessian has moved too far
-    for them to help, and a cold start follows. Continuing the Krylov process from them instead costs r +
-    ``block_size`` products per iteration (measured: 12 products for the top-1 from vectors five AdamW
-    steps old where a cold start takes 8), and can settle on the second eigenvalue first when the top
-    eigenvector has turned away from them (an eigenvalue crossing). So a warm start never costs more than
-    r + ``block_size`` products over a cold one.
+    Warm vectors ``init`` (n, r), the last event's Ritz vectors, are mixed into the random start
+    (``init_mode="mix"``): every start vector is a random direction plus a warm one, so the Krylov space
+    holds the warm directions from the first product and keeps a cold start's chance at every eigenvector,
+    one the warm vectors have turned away from included. The warm answer is accepted by the same test as a
+    cold one, so a stale vector inside a cluster (an eigenvector of λ₂ after an eigenvalue crossing) costs
+    products, not accuracy.
     """
     if max_products < k:
         raise ValueError(f"max_products must be >= k={k}, got {max_products}")
@@ -375,26 +377,30 @@ def hessian_eigenvalues(
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     width = min(block_size, op.cols)
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
-    options = dict(which=which, block_size=width, tol=tol, generator=generator, criterion="eigenvalue")
-    spent, cold_start = 0, generator.get_state()
-    if init is not None and k <= init.shape[-1] + width <= max_products - k:
-        warm = lanczos_eigsh(op, k, max_iters=1, init=init.reshape(1, op.cols, -1), **options)
-        if bool(warm.info.converged.all()):
-            return warm
-        spent = warm.info.products
-        generator.set_state(cold_start)  # the cold start a run without warm vectors would make
-    cold = lanczos_eigsh(op, k, max_iters=max((max_products - spent) // width, -(-k // width)), **options)
-    cold.info.products += spent
-    return cold
+    return lanczos_eigsh(
+        op,
+        k,
+        which=which,
+        block_size=width,
+        tol=tol,
+        max_iters=max(max_products // width, -(-k // width)),
+        init=None if init is None else init.reshape(1, op.cols, -1),
+        generator=generator,
+        criterion="eigenvalue",
+        relative_to="each",
+        init_mode="mix",
+        failure_probability=CERTAINTY,
+    )
 
 
 @dataclass
 class EdgeOfStability:
     """The threshold the sharpness is compared with, and the preconditioner that defines it.
 
-    ``kind``: ``"sgd"``, ``"momentum"``, ``"nesterov"`` or ``"adam"``; ``threshold``: 2/η, (2 + 2β)/η,
-    (2 + 2β)/((1 + 2β)η) or (2 + 2β₁)/((1 − β₁)η); ``preconditioner``: for Adam, P = √v̂ + ε over the
-    space (size,), else None (the sharpness is then λ_max(H) itself).
+    ``kind``: ``"sgd"``, ``"momentum"``, ``"nesterov"``, ``"rmsprop"`` or ``"adam"``; ``threshold``: 2/η,
+    (2 + 2β)/((1 − d)η), (2 + 2β)/((1 + 2β)η), 2/η or (2 + 2β)/η for RMSprop with momentum β, and
+    (2 + 2β₁)/((1 − β₁)η); ``preconditioner``: for Adam and RMSprop the diagonal P over the space (size,),
+    else None (the sharpness is then λ_max(H) itself). ``docs/curvature.md`` derives each one.
     """
 
     kind: str
@@ -403,11 +409,25 @@ class EdgeOfStability:
     preconditioner: Tensor | None = None
 
 
+PRECONDITIONED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+"""Optimizers whose sharpness is the preconditioned one, λ_max(P^-1/2 H P^-1/2)."""
+
+
 def edge_of_stability(optimizer: torch.optim.Optimizer, space: ParameterSpace) -> EdgeOfStability | None:
     """The edge of stability of ``optimizer`` over ``space``, from its hyper-parameters and state.
 
-    ``None`` when it is not defined: an optimizer other than SGD, Adam or AdamW; parameter groups with
-    different learning rates or betas over the space; Adam before its first step (no v̂ yet).
+    Gradient descent on a quadratic with curvature λ is stable while λ < threshold; for a preconditioned
+    method the threshold applies to the preconditioned Hessian P^-1/2 H P^-1/2 (Cohen et al. 2022,
+    "Adaptive gradient methods at the edge of stability", arXiv:2207.14484):
+
+    - SGD: 2/η. With heavy-ball momentum β and dampening d (``torch.optim.SGD``: b ← βb + (1 − d)g,
+      θ ← θ − ηb): (2 + 2β)/((1 − d)η). Nesterov (θ ← θ − η(g + βb), d = 0): (2 + 2β)/((1 + 2β)η).
+    - Adam/AdamW: P_t = (1 − β₁ᵗ)·(diag(√(v_t/(1 − β₂ᵗ))) + ε), threshold (2 + 2β₁)/((1 − β₁)η), with t each
+      parameter's own ``step`` and v_t its ``exp_avg_sq`` (``max_exp_avg_sq`` with AMSGrad).
+    - RMSprop: P = diag(√v) + ε (√(v − ḡ²) + ε centred), threshold 2/η, (2 + 2β)/η with momentum β.
+
+    ``None`` when it is not defined: another optimizer; parameter groups with different hyper-parameters
+    over the space; a preconditioned method before its first step (no v yet).
     """
     groups = [g for g in optimizer.param_groups if any(id(p) in _ids(space) for p in g["params"])]
     if not groups or not all(_same_hyperparameters(groups[0], g) for g in groups[1:]):
@@ -422,23 +442,35 @@ def edge_of_stability(optimizer: torch.optim.Optimizer, space: ParameterSpace) -
             return EdgeOfStability("sgd", lr, 2 / lr)
         if group.get("nesterov", False):
             return EdgeOfStability("nesterov", lr, (2 + 2 * beta) / ((1 + 2 * beta) * lr))
-        return EdgeOfStability("momentum", lr, (2 + 2 * beta) / lr)
+        dampening = float(group.get("dampening", 0.0))
+        return EdgeOfStability("momentum", lr, (2 + 2 * beta) / ((1 - dampening) * lr))
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         beta1, beta2 = (float(b) for b in group["betas"])
         eps = float(group["eps"])
-        second_moments = []
+        key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+        diagonals = []
         for p in space.parameters:
             state = optimizer.state.get(p, {})
-            key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
-            if key not in state or "step" not in state:
+            if key not in state or "step" not in state or float(state["step"]) < 1:
                 return None
             steps = float(state["step"])
-            if steps < 1:
-                return None
             v_hat = state[key].detach() / (1 - beta2**steps)
-            second_moments.append(v_hat[None])
-        preconditioner = space.flatten(second_moments)[0].sqrt() + eps
+            diagonals.append(((1 - beta1**steps) * (v_hat.sqrt() + eps))[None])
+        preconditioner = space.flatten(diagonals)[0]
         return EdgeOfStability("adam", lr, (2 + 2 * beta1) / ((1 - beta1) * lr), preconditioner)
+    if isinstance(optimizer, torch.optim.RMSprop):
+        eps, beta = float(group["eps"]), float(group.get("momentum", 0.0))
+        diagonals = []
+        for p in space.parameters:
+            state = optimizer.state.get(p, {})
+            if "square_avg" not in state:
+                return None
+            second_moment = state["square_avg"].detach()
+            if group.get("centered", False):
+                second_moment = second_moment - state["grad_avg"].detach().square()
+            diagonals.append((second_moment.clamp_min(0).sqrt() + eps)[None])
+        preconditioner = space.flatten(diagonals)[0]
+        return EdgeOfStability("rmsprop", lr, (2 + 2 * beta) / lr, preconditioner)
     return None
 
 
@@ -447,7 +479,7 @@ def _ids(space: ParameterSpace) -> set[int]:
 
 
 def _same_hyperparameters(first: Mapping, other: Mapping) -> bool:
-    keys = ("lr", "momentum", "nesterov", "betas", "eps")
+    keys = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad")
     return all(first.get(key) == other.get(key) for key in keys)
 
 
@@ -470,7 +502,8 @@ class CurvatureEstimate:
     ``min_eigenvalue``: the most negative (smallest algebraic) eigenvalue if asked; ``trace``: Hutch++;
     ``density``: quadrature nodes and weights of the spectral density; ``gradient_alignment``: |cos| of the
     top eigenvector with the gradient; ``products``: Hessian-vector products spent; ``converged``: every
-    Lanczos run met its tolerance within its budget; ``warm``: vectors for the next event.
+    Lanczos run passed its test within its budget (:func:`hessian_eigenvalues`); the values are returned
+    either way; ``warm``: vectors for the next event.
     """
 
     eigenvalues: Tensor
@@ -496,7 +529,7 @@ def measure_curvature(
     density_probes: int = 0,
     density_steps: int = 30,
     optimizer: torch.optim.Optimizer | None = None,
-    max_products: int = 64,
+    max_products: int = 128,
     tol: float = 1e-4,
     block_size: int = 1,
     warm: CurvatureWarmStart | None = None,
@@ -511,7 +544,7 @@ def measure_curvature(
     ``probing(module, mode)``: nothing of the module, its ``.grad`` or the RNG streams changes.
     ``method``: how Hessian-vector products are formed (:class:`HessianOperator`).
     ``max_products`` bounds each Lanczos run (top-k, most negative, preconditioned top-1), which stops
-    at an estimated relative eigenvalue error ``tol`` (:func:`hessian_eigenvalues`, block width
+    when each eigenvalue's error bound is within ``tol`` of itself (:func:`hessian_eigenvalues`, block width
     ``block_size``);
     ``trace_products`` > 0 (at least 6) adds the Hutch++ trace, ``density_probes`` > 1 the quadrature of
     the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
@@ -562,8 +595,8 @@ def measure_curvature(
             new_warm.bottom = bottom.vectors[0].detach().clone()
         edge = edge_of_stability(optimizer, space) if optimizer is not None else None
         sharpness = float(eigenvalues[0])
-        if edge is None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            # Adam's sharpness is the preconditioned one; before its first step there is none.
+        if edge is None and isinstance(optimizer, PRECONDITIONED):
+            # Adam's and RMSprop's sharpness is the preconditioned one; before the first step there is none.
             sharpness = math.nan
         if edge is not None and edge.preconditioner is not None:
             scaled = DiagonallyScaled(hessian, edge.preconditioner.rsqrt())

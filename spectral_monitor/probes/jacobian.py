@@ -1,6 +1,7 @@
 """Signal propagation through depth: spectral norms of the Jacobians of transformer blocks.
 
-For block l with input x_{l-1} and output x_l, ‖∂x_l/∂x_{l-1}‖₂ for one sequence, and the norm of the
+For block l with input x_{l-1} and output x_l, ‖∂x_l/∂x_{l-1}‖₂ for one sequence (one example, for a block
+of (batch, features) input such as a residual MLP block), and the norm of the
 residual branch ‖J − I‖₂ (what the block adds to the stream); ``end_to_end_norm``: the Jacobian from the
 first block's input (the embedding output) to the last block's output.
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from spectral_monitor.linalg import FunctionOperator, top_singular
+from spectral_monitor.linalg.lanczos import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 from spectral_monitor.probes.residual import _batch_first, _first_tensor, find_transformer_blocks
 
@@ -36,13 +38,15 @@ END_TO_END = "model"
 class JacobianNorms:
     """Spectral norms per block (model order), the end-to-end norm, and warm vectors for the next event.
 
+    ``converged``: block name (or ``"model"``) → whether every norm of it met the tolerance (the test of
+    :func:`~spectral_monitor.linalg.lanczos_eigsh`); a norm that did not is still reported, flagged here.
     ``skipped``: block name (or ``"model"``) → why it was not measured.
     """
 
     jacobian_norm: dict[str, float] = field(default_factory=dict)
     residual_branch_norm: dict[str, float] = field(default_factory=dict)
     end_to_end_norm: float | None = None
-    converged: bool = True
+    converged: dict[str, bool] = field(default_factory=dict)
     warm: dict[str, Tensor] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -104,7 +108,7 @@ def block_jacobian_norms(
     residual_branch: bool = True,
     end_to_end: bool = True,
     tol: float = 1e-3,
-    max_iters: int = 20,
+    max_iters: int = 40,
     warm: dict[str, Tensor] | None = None,
     mode: ProbeMode = "eval",
     generator: torch.Generator | None = None,
@@ -128,24 +132,32 @@ def block_jacobian_norms(
         maps: dict[str, _LinearMap] = {}
         for name in names:
             call = calls.get(name)
-            if call is None or not isinstance(call.input, Tensor) or call.input.dim() != 3:
-                result.skipped[name] = "its input is not a (batch, tokens, features) tensor"
+            if call is None:
+                result.skipped[name] = "it did not run in the forward"
                 continue
-            batch_dim = 0 if _batch_first(call.input, call.module) is call.input else 1
+            if not isinstance(call.input, Tensor) or call.input.dim() not in (2, 3):
+                given = call.input
+                shape = tuple(given.shape) if isinstance(given, Tensor) else type(given).__name__
+                result.skipped[name] = (
+                    f"its input is not a (batch, features) or (batch, tokens, features) tensor, got {shape}"
+                )
+                continue
+            two_dimensional = call.input.dim() == 2
+            batch_dim = 0 if two_dimensional or _batch_first(call.input, call.module) is call.input else 1
             maps[name] = _LinearMap(call, call.input, sequence, batch_dim)
         for name, linear in maps.items():
             norm, converged, vectors = _spectral_norm(
                 linear, False, tol, max_iters, warm.get(name), generator
             )
             result.jacobian_norm[name], result.warm[name] = norm, vectors
-            result.converged &= converged
+            result.converged[name] = converged
             if residual_branch:
                 key = f"{name}/residual"
                 norm, converged, vectors = _spectral_norm(
                     linear, True, tol, max_iters, warm.get(key), generator
                 )
                 result.residual_branch_norm[name], result.warm[key] = norm, vectors
-                result.converged &= converged
+                result.converged[name] &= converged
         if end_to_end and maps:
             chain = [calls[name] for name in names if name in maps]
             reason = _not_a_chain(chain) if len(chain) == len(names) else "a block was not measured"
@@ -164,7 +176,7 @@ def block_jacobian_norms(
                     linear, False, tol, max_iters, warm.get(END_TO_END), generator
                 )
                 result.end_to_end_norm, result.warm[END_TO_END] = norm, vectors
-                result.converged &= converged
+                result.converged[END_TO_END] = converged
     return result
 
 
@@ -235,5 +247,6 @@ def _spectral_norm(
         init=init,
         generator=generator,
         return_vectors="right",
+        failure_probability=CERTAINTY,
     )
     return float(result.values[0, 0]), bool(result.info.converged.all()), result.right[0].detach().clone()

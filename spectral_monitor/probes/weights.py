@@ -46,8 +46,12 @@ Lanczos run for the demo model's 25 weights of four shapes). A weight seen for t
 changed, starts cold and is solved to ``tol``.
 A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
 the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov iteration buys nothing there.
-The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller); σ₁'s relative error is
-then at most about half of it. ‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
+The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller): some singular value
+lies within about half of it (relative) of the estimate. It is σ₁ when the Krylov space has seen σ₁'s
+vector, which a cold start's random block does with high probability; a warm estimate runs a fixed
+``iterations_per_step`` and is not certified (``docs/curvature.md`` says what a certified solve costs), so
+after two singular values cross it can follow the one that was on top.
+‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
 
 Sharded models: under FSDP a weight is whole only inside ``spectral_monitor.distributed.full_parameters``
 (every rank enters it; the callback does); outside, a flat shard's freed views are skipped as unusable.
