@@ -55,7 +55,14 @@ from spectral_monitor.lightning_namespaces import (
     pl,
     rank_zero_warn,
 )
-from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
+from spectral_monitor.metrics import (
+    ATTENTION_LOGIT_METRICS,
+    ATTENTION_METRICS,
+    SEQUENCE_MAXIMA,
+    KrylovState,
+    attention_metrics,
+    token_metrics,
+)
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.metrics.attention import uses_exact_path
 from spectral_monitor.probes import (
@@ -154,7 +161,9 @@ class SpectralMonitor(*CALLBACK_BASES):
       over heads; ``<metric>_min`` and ``<metric>_max`` over heads for the metrics whose spread diagnoses
       something (``spectral_monitor.catalog``: entropy, rank-one residual, effective rank / n, spectral gap;
       ``sigma1_max``, ``eigen_gap_min``), and per head only when ``per_head``; histograms of the per-head
-      values of the metrics in ``HISTOGRAM_METRICS``;
+      values of the metrics in ``HISTOGRAM_METRICS``; ``max_logit`` (each head's largest pre-softmax logit
+      over the sampled sequences) with ``max_logit_max`` and ``max_logit_growth`` (the layer's largest over
+      the previous logging step's);
     - ``tokens/<metric>/<block>``: ``token_metrics`` of each transformer block's output;
     - ``weights/<metric>/<weight>``: what :class:`~spectral_monitor.probes.weights.WeightProbe` measures
       (spectral norm, stable rank, per-head ‖W_Q^hᵀ W_K^h‖₂, ...), with histograms of per-head values;
@@ -327,6 +336,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         # on_fit_start makes it, or kept after teardown for a checkpoint or the next fit.
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
+        self._previous_max_logit: dict[str, float] = {}
         self._attention_images = _AttentionImages()
         # The layout of the last step's tags: steps mostly write the same tags, and deriving it took ~3 ms.
         self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
@@ -600,7 +610,9 @@ class SpectralMonitor(*CALLBACK_BASES):
             layer_records, head_records = _layer_measurements(
                 progress.step, "attention", captured.layer, per_head
             )
-            progress.measurements += layer_records
+            progress.measurements += layer_records + self._max_logit_growth(
+                progress.step, captured.layer, per_head
+            )
             if self.per_head:
                 progress.measurements += head_records
             else:
@@ -694,10 +706,25 @@ class SpectralMonitor(*CALLBACK_BASES):
             parts = {name: values.split(sizes) for name, values in metrics.items()}
             for position, index in enumerate(indices):
                 metrics_of_layers[index] = {name: split[position] for name, split in parts.items()}
+        for (_, sample), metrics in zip(layers, metrics_of_layers, strict=True):
+            if sample is not None and sample.max_logit is not None and metrics is not None:
+                metrics["max_logit"] = sample.max_logit
         return [
             self._head_means(step, captured.layer, metrics)
             for (captured, _), metrics in zip(layers, metrics_of_layers, strict=True)
         ]
+
+    def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
+        """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where both
+        are measured and the previous one is positive (a ratio of logits of either sign says nothing)."""
+        if "max_logit" not in per_head:
+            return []
+        current = float(per_head["max_logit"].amax())
+        previous = self._previous_max_logit.get(layer)
+        self._previous_max_logit[layer] = current
+        if previous is None or not previous > 0 or not math.isfinite(previous):
+            return []
+        return [Measurement(step, "attention", "max_logit_growth", layer, current / previous)]
 
     def _layer_attention_metrics(
         self, captured: CapturedAttention, sample: AttentionSample | None, working_bytes: int
@@ -734,10 +761,13 @@ class SpectralMonitor(*CALLBACK_BASES):
                 "(or its q and k do), so its metrics are written as NaN",
             )
         per_head = {}
-        for metric in ATTENTION_METRICS:
-            mean = _mean_over_sequences(metrics[metric], nonfinite)
-            if mean is not None:
-                per_head[metric] = mean.to("cpu", torch.float64)
+        for metric in (*ATTENTION_METRICS, *ATTENTION_LOGIT_METRICS):
+            if metric not in metrics:
+                continue
+            over_sequences = _max_over_sequences if metric in SEQUENCE_MAXIMA else _mean_over_sequences
+            summary = over_sequences(metrics[metric], nonfinite)
+            if summary is not None:
+                per_head[metric] = summary.to("cpu", torch.float64)
         return per_head
 
     def _measure_tokens(self, progress: _LoggingStep) -> None:
@@ -992,6 +1022,17 @@ def _mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
     if not bool(counted.any()):
         return None
     return torch.where(counted, values, torch.zeros_like(values)).sum(dim=0) / counted.sum(dim=0)
+
+
+def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
+    """The largest over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
+    None where no sequence has a value (as :func:`_mean_over_sequences`)."""
+    counted = ~values.isnan() | nonfinite
+    if not bool(counted.any()):
+        return None
+    # A non-finite sequence's value is NaN, which amax propagates.
+    largest = torch.where(counted, values, torch.full_like(values, -math.inf)).amax(dim=0)
+    return largest.masked_fill(~counted.any(dim=0), math.nan)
 
 
 def _concatenated_patterns(patterns: list[Tensor | None], heads: int) -> Tensor | None:
