@@ -715,8 +715,8 @@ class SpectralMonitor(*CALLBACK_BASES):
         ]
 
     def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
-        """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where both
-        are measured and the previous one is positive (a ratio of logits of either sign says nothing)."""
+        """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where
+        both are measured and the previous one is positive (a ratio of logits of either sign says nothing)."""
         if "max_logit" not in per_head:
             return []
         current = float(per_head["max_logit"].amax())

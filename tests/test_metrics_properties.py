@@ -194,7 +194,9 @@ def test_every_metric_matches_the_float64_reference_on_any_attention(case: Atten
 
 @PROPERTIES
 @given(attention_matrices(square=True, causal=False), st.randoms(use_true_random=False))
-def test_relabelling_the_tokens_changes_no_metric_but_which_comes_first(case: AttentionCase, shuffler: Random) -> None:
+def test_relabelling_the_tokens_changes_no_metric_but_which_comes_first(
+    case: AttentionCase, shuffler: Random
+) -> None:
     # P A Pᵀ (masks permuted alike) is the same attention over renamed tokens: same singular values,
     # eigenvalues, self-attention diagonal and rows.
     order = list(range(case.attn.shape[0]))

@@ -420,17 +420,23 @@ def one_pass_members(
 
     frobenius = squared_norm.sqrt().to(work)
     walk = {} if walk_distances is None else {"walk_distances": walk_distances}
-    return walk | sink_masses(column_sums, keys, valid_rows, work) | {
-        "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
-        "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
-        "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
-        if n == m
-        else torch.full((batch,), float("nan"), dtype=work, device=device),
-        "frobenius": frobenius,
-    }
+    return (
+        walk
+        | sink_masses(column_sums, keys, valid_rows, work)
+        | {
+            "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
+            "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
+            "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
+            if n == m
+            else torch.full((batch,), float("nan"), dtype=work, device=device),
+            "frobenius": frobenius,
+        }
+    )
 
 
-def sink_masses(column_sums: Tensor, keys: Tensor, valid_rows: Tensor, work: torch.dtype) -> dict[str, Tensor]:
+def sink_masses(
+    column_sums: Tensor, keys: Tensor, valid_rows: Tensor, work: torch.dtype
+) -> dict[str, Tensor]:
     """``sink_mass`` and ``sink_mass_first`` (B,) from the column sums of A over the valid queries (B, m),
     the valid keys (B, m) and the number of valid queries (B,): the largest column mean among the valid keys,
     and the column mean of the first valid key. Elements with no valid key or query are made NaN by

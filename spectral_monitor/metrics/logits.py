@@ -42,7 +42,10 @@ def max_attention_logit(
         keys = flat_mask(key_mask, "key_mask", batch_shape, m, logits.device)
         # One matrix at a time: a masked copy of the whole batch would be one more n × m per matrix.
         row_maxima = torch.stack(
-            [matrix.masked_fill(~open_keys, -math.inf).amax(dim=1) for matrix, open_keys in zip(flat, keys)]
+            [
+                matrix.masked_fill(~open_keys, -math.inf).amax(dim=1)
+                for matrix, open_keys in zip(flat, keys, strict=True)
+            ]
         )
     queries = flat_mask(query_mask, "query_mask", batch_shape, n, logits.device)
     return max_over_real_queries(row_maxima, queries).reshape(batch_shape)
