@@ -60,6 +60,7 @@ FAMILY_GROUPS = {
     "curvature": "Curvature",
     "ntk": "Curvature",
     "alerts": "Alerts",
+    "outputs": "Entropy",
 }
 """The group of a metric the catalogue does not list, by family (attention has none: its metrics split
 between rank collapse and entropy)."""
@@ -301,6 +302,20 @@ CATALOG: tuple[MetricInfo, ...] = (
         "attention", "head_diversity_min", "[0, 1) bits", "higher",
         "the distance of the closest pair of heads", "→ 0: two heads with the same rank structure", "",
         "Rank collapse", _ATTENTION, written="every head_diversity_every_n_logs-th logging step",
+    ),
+    MetricInfo(
+        "outputs", "max_logit", "logit units", "steady",
+        "largest output logit of the LM head over the sampled sequences' real tokens × the vocabulary",
+        "runaway growth: output-logit divergence", "Wortsman et al. 2023", "Entropy", "`model` (the LM head)",
+        written="opt-in: output_logits",
+    ),
+    MetricInfo(
+        "outputs", "log_partition", "logit units", "middle",
+        "mean over the sampled sequences' real tokens of log Σ_v exp(logit_v), the LM head's log-partition "
+        "(what PaLM's z-loss pulls toward 0)",
+        "drifting far from 0 (either way): output-logit divergence, which the z-loss prevents",
+        "Chowdhery et al. 2022 (PaLM); Wortsman et al. 2023", "Entropy", "`model` (the LM head)",
+        written="opt-in: output_logits",
     ),
     MetricInfo(
         "tokens", "cosine_similarity", "[−1, 1]", "lower", "mean over i ≠ j of cos(xᵢ, xⱼ)",

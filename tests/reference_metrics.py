@@ -201,6 +201,17 @@ def max_logit_reference(
     return float("nan") if largest == -np.inf else largest
 
 
+def output_logit_reference(logits: np.ndarray, *, token_mask: np.ndarray | None = None) -> dict[str, float]:
+    """The LM head's largest logit and mean log-partition over the real tokens of one sequence (n, V), in
+    float64: max over real tokens t and words v of zₜᵥ, and the mean over t of log Σ_v exp(zₜᵥ)."""
+    z = np.asarray(logits, dtype=np.float64)[_all_true(logits.shape[0], token_mask)]
+    if z.shape[0] == 0:
+        return {"max_logit": float("nan"), "log_partition": float("nan")}
+    shift = z.max(axis=1, keepdims=True)
+    log_partition = shift[:, 0] + np.log(np.exp(z - shift).sum(axis=1))
+    return {"max_logit": float(z.max()), "log_partition": float(log_partition.mean())}
+
+
 def token_reference(x: np.ndarray, *, token_mask: np.ndarray | None = None) -> dict[str, float]:
     """Residual-stream metrics of one sequence X (n, d), on its real tokens only."""
     x = np.asarray(x, dtype=np.float64)[_all_true(x.shape[0], token_mask)]

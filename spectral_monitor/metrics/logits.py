@@ -17,6 +17,8 @@ from spectral_monitor.metrics._common import check_matrices, flat_mask
 
 LOGIT_METRIC_NAMES = ("max_logit",)
 """The attention metrics that need the logits, not only the probabilities."""
+OUTPUT_LOGIT_METRICS = ("max_logit", "log_partition")
+"""The keys of :func:`output_logit_metrics`."""
 SEQUENCE_MAXIMA = frozenset(LOGIT_METRIC_NAMES)
 """Metrics summarised over several sequences by their largest value, not their mean: a largest logit is a
 bound on every logit seen."""
@@ -56,3 +58,28 @@ def max_over_real_queries(row_maxima: Tensor, queries: Tensor) -> Tensor:
     query has an attendable key (every counted row maximum is ``-inf``)."""
     counted = torch.where(queries, row_maxima, torch.full_like(row_maxima, -math.inf)).amax(dim=1)
     return counted.masked_fill(torch.isneginf(counted), math.nan)
+
+
+def output_logit_metrics(logits: Tensor, *, token_mask: Tensor | None = None) -> dict[str, Tensor]:
+    """The size of a language model's output logits (..., n, V) over its real tokens, per sequence:
+
+    - ``max_logit``: the largest logit over real tokens × the vocabulary;
+    - ``log_partition``: the mean over real tokens of log Σ_v exp(logit_v), the quantity PaLM's z-loss
+      pulls toward 0.
+
+    ``token_mask`` (..., n) bool, True = real token. Shape ``logits.shape[:-2]``; NaN where a sequence has no
+    real token. Computed in float64 for float64 input, else float32.
+    """
+    logits = check_matrices(logits, "logits")
+    batch_shape, (n, vocabulary) = logits.shape[:-2], logits.shape[-2:]
+    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    tokens = flat_mask(token_mask, "token_mask", batch_shape, n, logits.device)
+    flat = logits.reshape(-1, n, vocabulary).to(work)
+    log_partition = torch.logsumexp(flat, dim=2)
+    row_maxima = flat.amax(dim=2)
+    real = tokens.sum(dim=1)
+    mean_log_partition = torch.where(tokens, log_partition, torch.zeros_like(log_partition)).sum(dim=1) / real
+    return {
+        "max_logit": max_over_real_queries(row_maxima, tokens).reshape(batch_shape),
+        "log_partition": mean_log_partition.masked_fill(real == 0, math.nan).reshape(batch_shape),
+    }
