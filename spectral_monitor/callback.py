@@ -55,7 +55,15 @@ from spectral_monitor.lightning_namespaces import (
     pl,
     rank_zero_warn,
 )
-from spectral_monitor.metrics import ATTENTION_METRICS, KrylovState, attention_metrics, token_metrics
+from spectral_monitor.metrics import (
+    ATTENTION_LOGIT_METRICS,
+    ATTENTION_METRICS,
+    SEQUENCE_MAXIMA,
+    KrylovState,
+    attention_metrics,
+    output_logit_metrics,
+    token_metrics,
+)
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.metrics.attention import uses_exact_path
 from spectral_monitor.probes import (
@@ -70,6 +78,7 @@ from spectral_monitor.probes import (
     WeightProbe,
 )
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
+from spectral_monitor.probes.output_logits import OutputLogitCapture, OutputLogitSample
 from spectral_monitor.probes.token_masks import checked_token_mask
 from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
@@ -154,7 +163,9 @@ class SpectralMonitor(*CALLBACK_BASES):
       over heads; ``<metric>_min`` and ``<metric>_max`` over heads for the metrics whose spread diagnoses
       something (``spectral_monitor.catalog``: entropy, rank-one residual, effective rank / n, spectral gap;
       ``sigma1_max``, ``eigen_gap_min``), and per head only when ``per_head``; histograms of the per-head
-      values of the metrics in ``HISTOGRAM_METRICS``;
+      values of the metrics in ``HISTOGRAM_METRICS``; ``max_logit`` (each head's largest pre-softmax logit
+      over the sampled sequences) with ``max_logit_max`` and ``max_logit_growth`` (the layer's largest over
+      the previous logging step's);
     - ``tokens/<metric>/<block>``: ``token_metrics`` of each transformer block's output;
     - ``weights/<metric>/<weight>``: what :class:`~spectral_monitor.probes.weights.WeightProbe` measures
       (spectral norm, stable rank, per-head ‖W_Q^hᵀ W_K^h‖₂, ...), with histograms of per-head values;
@@ -239,6 +250,12 @@ class SpectralMonitor(*CALLBACK_BASES):
             are padding: a Hugging Face ``attention_mask`` and ``nn.Transformer``'s ``src_key_padding_mask``
             / ``tgt_key_padding_mask`` are read from the forward itself. Padded queries leave the attention
             metrics of every layer with that many queries, and padded tokens the token metrics.
+        output_logits: also write ``outputs/max_logit/model`` (the largest output logit over the sampled
+            sequences' real tokens) and ``outputs/log_partition/model`` (the mean over them of the
+            log-sum-exp over the vocabulary, the z-loss quantity), from a forward hook on the LM head on
+            logging steps. True: the head is ``get_output_embeddings()`` of a Hugging Face model, else the
+            last ``nn.Linear`` with as many outputs as the first ``nn.Embedding`` has rows; a string names
+            the head module. False (default): off.
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -272,6 +289,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         on_alert: Callable[[AlertEvent], Any] | None = None,
         stop_on: Sequence[str] = (),
         token_mask: Callable[[Any], Tensor | None] | None = None,
+        output_logits: bool | str = False,
     ) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, smallest=1)
@@ -288,6 +306,11 @@ class SpectralMonitor(*CALLBACK_BASES):
             unit="positive number of megabytes",
         )
         self.per_head = check_bool("per_head", per_head)
+        if not isinstance(output_logits, (bool, str)) or output_logits == "":
+            raise ValueError(
+                f"output_logits must be True, False or the name of the LM head module, got {output_logits!r}"
+            )
+        self.output_logits = output_logits
         self.histograms = check_bool("histograms", histograms)
         self.figures_every_n_logs = check_int("figures_every_n_logs", figures_every_n_logs, smallest=0)
         self.metric_method = check_choice("metric_method", metric_method, METRIC_METHODS)
@@ -322,11 +345,13 @@ class SpectralMonitor(*CALLBACK_BASES):
         self._sinks: list[Sink] = []
         self._attention_capture: AttentionCapture | None = None
         self._residual_capture: ResidualCapture | None = None
+        self._output_capture: OutputLogitCapture | None = None
         self._weight_probe: WeightProbe | None = None
         # The checkpoint state of a stateful part (by its key) while the part does not exist: loaded before
         # on_fit_start makes it, or kept after teardown for a checkpoint or the next fit.
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
+        self._previous_max_logit: dict[str, float] = {}
         self._attention_images = _AttentionImages()
         # The layout of the last step's tags: steps mostly write the same tags, and deriving it took ~3 ms.
         self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
@@ -377,6 +402,10 @@ class SpectralMonitor(*CALLBACK_BASES):
                 self._residual_capture = ResidualCapture(
                     pl_module, max_sequences=self.max_sequences, strict=self.strict
                 )
+        if self.output_logits is not False:
+            with self._reports.failures_of("finding the LM head (output_logits)"):
+                head = self.output_logits if isinstance(self.output_logits, str) else None
+                self._output_capture = OutputLogitCapture(pl_module, head, self.max_sequences)
         if "weights" in self.families:
             self._weight_probe = WeightProbe(
                 pl_module, include=self.include, exclude=self.exclude, per_head=self.per_head
@@ -448,6 +477,9 @@ class SpectralMonitor(*CALLBACK_BASES):
         if self._residual_capture is not None:
             with self._reports.failures_of("arming the residual-stream capture"):
                 self._residual_capture.arm(token_mask)
+        if self._output_capture is not None:
+            with self._reports.failures_of("arming the output-logit capture"):
+                self._output_capture.arm(token_mask)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         self._disarm()
@@ -466,7 +498,11 @@ class SpectralMonitor(*CALLBACK_BASES):
             if progress.residual is not None:
                 with self._reports.failures_of("computing the token metrics"):
                     self._measure_tokens(progress)
-        progress.attention = progress.residual = None  # the recordings are not kept past this step
+            if progress.outputs is not None:
+                with self._reports.failures_of("computing the output-logit metrics"):
+                    progress.measurements += _output_logit_measurements(progress.step, progress.outputs)
+        # The recordings are not kept past this step.
+        progress.attention = progress.residual = progress.outputs = None
         self._evaluate_alerts(trainer, progress)
         self._write(progress)
         self._logging_steps_done += 1
@@ -492,6 +528,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             # The last step tells a step's micro-batches apart within a fit; a next fit's steps are its own.
             self._parked_states["second_order"].pop("last_step", None)
         self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
+        self._output_capture = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
         self._attention_images = _AttentionImages()  # kept figures hold canvases: not past a fit
 
@@ -573,9 +610,13 @@ class SpectralMonitor(*CALLBACK_BASES):
             with self._reports.failures_of("disarming the residual-stream capture"):
                 progress.residual = residual_capture.disarm()
                 self._report_skipped("residual stream", progress.residual.skipped)
+        output_capture = self._output_capture
+        if output_capture is not None and output_capture.is_armed:
+            with self._reports.failures_of("disarming the output-logit capture"):
+                progress.outputs = output_capture.disarm()
 
     def _abandon_step(self) -> None:
-        for capture in (self._attention_capture, self._residual_capture):
+        for capture in (self._attention_capture, self._residual_capture, self._output_capture):
             if capture is not None and capture.is_armed:
                 capture.disarm()
         self._in_progress = None
@@ -600,7 +641,9 @@ class SpectralMonitor(*CALLBACK_BASES):
             layer_records, head_records = _layer_measurements(
                 progress.step, "attention", captured.layer, per_head
             )
-            progress.measurements += layer_records
+            progress.measurements += layer_records + self._max_logit_growth(
+                progress.step, captured.layer, per_head
+            )
             if self.per_head:
                 progress.measurements += head_records
             else:
@@ -694,10 +737,25 @@ class SpectralMonitor(*CALLBACK_BASES):
             parts = {name: values.split(sizes) for name, values in metrics.items()}
             for position, index in enumerate(indices):
                 metrics_of_layers[index] = {name: split[position] for name, split in parts.items()}
+        for (_, sample), metrics in zip(layers, metrics_of_layers, strict=True):
+            if sample is not None and sample.max_logit is not None and metrics is not None:
+                metrics["max_logit"] = sample.max_logit
         return [
             self._head_means(step, captured.layer, metrics)
             for (captured, _), metrics in zip(layers, metrics_of_layers, strict=True)
         ]
+
+    def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
+        """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where
+        both are measured and the previous one is positive (a ratio of logits of either sign says nothing)."""
+        if "max_logit" not in per_head:
+            return []
+        current = float(per_head["max_logit"].amax())
+        previous = self._previous_max_logit.get(layer)
+        self._previous_max_logit[layer] = current
+        if previous is None or not previous > 0 or not math.isfinite(previous):
+            return []
+        return [Measurement(step, "attention", "max_logit_growth", layer, current / previous)]
 
     def _layer_attention_metrics(
         self, captured: CapturedAttention, sample: AttentionSample | None, working_bytes: int
@@ -734,10 +792,13 @@ class SpectralMonitor(*CALLBACK_BASES):
                 "(or its q and k do), so its metrics are written as NaN",
             )
         per_head = {}
-        for metric in ATTENTION_METRICS:
-            mean = _mean_over_sequences(metrics[metric], nonfinite)
-            if mean is not None:
-                per_head[metric] = mean.to("cpu", torch.float64)
+        for metric in (*ATTENTION_METRICS, *ATTENTION_LOGIT_METRICS):
+            if metric not in metrics:
+                continue
+            over_sequences = _max_over_sequences if metric in SEQUENCE_MAXIMA else _mean_over_sequences
+            summary = over_sequences(metrics[metric], nonfinite)
+            if summary is not None:
+                per_head[metric] = summary.to("cpu", torch.float64)
         return per_head
 
     def _measure_tokens(self, progress: _LoggingStep) -> None:
@@ -866,6 +927,7 @@ class _LoggingStep:
     draw_figures: bool
     attention: AttentionRecording | None = None
     residual: ResidualRecording | None = None
+    outputs: OutputLogitSample | None = None
     measurements: list[Measurement] = field(default_factory=list)
     read_only: list[Measurement] = field(default_factory=list)  # judged by the alerts, not written
     distributions: list[Distribution] = field(default_factory=list)
@@ -992,6 +1054,39 @@ def _mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
     if not bool(counted.any()):
         return None
     return torch.where(counted, values, torch.zeros_like(values)).sum(dim=0) / counted.sum(dim=0)
+
+
+def _output_logit_measurements(step: int, sample: OutputLogitSample) -> list[Measurement]:
+    """``outputs/max_logit/model`` (the largest over the sequences) and ``outputs/log_partition/model`` (the
+    mean over the sequences' real tokens), where some sequence has a real token."""
+    metrics = output_logit_metrics(sample.logits, token_mask=sample.token_mask)
+    real = (
+        torch.ones(sample.logits.shape[:2], dtype=torch.bool)
+        if sample.token_mask is None
+        else sample.token_mask
+    )
+    tokens = real.sum(dim=1).to(torch.float64).cpu()
+    if not bool((tokens > 0).any()):
+        return []
+    counted = tokens > 0
+    largest = metrics["max_logit"].double().cpu()[counted].max()
+    # Each sequence's mean weighted by its real tokens: the mean over every real token of the sample.
+    log_partition = (metrics["log_partition"].double().cpu()[counted] * tokens[counted]).sum() / tokens.sum()
+    return [
+        Measurement(step, "outputs", "max_logit", "model", float(largest)),
+        Measurement(step, "outputs", "log_partition", "model", float(log_partition)),
+    ]
+
+
+def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
+    """The largest over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
+    None where no sequence has a value (as :func:`_mean_over_sequences`)."""
+    counted = ~values.isnan() | nonfinite
+    if not bool(counted.any()):
+        return None
+    # A non-finite sequence's value is NaN, which amax propagates.
+    largest = torch.where(counted, values, torch.full_like(values, -math.inf)).amax(dim=0)
+    return largest.masked_fill(~counted.any(dim=0), math.nan)
 
 
 def _concatenated_patterns(patterns: list[Tensor | None], heads: int) -> Tensor | None:

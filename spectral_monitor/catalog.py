@@ -60,6 +60,7 @@ FAMILY_GROUPS = {
     "curvature": "Curvature",
     "ntk": "Curvature",
     "alerts": "Alerts",
+    "outputs": "Entropy",
 }
 """The group of a metric the catalogue does not list, by family (attention has none: its metrics split
 between rank collapse and entropy)."""
@@ -260,6 +261,38 @@ CATALOG: tuple[MetricInfo, ...] = (
         "→ 1: identity, no mixing", "", "Entropy", _ATTENTION, per_head=True,
     ),
     MetricInfo(
+        "attention", "sink_mass", "[1/m, 1]", "none",
+        "mean over real queries of the attention on the most-attended key column (the largest column mean of "
+        "A over real queries, among attendable keys); uniform attention over m keys: 1/m",
+        "→ 1: one key takes the mass of every query, an attention sink; normal in trained LMs, and such a "
+        "head is rank one by design: read spectral_gap, rank_one_residual and effective_rank beside it",
+        "Xiao et al. 2023; Gu et al. 2024", "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "sink_mass_first", "[0, 1]", "none",
+        "mean over real queries of the attention on the first real key (the first key any real query may "
+        "attend: the first token after left padding)",
+        "→ 1: a sink on the first token (BOS), the usual place of sinks in causal LMs",
+        "Xiao et al. 2023; Gu et al. 2024", "Rank collapse", _ATTENTION, per_head=True,
+    ),
+    MetricInfo(
+        "attention", "max_logit", "logit units", "steady",
+        "largest scaled pre-softmax logit scale·q·k + bias over real queries × attendable keys, per head the "
+        "largest over the sampled sequences (additive float biases such as ALiBi or T5's count; masked keys "
+        "and padded queries do not)",
+        "unbounded growth: attention-logit growth, which drives entropy collapse and precedes loss spikes "
+        "(QK-Clip caps it per head)",
+        "Dehghani et al. 2023; Wortsman et al. 2023; Kimi K2 (QK-Clip)", "Entropy", _ATTENTION,
+        head_aggregates=("max",), per_head=True,
+    ),
+    MetricInfo(
+        "attention", "max_logit_growth", "ratio > 0", "steady",
+        "max_logit_max of this logging step / that of the layer's previous logging step in this process "
+        "(written from the second logging step, where the previous value is positive)",
+        "persistently > 1 while the loss is flat: logits growing toward instability",
+        "Wortsman et al. 2023", "Entropy", _ATTENTION,
+    ),
+    MetricInfo(
         "attention", "head_diversity", "[0, 1) bits", "higher",
         "mean Jensen–Shannon distance between the heads' normalised singular-value spectra",
         "→ 0: the heads have one rank structure (redundant heads)", "", "Rank collapse", _ATTENTION,
@@ -269,6 +302,20 @@ CATALOG: tuple[MetricInfo, ...] = (
         "attention", "head_diversity_min", "[0, 1) bits", "higher",
         "the distance of the closest pair of heads", "→ 0: two heads with the same rank structure", "",
         "Rank collapse", _ATTENTION, written="every head_diversity_every_n_logs-th logging step",
+    ),
+    MetricInfo(
+        "outputs", "max_logit", "logit units", "steady",
+        "largest output logit of the LM head over the sampled sequences' real tokens × the vocabulary",
+        "runaway growth: output-logit divergence", "Wortsman et al. 2023", "Entropy", "`model` (the LM head)",
+        written="opt-in: output_logits",
+    ),
+    MetricInfo(
+        "outputs", "log_partition", "logit units", "middle",
+        "mean over the sampled sequences' real tokens of log Σ_v exp(logit_v), the LM head's log-partition "
+        "(what PaLM's z-loss pulls toward 0)",
+        "drifting far from 0 (either way): output-logit divergence, which the z-loss prevents",
+        "Chowdhery et al. 2022 (PaLM); Wortsman et al. 2023", "Entropy", "`model` (the LM head)",
+        written="opt-in: output_logits",
     ),
     MetricInfo(
         "tokens", "cosine_similarity", "[−1, 1]", "lower", "mean over i ≠ j of cos(xᵢ, xⱼ)",

@@ -43,6 +43,8 @@ ATTENTION_METRICS = (
     "threshold_rank",
     "dobrushin",
     "self_attention",
+    "sink_mass",
+    "sink_mass_first",
 )
 TOKEN_METRICS = ("cosine_similarity", "token_residual", "stable_rank", "effective_rank")
 WEIGHT_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank", "mp_edge", "mp_spikes")
@@ -166,7 +168,48 @@ def attention_reference(
         "threshold_rank": float(threshold_rank(sigma)),
         "dobrushin": dobrushin,
         "self_attention": float(np.trace(token_operator) / n) if one_token_set else float("nan"),
+        # The mean over valid queries of each valid key's column: the most-attended one, and the first.
+        "sink_mass": float(mean_row.max()),
+        "sink_mass_first": float(mean_row[0]),
     }
+
+
+def max_logit_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    *,
+    scale: float,
+    bias: np.ndarray | None = None,
+    key_mask: np.ndarray | None = None,
+    query_mask: np.ndarray | None = None,
+    causal: bool = False,
+) -> float:
+    """The largest scale · qᵢ·kⱼ + biasᵢⱼ of one head, q (n, d) and k (m, d), over the real queries i and
+    the keys j that row i may attend: valid keys, j ≤ i under ``causal``, bias not ``-inf``. NaN where no
+    such pair exists. Computed entry by entry in float64."""
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    queries = _all_true(q.shape[0], query_mask)
+    keys = _all_true(k.shape[0], key_mask)
+    largest = -np.inf
+    for i in np.flatnonzero(queries):
+        for j in np.flatnonzero(keys):
+            if causal and j > i:
+                continue
+            logit = scale * float(q[i] @ k[j]) + (0.0 if bias is None else float(bias[i, j]))
+            if logit != -np.inf:
+                largest = max(largest, logit)
+    return float("nan") if largest == -np.inf else largest
+
+
+def output_logit_reference(logits: np.ndarray, *, token_mask: np.ndarray | None = None) -> dict[str, float]:
+    """The LM head's largest logit and mean log-partition over the real tokens of one sequence (n, V), in
+    float64: max over real tokens t and words v of zₜᵥ, and the mean over t of log Σ_v exp(zₜᵥ)."""
+    z = np.asarray(logits, dtype=np.float64)[_all_true(logits.shape[0], token_mask)]
+    if z.shape[0] == 0:
+        return {"max_logit": float("nan"), "log_partition": float("nan")}
+    shift = z.max(axis=1, keepdims=True)
+    log_partition = shift[:, 0] + np.log(np.exp(z - shift).sum(axis=1))
+    return {"max_logit": float(z.max()), "log_partition": float(log_partition.mean())}
 
 
 def token_reference(x: np.ndarray, *, token_mask: np.ndarray | None = None) -> dict[str, float]:

@@ -24,7 +24,14 @@ from spectral_monitor.catalog import (
     metric_names,
     metrics_markdown,
 )
-from spectral_monitor.metrics import ATTENTION_METRICS, attention_metrics, token_metrics, weight_metrics
+from spectral_monitor.metrics import (
+    ATTENTION_LOGIT_METRICS,
+    ATTENTION_METRICS,
+    attention_metrics,
+    attention_metrics_from_qk,
+    token_metrics,
+    weight_metrics,
+)
 from spectral_monitor.metrics.heads import head_diversity
 from spectral_monitor.toolbox.weight_spectra import SPECTRUM_METRICS
 
@@ -35,11 +42,16 @@ def names_of(family: str) -> set[str]:
     return {info.name for info in CATALOG if info.family == family}
 
 
-def test_attention_entries_are_the_metric_functions_keys_and_head_diversity() -> None:
+def test_attention_entries_are_the_metric_functions_keys_head_diversity_and_logit_growth() -> None:
     measured = attention_metrics(torch.softmax(torch.randn(2, 8, 8, dtype=torch.float64), dim=-1))
     assert set(ATTENTION_METRICS) <= set(measured)
+    from_qk = attention_metrics_from_qk(torch.randn(2, 8, 4), torch.randn(2, 8, 4))
+    assert set(ATTENTION_METRICS) | set(ATTENTION_LOGIT_METRICS) <= set(from_qk)
     diversity = head_diversity(torch.rand(3, 3, dtype=torch.float64))
-    assert names_of("attention") == set(ATTENTION_METRICS) | set(diversity)
+    between_steps = {"max_logit_growth"}
+    assert names_of("attention") == (
+        set(ATTENTION_METRICS) | set(ATTENTION_LOGIT_METRICS) | set(diversity) | between_steps
+    )
 
 
 def test_token_and_weight_entries_are_the_metric_functions_keys() -> None:

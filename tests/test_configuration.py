@@ -58,6 +58,7 @@ BAD_VALUES = {
     "on_alert": (["print", 3], "callable"),
     "stop_on": (["rank_collapse", ["no_such_rule"]], "rule"),
     "token_mask": ([3, "attention_mask"], "function of the batch"),
+    "output_logits": ([1, None, ""], "True, False or the name of the LM head module"),
 }
 
 BAD_CASES = [

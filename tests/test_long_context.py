@@ -28,16 +28,15 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 D = 64
 
 
-def dense_probabilities(
+def dense_logits(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
-    query_mask: torch.Tensor | None = None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """softmax(q kᵀ/√d + bias) in float64 with masked keys excluded and padded queries' rows zero."""
+    """q kᵀ/√d + bias in float64, ``-inf`` at masked keys and, when causal, at later keys."""
     logits = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
     if bias is not None:
         logits = logits + bias.double()
@@ -45,8 +44,25 @@ def dense_probabilities(
         logits = logits.masked_fill(~key_mask[..., None, :], -math.inf)
     if causal:
         logits = logits.masked_fill(~torch.ones(logits.shape[-2:], dtype=torch.bool).tril(), -math.inf)
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return logits
+
+
+def dense_probabilities(
+    q: torch.Tensor, k: torch.Tensor, *, query_mask: torch.Tensor | None = None, **options
+) -> torch.Tensor:
+    """softmax(q kᵀ/√d + bias) in float64 with masked keys excluded and padded queries' rows zero."""
+    probs = torch.softmax(dense_logits(q, k, **options), dim=-1).nan_to_num(0.0)
     return probs if query_mask is None else probs * query_mask[..., :, None]
+
+
+def dense_max_logit(
+    q: torch.Tensor, k: torch.Tensor, *, query_mask: torch.Tensor | None = None, **options
+) -> torch.Tensor:
+    """The largest float64 logit over real queries × attendable keys of each matrix."""
+    logits = dense_logits(q, k, **options)
+    if query_mask is not None:
+        logits = logits.masked_fill(~query_mask[..., :, None], -math.inf)
+    return logits.amax(dim=(-2, -1))
 
 
 def gaussian_qk(seed: int, batch: tuple[int, ...], n: int, m: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -75,8 +91,11 @@ def assert_agrees_with_the_exact_path(
     actual = attention_metrics_from_qk(
         q, k, method="krylov", generator=torch.Generator().manual_seed(seed), **options
     )
-    assert set(actual) == set(expected)
+    assert set(actual) == set(expected) | {"max_logit"}
     assert not actual["nonfinite"].any()
+    logit_options = {name: options[name] for name in ("bias", "key_mask", "query_mask") if name in options}
+    expected_max_logit = dense_max_logit(q, k, causal=causal, **logit_options)
+    torch.testing.assert_close(actual["max_logit"].double(), expected_max_logit, rtol=1e-5, atol=1e-5)
     got = {name: value.double().numpy() for name, value in actual.items()}
     want = {name: value.numpy() for name, value in expected.items()}
     tolerances = dict(KRYLOV_TOLERANCE)
@@ -156,6 +175,12 @@ def test_the_exact_method_forms_each_matrix_and_equals_the_dense_exact_path() ->
     )
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+    torch.testing.assert_close(
+        actual["max_logit"].double(),
+        dense_max_logit(q, k, key_mask=key_mask, query_mask=key_mask, causal=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_chunks_of_heads_give_the_metrics_of_the_whole_batch_and_keep_warm_vectors() -> None:

@@ -454,6 +454,8 @@ KRYLOV_TOLERANCE = {
     "entropy": (1e-5, 1e-5),
     "rank_one_residual": (1e-5, 1e-5),
     "self_attention": (1e-5, 1e-5),
+    "sink_mass": (1e-5, 1e-5),
+    "sink_mass_first": (1e-5, 1e-5),
     # σ₁, σ₂ by block Lanczos, and what follows from them.
     "sigma1": (1e-3, 0.0),
     "sigma2": (1e-3, 0.0),

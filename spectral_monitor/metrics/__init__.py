@@ -6,17 +6,29 @@ The one definition of each metric lives here; nothing else in the package re-der
 from spectral_monitor.metrics._common import ENERGY_LEVEL, METHODS
 from spectral_monitor.metrics.attention import METRIC_NAMES as ATTENTION_METRICS
 from spectral_monitor.metrics.attention import KrylovState, attention_metrics
+from spectral_monitor.metrics.logits import LOGIT_METRIC_NAMES as ATTENTION_LOGIT_METRICS
+from spectral_monitor.metrics.logits import (
+    OUTPUT_LOGIT_METRICS,
+    SEQUENCE_MAXIMA,
+    max_attention_logit,
+    output_logit_metrics,
+)
 from spectral_monitor.metrics.long_context import attention_metrics_from_qk
 from spectral_monitor.metrics.tokens import token_metrics
 from spectral_monitor.metrics.weights import marchenko_pastur_edge, weight_metrics
 
 __all__ = [
+    "ATTENTION_LOGIT_METRICS",
     "ATTENTION_METRICS",
     "ENERGY_LEVEL",
     "METHODS",
+    "OUTPUT_LOGIT_METRICS",
+    "SEQUENCE_MAXIMA",
     "KrylovState",
     "attention_metrics",
     "attention_metrics_from_qk",
+    "max_attention_logit",
+    "output_logit_metrics",
     "marchenko_pastur_edge",
     "token_metrics",
     "weight_metrics",

@@ -115,6 +115,8 @@ METRIC_NAMES = (
     "threshold_rank",
     "dobrushin",
     "self_attention",
+    "sink_mass",
+    "sink_mass_first",
 )
 
 
@@ -162,6 +164,9 @@ def attention_metrics(
       singular values already reach it, else NaN);
     - ``dobrushin`` = ½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁ (estimated above ``DOBRUSHIN_EXACT_MAX_ROWS`` rows unless exact);
     - ``self_attention`` = tr(A)/n (NaN when non-square);
+    - ``sink_mass``: the largest column mean of A over the valid queries, the mass the average query puts on
+      the most-attended key (1/m for uniform attention over m keys, 1 when every query attends one key);
+      ``sink_mass_first``: the column mean of the first valid key (the first real token of a padded sequence);
     - ``nonfinite``: True where the input had a NaN/Inf; that element's metrics are NaN, the others exact;
     - ``effective_rank_se``: standard error of the Krylov estimate (sampling and quadrature), 0 when exact.
 
@@ -415,14 +420,32 @@ def one_pass_members(
 
     frobenius = squared_norm.sqrt().to(work)
     walk = {} if walk_distances is None else {"walk_distances": walk_distances}
-    return walk | {
-        "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
-        "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
-        "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
-        if n == m
-        else torch.full((batch,), float("nan"), dtype=work, device=device),
-        "frobenius": frobenius,
-    }
+    return (
+        walk
+        | sink_masses(column_sums, keys, valid_rows, work)
+        | {
+            "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
+            "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
+            "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
+            if n == m
+            else torch.full((batch,), float("nan"), dtype=work, device=device),
+            "frobenius": frobenius,
+        }
+    )
+
+
+def sink_masses(
+    column_sums: Tensor, keys: Tensor, valid_rows: Tensor, work: torch.dtype
+) -> dict[str, Tensor]:
+    """``sink_mass`` and ``sink_mass_first`` (B,) from the column sums of A over the valid queries (B, m),
+    the valid keys (B, m) and the number of valid queries (B,): the largest column mean among the valid keys,
+    and the column mean of the first valid key. Elements with no valid key or query are made NaN by
+    :func:`finished_metrics`."""
+    column_means = column_sums / valid_rows.clamp_min(1)[:, None]
+    largest = torch.where(keys, column_means, torch.full_like(column_means, -math.inf)).amax(dim=1)
+    first_key = keys.to(torch.int8).argmax(dim=1)  # 0 where no key is valid; then nothing is measured
+    first = column_means.gather(1, first_key[:, None])[:, 0]
+    return {"sink_mass": largest.to(work), "sink_mass_first": first.to(work)}
 
 
 def _squared_norms(block: Tensor) -> Tensor:

@@ -40,6 +40,7 @@ from spectral_monitor.metrics.attention import (
     one_pass_members,
     uses_exact_path,
 )
+from spectral_monitor.metrics.logits import max_over_real_queries
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """Default budget of :func:`attention_metrics_from_qk`: memory it may use beyond its inputs and outputs."""
@@ -80,7 +81,9 @@ def attention_metrics_from_qk(
     part in the softmax, as a key padding mask. ``query_mask`` (..., n) bool, True = real query; padded
     queries' rows are zero. ``causal``: query i attends keys j ≤ i. A row with no attendable key is zero.
     Metrics are those of ``attention_metrics(A, key_mask=..., query_mask=..., causal=...)``: the same keys,
-    each of shape ``q.shape[:-2]``.
+    each of shape ``q.shape[:-2]``, and ``max_logit``, the largest logit scale · q·k + bias over real queries
+    × attendable keys (:func:`~spectral_monitor.metrics.logits.max_attention_logit`), taken in the pass
+    that forms the rows' log-sum-exp.
 
     ``method``: "exact" forms each matrix and factorises it (as ``attention_metrics``' exact path; the memory
     is then n·m per matrix whatever the budget), "krylov" the blocked products, "auto" exact up to
@@ -143,14 +146,15 @@ def attention_metrics_from_qk(
                     include_rank_sums=include_rank_sums,
                 )
             )
-            continue
-        part_state = KrylovState(None if warm is None else warm.vectors[part])
-        pieces.append(
-            _blocked_members(
-                operator, keys[part], queries[part], causal, include_rank_sums, part_state, generator
+        else:
+            part_state = KrylovState(None if warm is None else warm.vectors[part])
+            pieces.append(
+                _blocked_members(
+                    operator, keys[part], queries[part], causal, include_rank_sums, part_state, generator
+                )
             )
-        )
-        next_vectors.append(part_state.vectors)
+            next_vectors.append(part_state.vectors)
+        pieces[-1]["max_logit"] = operator.max_logit()
     if state is not None and next_vectors and all(vectors is not None for vectors in next_vectors):
         state.vectors = torch.cat(next_vectors)
     metrics = {name: torch.cat([piece[name].reshape(-1) for piece in pieces]) for name in pieces[0]}
@@ -229,7 +233,7 @@ class SoftmaxAttentionOperator(BatchedOperator):
         query_mask: Tensor,
         causal: bool,
         block_rows: int,
-        log_normaliser: Tensor | None = None,
+        row_statistics: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         super().__init__(q.shape[0], q.shape[1], k.shape[1], q.dtype, q.device)
         self.q, self.k = q, k
@@ -240,9 +244,11 @@ class SoftmaxAttentionOperator(BatchedOperator):
         self.query_mask = query_mask
         self.causal = causal
         self.block_rows = block_rows
-        self.log_normaliser = (
-            self._log_normaliser() if log_normaliser is None else log_normaliser
-        )  # (B, n): +inf where the row is zero, so exp(logit − it) = 0 there
+        # (B, n) each: the rows' log-sum-exp, +inf where the row is zero so exp(logit − it) = 0 there; and
+        # the rows' largest logit, taken in the same pass.
+        self.log_normaliser, self.row_max_logit = (
+            self._row_statistics() if row_statistics is None else row_statistics
+        )
 
     def blocks(self) -> Iterator[tuple[int, int]]:
         for start in range(0, self.rows, self.block_rows):
@@ -275,13 +281,19 @@ class SoftmaxAttentionOperator(BatchedOperator):
         halves the work of a causal product."""
         return min(stop, self.cols) if self.causal else self.cols
 
-    def _log_normaliser(self) -> Tensor:
+    def _row_statistics(self) -> tuple[Tensor, Tensor]:
         normaliser = torch.empty((self.batch, self.rows), dtype=self.dtype, device=self.device)
+        row_max = torch.empty_like(normaliser)
         for start, stop in self.blocks():
             logits = self.logits(start, stop, self._attended_width(stop))
             normaliser[:, start:stop] = torch.logsumexp(logits, dim=2)
+            row_max[:, start:stop] = logits.amax(dim=2)
         zero_rows = ~self.query_mask | torch.isneginf(normaliser)
-        return normaliser.masked_fill_(zero_rows, math.inf)
+        return normaliser.masked_fill_(zero_rows, math.inf), row_max
+
+    def max_logit(self) -> Tensor:
+        """:func:`~spectral_monitor.metrics.logits.max_attention_logit` of each element: (B,)."""
+        return max_over_real_queries(self.row_max_logit, self.query_mask)
 
     def matmat(self, x: Tensor) -> Tensor:
         x = x.to(self.dtype)
@@ -344,7 +356,7 @@ class SoftmaxAttentionOperator(BatchedOperator):
             query_mask=self.query_mask[index],
             causal=self.causal,
             block_rows=self.block_rows,
-            log_normaliser=self.log_normaliser[index],
+            row_statistics=(self.log_normaliser[index], self.row_max_logit[index]),
         )
 
 

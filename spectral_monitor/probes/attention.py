@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from spectral_monitor.metrics import KrylovState, attention_metrics_from_qk
+from spectral_monitor.metrics import KrylovState, attention_metrics_from_qk, max_attention_logit
 from spectral_monitor.metrics.long_context import DEFAULT_MAX_BYTES
 from spectral_monitor.metrics.masks import (
     additive_mask,
@@ -125,7 +125,8 @@ class AttentionSample:
     ``key_mask``: (S, m) bool, True = the key is attendable by at least one query; ``None`` = all are.
     ``query_mask``: (S, n) bool, True = a real query (not padding, has an attendable key); ``None`` = all are.
     ``attendable``: bool (S, H or 1, n, m), True where a query may attend a key; ``None`` = as
-    ``causal`` says (every key, or keys j <= i).
+    ``causal`` says (every key, or keys j <= i). ``max_logit``: (S, H), the largest logit over real queries x
+    attendable keys (:func:`~spectral_monitor.metrics.max_attention_logit`); ``None`` = not taken.
     """
 
     layer: str
@@ -135,6 +136,7 @@ class AttentionSample:
     causal: bool
     scale: float
     attendable: Tensor | None = None
+    max_logit: Tensor | None = None
 
 
 @dataclass
@@ -176,19 +178,25 @@ class CapturedAttention:
 
     def probs(self) -> Tensor:
         """The attention probabilities softmax(logits) before dropout: (S, H, n, m) float32."""
-        logits = self.logits()
-        no_attendable_key = torch.isneginf(logits).all(dim=-1, keepdim=True)
-        return torch.softmax(logits, dim=-1).masked_fill_(no_attendable_key, 0.0)
+        return _probabilities(self.logits())
 
     def sample(self) -> AttentionSample:
-        """The probabilities with their masks, computed now."""
-        probs = self.probs()
+        """The probabilities with their masks and the largest logit of each head, computed now (from one
+        logits tensor, freed once the probabilities are formed)."""
+        logits = self.logits()
+        max_logit = max_attention_logit(
+            logits,
+            key_mask=None if self.key_mask is None else self.key_mask[:, None, :],
+            query_mask=None if self.query_mask is None else self.query_mask[:, None, :],
+        )
+        probs = _probabilities(logits)
+        del logits
         attendable = None
         if self.mask is not None:
             attendable = attendable_pattern(self.mask, self.causal, probs.shape)
             attendable = attendable.expand(probs.shape[0], *attendable.shape[1:])
         return AttentionSample(
-            self.layer, probs, self.key_mask, self.query_mask, self.causal, self.scale, attendable
+            self.layer, probs, self.key_mask, self.query_mask, self.causal, self.scale, attendable, max_logit
         )
 
     def probs_nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
@@ -769,6 +777,12 @@ def _attendable_keys_and_queries(
     last_query = torch.where(queries, positions, -1).amax(dim=1, keepdim=True)
     keys = open_keys.any(dim=1) & (torch.arange(num_keys, device=device) <= last_query)
     return keys, queries
+
+
+def _probabilities(logits: Tensor) -> Tensor:
+    """softmax over the keys, rows with no attendable key zero."""
+    no_attendable_key = torch.isneginf(logits).all(dim=-1, keepdim=True)
+    return torch.softmax(logits, dim=-1).masked_fill_(no_attendable_key, 0.0)
 
 
 def _conjunction(mask: Tensor | None, other: Tensor) -> Tensor:

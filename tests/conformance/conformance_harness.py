@@ -7,7 +7,9 @@ of the batch. The monitor runs in a real ``Trainer.fit`` with learning rate 0 (t
 twin), measuring every step, and every attention and token value it logs for a layer must equal the
 reference over real queries × attendable keys (real tokens) within ``TOLERANCE``, relative to the value's
 size where it exceeds 1. Metrics the reference leaves undefined for a layer (``eigen_gap`` of causal
-attention, every metric of a layer with nothing to measure) must not be logged at all.
+attention, every metric of a layer with nothing to measure) must not be logged at all. Where a family's
+reference also gives the kernel's q and k, ``max_logit`` (per head the largest over the sequences) and its
+growth from the previous case's step are checked too; elsewhere those tags are left out of the comparison.
 """
 
 from __future__ import annotations
@@ -22,17 +24,29 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import Logger
-from reference_metrics import attention_reference, token_reference
+from reference_metrics import attention_reference, max_logit_reference, token_reference
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertEvent
+from spectral_monitor.catalog import metric_info
 from spectral_monitor.metrics import ATTENTION_METRICS
 from spectral_monitor.probes import AttentionExtractor, register_attention_extractor
 
 TOLERANCE = 1e-5
 TOKEN_METRICS = ("cosine_similarity", "token_residual", "stable_rank", "effective_rank")
+LOGIT_METRICS = ("max_logit", "max_logit_max", "max_logit_growth")
+
+
+@dataclass
+class LogitInputs:
+    """The attention kernel's inputs of one layer in float64: ``q`` (B, H, n, d), ``k`` (B, H, m, d), and the
+    ``scale`` of q·k (the masks are the layer reference's)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    scale: float
 
 
 @dataclass
@@ -40,7 +54,7 @@ class LayerReference:
     """One attention layer of one batch from an independent source.
 
     ``probs`` (B, H, n, m); ``real_queries`` (B, n) and ``real_keys`` (B, m) bool; ``causal``: query i may
-    attend keys j <= i only (on top of ``real_keys``).
+    attend keys j <= i only (on top of ``real_keys``); ``logit_inputs``: q and k, where the source gives them.
     """
 
     layer: str
@@ -48,6 +62,7 @@ class LayerReference:
     real_queries: np.ndarray
     real_keys: np.ndarray
     causal: bool
+    logit_inputs: LogitInputs | None = None
 
 
 @dataclass
@@ -124,6 +139,7 @@ def run_monitored(family: Family) -> MonitoredRun:
     monitor = SpectralMonitor(
         every_n_steps=1,
         families=("attention", "tokens"),
+        per_head=True,
         max_sequences=max(batch_size(batch) for batch in family.cases.values()),
         histograms=False,
         figures_every_n_logs=0,
@@ -161,7 +177,10 @@ def run_monitored(family: Family) -> MonitoredRun:
 def assert_conforms(family: Family, run: MonitoredRun, case: str) -> float:
     """Asserts that what the monitor logged for ``case`` equals the reference; returns the largest error."""
     layers, blocks = family.reference(family.cases[case])
-    return largest_error(run.logged[case], layers, blocks)
+    names = list(family.cases)
+    previous = names.index(case) - 1
+    previous_layers = [] if previous < 0 else family.reference(family.cases[names[previous]])[0]
+    return largest_error(run.logged[case], layers, blocks, previous_layers)
 
 
 def assert_no_false_alarm(family: Family, run: MonitoredRun) -> None:
@@ -183,21 +202,36 @@ def batch_size(batch: dict[str, Tensor]) -> int:
 
 
 def expected_values(
-    layers: list[LayerReference], blocks: list[BlockReference]
+    layers: list[LayerReference],
+    blocks: list[BlockReference],
+    previous_layers: list[LayerReference] | tuple[()] = (),
 ) -> tuple[dict[str, float], set[str]]:
-    """The tags the monitor must log with their reference values, and the layers and blocks they cover."""
+    """The tags the monitor must log with their reference values, and the layers and blocks they cover;
+    ``previous_layers``: the reference of the step before, for the logit growth."""
     expected: dict[str, float] = {}
+    previous_maxima = {
+        reference.layer: float(np.max(maxima))
+        for reference in previous_layers
+        if (maxima := _max_logit_per_head(reference)) is not None and not np.isnan(maxima).all()
+    }
     for reference in layers:
         per_head = _attention_per_head(reference)
+        maxima = _max_logit_per_head(reference)
+        if maxima is not None:
+            per_head["max_logit"] = maxima
         for metric, values in per_head.items():
             if np.isnan(values).all():
                 continue  # undefined for this layer: must not be logged
             where = f"attention/{metric}/{reference.layer}"
             expected[where] = float(np.mean(values))
-            expected[f"attention/{metric}_min/{reference.layer}"] = float(np.min(values))
-            expected[f"attention/{metric}_max/{reference.layer}"] = float(np.max(values))
+            for aggregate in metric_info("attention", metric).head_aggregates:
+                value = np.min(values) if aggregate == "min" else np.max(values)
+                expected[f"attention/{metric}_{aggregate}/{reference.layer}"] = float(value)
             for head, value in enumerate(values):
                 expected[f"{where}/head_{head}"] = float(value)
+        previous = previous_maxima.get(reference.layer)
+        if maxima is not None and not np.isnan(maxima).all() and previous is not None and previous > 0:
+            expected[f"attention/max_logit_growth/{reference.layer}"] = float(np.max(maxima)) / previous
     for reference in blocks:
         per_sequence = [
             token_reference(states, token_mask=real)
@@ -240,16 +274,53 @@ def _attention_per_head(reference: LayerReference) -> dict[str, np.ndarray]:
         return {metric: np.nanmean(value, axis=0) for metric, value in values.items()}
 
 
+def _max_logit_per_head(reference: LayerReference) -> np.ndarray | None:
+    """Each head's largest logit over the sequences' real queries × attendable keys (NaN where no sequence
+    has one); None where the reference has no q and k."""
+    inputs = reference.logit_inputs
+    if inputs is None:
+        return None
+    sequences, heads = inputs.q.shape[:2]
+    queries, keys = _measured_queries_and_keys(reference)
+    values = np.full((sequences, heads), np.nan)
+    for sequence in range(sequences):
+        for head in range(heads):
+            values[sequence, head] = max_logit_reference(
+                inputs.q[sequence, head], inputs.k[sequence, head], scale=inputs.scale,
+                key_mask=keys[sequence], query_mask=queries[sequence], causal=reference.causal,
+            )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a head no sequence measures: NaN, as wanted
+        return np.nanmax(values, axis=0)
+
+
+def _measured_queries_and_keys(reference: LayerReference) -> tuple[np.ndarray, np.ndarray]:
+    """(B, n) real queries with an attendable key and (B, m) keys some such query may attend."""
+    sequences, n, m = reference.probs.shape[0], *reference.probs.shape[2:]
+    attendable = np.broadcast_to(reference.real_keys[:, None, :], (sequences, n, m)).copy()
+    if reference.causal:
+        attendable &= np.tri(n, m, dtype=bool)
+    queries = reference.real_queries & attendable.any(axis=2)
+    return queries, (attendable & queries[:, :, None]).any(axis=1)
+
+
 def largest_error(
-    logged: dict[str, float], layers: list[LayerReference], blocks: list[BlockReference]
+    logged: dict[str, float],
+    layers: list[LayerReference],
+    blocks: list[BlockReference],
+    previous_layers: list[LayerReference] | tuple[()] = (),
 ) -> float:
     """The largest relative difference between what was logged and the reference; asserts that every
-    expected tag was logged and nothing else for the layers and blocks covered."""
-    expected, covered = expected_values(layers, blocks)
+    expected tag was logged and nothing else for the layers and blocks covered (the logit metrics of a
+    layer whose reference has no q and k are not compared)."""
+    expected, covered = expected_values(layers, blocks, previous_layers)
+    without_logits = {reference.layer for reference in layers if reference.logit_inputs is None}
     ours = {
         tag: value
         for tag, value in logged.items()
-        if tag.split("/")[0] in ("attention", "tokens") and _layer_of(tag) in covered
+        if tag.split("/")[0] in ("attention", "tokens")
+        and _layer_of(tag) in covered
+        and not (tag.split("/")[1] in LOGIT_METRICS and _layer_of(tag) in without_logits)
     }
     assert set(ours) == set(expected), (
         f"logged but not expected: {sorted(set(ours) - set(expected))[:8]}; "

@@ -14,7 +14,14 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conformance_harness import BlockReference, Family, LayerReference, as_float64, sharpen_attention
+from conformance_harness import (
+    BlockReference,
+    Family,
+    LayerReference,
+    LogitInputs,
+    as_float64,
+    sharpen_attention,
+)
 from torch import Tensor, nn
 
 from spectral_monitor.probes import AttentionInputs
@@ -71,9 +78,18 @@ def _eager_twin(model: nn.Module, **options: object) -> nn.Module:
     return twin.train()
 
 
-def _hf_causal_lm_family(name: str, model: nn.Module, blocks: str, attention: str, seed: int) -> Family:
+def _hf_causal_lm_family(
+    name: str, model: nn.Module, blocks: str, attention: str, seed: int, qkv_projection: str | None = None
+) -> Family:
+    """``qkv_projection``: the attention's fused q, k, v projection (GPT-2's ``c_attn``), whose output gives
+    the reference q and k of the logit metrics; without it they are not checked."""
     twin = _eager_twin(model)
     block_modules = [(f"model.{blocks}.{index}", module) for index, module in enumerate(_get(twin, blocks))]
+    projections = (
+        []
+        if qkv_projection is None
+        else [_get(block, f"{attention}.{qkv_projection}") for block in _get(twin, blocks)]
+    )
 
     def loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         return model(**batch).logits.float().square().mean()
@@ -81,12 +97,24 @@ def _hf_causal_lm_family(name: str, model: nn.Module, blocks: str, attention: st
     def reference(batch: dict[str, Tensor]) -> tuple[list[LayerReference], list[BlockReference]]:
         real = batch["attention_mask"].bool().numpy()
         outputs, handles = _block_outputs(block_modules)
+        projected, projection_handles = _block_outputs(
+            [(str(index), projection) for index, projection in enumerate(projections)]
+        )
         with torch.no_grad():
             attentions = twin(**batch, output_attentions=True).attentions
-        for handle in handles:
+        for handle in handles + projection_handles:
             handle.remove()
         layer_references = [
-            LayerReference(f"model.{blocks}.{index}.{attention}", as_float64(probs), real, real, causal=True)
+            LayerReference(
+                f"model.{blocks}.{index}.{attention}",
+                as_float64(probs),
+                real,
+                real,
+                causal=True,
+                logit_inputs=None
+                if qkv_projection is None
+                else _fused_logit_inputs(projected[str(index)], probs.shape[1]),
+            )
             for index, probs in enumerate(attentions)
         ]
         block_references = [
@@ -96,6 +124,13 @@ def _hf_causal_lm_family(name: str, model: nn.Module, blocks: str, attention: st
 
     cases = _token_cases(tuple(BATCH_LENGTHS), seed=seed)
     return Family(name, model, loss, cases, reference)
+
+
+def _fused_logit_inputs(qkv: Tensor, heads: int) -> LogitInputs:
+    """q and k in float64 (B, H, n, d) from a fused projection's output (B, n, 3 · H · d), scale 1/√d."""
+    q, k, _ = qkv.detach().double().chunk(3, dim=-1)
+    q, k = (t.view(*t.shape[:2], heads, -1).transpose(1, 2).numpy() for t in (q, k))
+    return LogitInputs(q, k, 1.0 / math.sqrt(q.shape[-1]))
 
 
 def _get(module: nn.Module, path: str) -> nn.Module:
@@ -123,7 +158,7 @@ def gpt2_family() -> Family:
     )
     model = GPT2LMHeadModel(config)
     sharpen_attention(model, ("c_attn.weight",), 25.0)
-    return _hf_causal_lm_family("gpt2", model, "transformer.h", "attn", 1)
+    return _hf_causal_lm_family("gpt2", model, "transformer.h", "attn", 1, qkv_projection="c_attn")
 
 
 def llama_family() -> Family:
@@ -516,7 +551,16 @@ def nanogpt_family() -> Family:
             logits = logits.masked_fill(
                 ~torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril(), -math.inf
             )
-            layers.append(LayerReference(name, logits.softmax(dim=-1).numpy(), real, real, causal=True))
+            layers.append(
+                LayerReference(
+                    name,
+                    logits.softmax(dim=-1).numpy(),
+                    real,
+                    real,
+                    causal=True,
+                    logit_inputs=LogitInputs(q.numpy(), k.numpy(), 1.0 / math.sqrt(q.shape[-1])),
+                )
+            )
         blocks = [BlockReference(name, as_float64(outputs[name]), real) for name in outputs]
         return layers, blocks
 

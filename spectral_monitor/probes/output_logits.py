@@ -1,0 +1,116 @@
+"""Capture of a language model's output logits (its LM head's output) on logging steps.
+
+While armed, a forward hook on the LM head keeps a detached copy of its output for the first
+``max_sequences`` sequences of the batch, with its real tokens as the forward's padding masks say them
+(:mod:`spectral_monitor.probes.token_masks`: a Hugging Face ``attention_mask``, else the batch's token mask
+given to ``arm()``); the hooks exist
+only between arm and disarm, consumes no RNG and changes nothing of the forward. The LM head is the module
+named by the user, else a Hugging Face model's ``get_output_embeddings()``, else the last ``nn.Linear``
+whose ``out_features`` equals the vocabulary size of the model's first ``nn.Embedding``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from spectral_monitor.probes.token_masks import ForwardTokenMasks
+from spectral_monitor.probes.wrappers import unwrapped_named_modules
+
+__all__ = ["OutputLogitCapture", "OutputLogitSample", "find_lm_head"]
+
+
+@dataclass
+class OutputLogitSample:
+    """The LM head's output for the sampled sequences: ``logits`` (S, n, V), a detached copy in the forward's
+    dtype; ``token_mask`` (S, n) bool, True = real token, or ``None`` when every token counts."""
+
+    layer: str
+    logits: Tensor
+    token_mask: Tensor | None
+
+
+def find_lm_head(model: nn.Module, module_name: str | None = None) -> tuple[str, nn.Module]:
+    """(name, module) of the LM head: ``module_name`` if given; else ``get_output_embeddings()`` of a Hugging
+    Face model where that returns a module; else the last ``nn.Linear`` whose ``out_features`` is the
+    vocabulary size of the first ``nn.Embedding``. Raises ValueError naming what is missing."""
+    modules = list(unwrapped_named_modules(model))
+    if module_name is not None:
+        for name, module in modules:
+            if name == module_name:
+                return name, module
+        raise ValueError(
+            f"output_logits names the module {module_name!r}, which {type(model).__name__} does not have; "
+            f"its modules look like {[name for name, _ in modules[1:6]]}"
+        )
+    for _, module in modules:
+        get_output_embeddings = getattr(module, "get_output_embeddings", None)
+        head = get_output_embeddings() if callable(get_output_embeddings) else None
+        if isinstance(head, nn.Module):
+            for name, candidate in modules:
+                if candidate is head:
+                    return name, head
+    embeddings = [module for _, module in modules if isinstance(module, nn.Embedding)]
+    if embeddings:
+        vocabulary = embeddings[0].num_embeddings
+        heads = [
+            (name, module)
+            for name, module in modules
+            if isinstance(module, nn.Linear) and module.out_features == vocabulary
+        ]
+        if heads:
+            return heads[-1]
+    raise ValueError(
+        f"output_logits found no LM head in {type(model).__name__}: no get_output_embeddings() and no "
+        "nn.Linear whose out_features equals the first nn.Embedding's num_embeddings; name it "
+        "(output_logits='<module name>')"
+    )
+
+
+class OutputLogitCapture:
+    """Keeps the LM head's output of one armed forward (the first call while armed)."""
+
+    def __init__(self, model: nn.Module, module_name: str | None = None, max_sequences: int = 2) -> None:
+        self.model = model
+        self.layer, self.head = find_lm_head(model, module_name)
+        self.max_sequences = max_sequences
+        self._handle: RemovableHandle | None = None
+        self._token_masks: ForwardTokenMasks | None = None
+        self._sample: OutputLogitSample | None = None
+
+    @property
+    def is_armed(self) -> bool:
+        return self._handle is not None
+
+    def arm(self, token_mask: Tensor | None = None) -> None:
+        """Hooks the head until :meth:`disarm`; ``token_mask`` (B, n) bool, True = real token."""
+        self.disarm()
+        self._token_masks = ForwardTokenMasks(token_mask)
+        self._token_masks.install(self.model)
+        self._handle = self.head.register_forward_hook(self._keep)
+
+    def disarm(self) -> OutputLogitSample | None:
+        """Removes the hook; returns what it captured (``None`` when the head did not run)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._token_masks is not None:
+            self._token_masks.remove()
+            self._token_masks = None
+        sample, self._sample = self._sample, None
+        return sample
+
+    def _keep(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._sample is not None or not isinstance(output, Tensor) or output.dim() != 3:
+            return  # later calls in the same forward, or an output that is not (B, n, V)
+        sequences = min(self.max_sequences, output.shape[0])
+        logits = output[:sequences].detach().clone()
+        real = None if self._token_masks is None else self._token_masks.real_tokens(output.shape[1])
+        if real is not None and real.shape[0] == output.shape[0]:
+            real = real[:sequences].to(logits.device).clone()
+        else:
+            real = None
+        self._sample = OutputLogitSample(self.layer, logits, real)
