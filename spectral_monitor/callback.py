@@ -603,7 +603,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         )
         layers = [captured for captured in recording.captured if self._selected(captured.layer)]
         measured = self._attention_of_layers(
-            layers, room, spectra_wanted=diversity_due or progress.draw_figures, draw=progress.draw_figures
+            layers, room, diversity=diversity_due, draw=progress.draw_figures
         )
         drawn_heads = []
         for captured, layer in zip(layers, measured, strict=True):
@@ -671,7 +671,7 @@ class SpectralMonitor(*CALLBACK_BASES):
                 sink.write_text("preflight", preflight_markdown(findings), trainer.global_step)
 
     def _attention_of_layers(
-        self, layers: list[CapturedAttention], room: int, *, spectra_wanted: bool, draw: bool
+        self, layers: list[CapturedAttention], room: int, *, diversity: bool, draw: bool
     ) -> list[_LayerAttention]:
         """Each layer's metrics (S, H), with its spectra and the drawn head's heatmap where wanted, within
         ``room`` bytes of working memory.
@@ -702,7 +702,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             else:
                 state = None if exact else self._krylov_state(captured)
                 results[index] = self._dense_attention(
-                    [captured], captured.chunks(per_chunk), room, state, spectra_wanted, draw
+                    [captured], captured.chunks(per_chunk), room, state, diversity, draw
                 )[0]
         for indices in together.values():
             per_matrix = layers[indices[0]].dense_matrix_nbytes(exact=True)
@@ -718,7 +718,7 @@ class SpectralMonitor(*CALLBACK_BASES):
                 members = [layers[i] for i in group]
                 for i, result in zip(
                     group,
-                    self._dense_attention(members, iter(members), room, None, spectra_wanted, draw),
+                    self._dense_attention(members, iter(members), room, None, diversity, draw),
                     strict=True,
                 ):
                     results[i] = result
@@ -731,13 +731,13 @@ class SpectralMonitor(*CALLBACK_BASES):
         chunks: Iterator[CapturedAttention],
         room: int,
         state: KrylovState | None,
-        spectra_wanted: bool,
+        diversity: bool,
         draw: bool,
     ) -> list[_LayerAttention]:
         """The attention of ``layers`` measured densely: several whole layers of one kind in one call (the
         chunks are the layers), or one layer in ``chunks`` of its matrices, one call each, in order."""
         if len(layers) > 1:
-            call = self._dense_call(list(chunks), room, None, spectra_wanted, draw)
+            call = self._dense_call(list(chunks), room, None, diversity, draw)
             sizes = [layer.num_sequences for layer in layers]
             metrics = {name: values.split(sizes) for name, values in call.metrics.items()}
             spectra = None if call.spectra is None else call.spectra.split(sizes)
@@ -758,7 +758,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             chunk_state = None
             if state is not None:
                 chunk_state = KrylovState(warm[first : first + count] if warm_fits else None)
-            calls.append(self._dense_call([chunk], room, chunk_state, spectra_wanted, draw and first == 0))
+            calls.append(self._dense_call([chunk], room, chunk_state, diversity, draw and first == 0))
             if chunk_state is not None:
                 next_vectors.append(chunk_state.vectors)
             first += count
@@ -779,7 +779,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         parts: list[CapturedAttention],
         room: int,
         state: KrylovState | None,
-        spectra_wanted: bool,
+        diversity: bool,
         draw: bool,
     ) -> _DenseCall:
         """One ``attention_metrics`` call on ``parts`` (one kind), their probabilities formed into one
@@ -803,7 +803,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             state=state,
         )
         call = _DenseCall(metrics, None, [None] * len(parts))
-        if not spectra_wanted:
+        if not (diversity or draw):
             return call
         left = room - probs.numel() * probs.element_size() - DENSE_CALL_NBYTES
         dtype = next(
@@ -816,11 +816,22 @@ class SpectralMonitor(*CALLBACK_BASES):
                 f"{first.layer}'s {n}×{m} attention; it is left out of head diversity and the figures",
             )
             return call
-        call.spectra = attention_spectra(probs, query_mask, key_mask, dtype)
+        if diversity:
+            call.spectra = attention_spectra(probs, query_mask, key_mask, dtype)
         if draw:
             firsts = torch.tensor([0, *sequences[:-1]]).cumsum(0).tolist()
             call.drawn = [
-                _drawn_attention(sample, call.spectra[position])
+                _drawn_attention(
+                    sample,
+                    attention_spectra(
+                        sample.probs[:1, _FIGURE_HEAD : _FIGURE_HEAD + 1],
+                        None if sample.query_mask is None else sample.query_mask[:1],
+                        None if sample.key_mask is None else sample.key_mask[:1],
+                        dtype,
+                    )[0, 0]
+                    if call.spectra is None
+                    else call.spectra[position, _FIGURE_HEAD],
+                )
                 for sample, position in zip(samples, firsts, strict=True)
             ]
         return call
@@ -1031,13 +1042,12 @@ class _LayerAttention:
     drawn: _DrawnAttention | None = None
 
 
-def _drawn_attention(sample: AttentionSample, spectra: Tensor) -> _DrawnAttention | None:
-    """Head ``_FIGURE_HEAD`` of the first sequence of ``sample``, reduced to what its figures draw; None when
-    it cannot be drawn: no real query or no attendable key (all padding), or attention holding NaN or inf
-    (its spectrum is NaN; written as such by the metrics)."""
+def _drawn_attention(sample: AttentionSample, singular_values: Tensor) -> _DrawnAttention | None:
+    """Head ``_FIGURE_HEAD`` of the first sequence of ``sample``, with its ``singular_values``, reduced to
+    what its figures draw; None when it cannot be drawn: no real query or no attendable key (all padding), or
+    attention holding NaN or inf (its spectrum is NaN; written as such by the metrics)."""
     real_queries = sample.probs.shape[2] if sample.query_mask is None else int(sample.query_mask[0].sum())
     attendable_keys = sample.probs.shape[3] if sample.key_mask is None else int(sample.key_mask[0].sum())
-    singular_values = spectra[_FIGURE_HEAD]
     if min(real_queries, attendable_keys) == 0 or not bool(singular_values.isfinite().all()):
         return None
     # The block means read the float32 matrix in place, a few rows at a time (no float64 copy of it).

@@ -88,9 +88,10 @@ float32 size: the float64 Gram matrix and its ``eigvalsh`` copy, the ``eigvals``
 Dobrushin distances, the masked copy. Measured from the peak resident set (every buffer mapped on its own)
 on 1 and 2 softmax matrices at n = 512, 1024 and 2048: 6.1–6.5 unmasked, 7.1–7.3 masked (9.3 for one matrix
 at n = 512, where the fixed part, ``DENSE_CALL_NBYTES``, is most of it)."""
-KRYLOV_WORKING_COPIES = 0.5
+KRYLOV_WORKING_COPIES = 1.25
 """The same for the Krylov path on unmasked matrices (its one-pass temporaries are cache-sized blocks):
-0.16–0.6 at n = 1024 and 2048, besides its Krylov vectors (``KRYLOV_COLUMNS``)."""
+0.16–1.14 at n = 1024 and 2048 (the most on one near-uniform matrix at 2048), besides its Krylov
+vectors (``KRYLOV_COLUMNS``)."""
 KRYLOV_MASKED_WORKING_COPIES = 2.5
 """The same with key or query masks, which make the masked copy of the batch and its attendable pattern:
 2.0–3.0 at n = 512 to 2048."""
