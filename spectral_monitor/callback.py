@@ -197,12 +197,23 @@ class SpectralMonitor(*CALLBACK_BASES):
             it). ``None``: everything.
         exclude: patterns of module names not to measure; applied after ``include``.
         max_sequences: sequences of the batch captured (the first ones: no random numbers drawn).
-        memory_budget_mb: most memory the attention capture may hold (at least 1/1024, 1 KiB); over it
-            fewer sequences, then heads, then layers are kept, with a warning. A layer whose probabilities
-            would not fit it, or with at least ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, is measured from q
-            and k in blocks within what is left of it (``attention_metrics_from_qk``), and left out of the
-            figures and head diversity. It bounds what the capture holds, not the working memory of the
-            metrics and figures computed from it.
+        memory_budget_mb: most memory (MiB: 2²⁰ bytes; at least 1/1024) a logging step's attention work
+            adds at its peak: the q and k the capture holds from the forward, the probabilities formed from
+            them, the metrics' working memory, the singular values for head diversity and the figures, and
+            the drawn attention. Over it the capture keeps fewer sequences, then heads, then layers, with a
+            warning, so that each layer's probabilities fit whole. Each layer is then measured a chunk of
+            its matrices at a time, as many as fit what the capture leaves with their working memory (about
+            8.5 times a float32 matrix on the exact path, 2.3–3.8 on the Krylov path); where not even one
+            fits, or from ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, from q and k in blocks within it
+            (``attention_metrics_from_qk``, on the Krylov path where the exact one was asked for, with a
+            warning), and the layer is left out of the figures and head diversity. Singular values are
+            taken in float64 where that fits, else in float32 (σ within ~1e-7 σ₁), else the layer is left
+            out of them with a warning. The heatmaps keep block means of at most 128 × 128. Not covered:
+            the model's own forward and backward, the other families (tokens, weights and the opt-in
+            probes), the figures' canvases kept between figure steps and their PNG encoding, and memory
+            the allocator keeps after it is freed; with those, a logging step at n = 2048 grew the
+            resident set by at most the budget and 9 MiB (27 MiB on the step that first draws the
+            figures) in ``tests/test_memory_budget.py``.
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
             each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
             12-head model writes 24 attention scalars per layer rather than 167; the alert rules read
