@@ -19,8 +19,8 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 ALLOWANCE_MIB = 32
 """What a logging step adds besides the attention work the budget covers: the figures' canvases (made on
 the first figure step and kept), PNG encoding, histograms, the records and the interpreter's own
-allocations. Measured with this probe at n = 128, where the attention's share is under 1 MiB: 26.3 MiB on
-the first logging step, which makes the figures, and 8.6–8.7 MiB on later ones (2-core development VM)."""
+allocations. Measured with this probe at n = 128, where the attention's share is under 1 MiB: 26.3–26.7 MiB
+on the first logging step, which makes the figures, and 8.6–8.9 MiB on later ones (3 runs, 2-core VM)."""
 
 STEP_PROBE = textwrap.dedent(
     """
