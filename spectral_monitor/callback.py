@@ -700,7 +700,14 @@ class SpectralMonitor(*CALLBACK_BASES):
         for index, captured in enumerate(layers):
             n, m = captured.q.shape[2], captured.k.shape[2]
             exact = uses_exact_path(n, m, self.metric_method)
-            per_chunk = 0 if captured.measured_blockwise() else captured.matrices_per_chunk(room, exact)
+            # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
+            # not one matrix: the metrics come first.
+            spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
+            per_chunk = 0
+            if not captured.measured_blockwise():
+                per_chunk = captured.matrices_per_chunk(room - spectra_room, exact) or (
+                    captured.matrices_per_chunk(room, exact)
+                )
             matrices = captured.num_sequences * captured.num_heads
             if per_chunk == 0:
                 results[index] = self._blockwise_attention(captured, room, exact)
@@ -717,7 +724,9 @@ class SpectralMonitor(*CALLBACK_BASES):
                 )[0]
         for indices in together.values():
             per_matrix = layers[indices[0]].dense_matrix_nbytes(exact=True)
-            fitting = max(1, (room - DENSE_CALL_NBYTES) // per_matrix)
+            n, m = layers[indices[0]].q.shape[2], layers[indices[0]].k.shape[2]
+            spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
+            fitting = max(1, (room - spectra_room - DENSE_CALL_NBYTES) // per_matrix)
             group: list[int] = []
             for index in [*indices, None]:
                 if (

@@ -111,3 +111,46 @@ def test_a_logging_step_at_2048_tokens_keeps_the_memory_budget_figures_included(
     for layer in ("blocks.0.attention", "blocks.1.attention"):
         entropy = events.Scalars(f"attention/entropy/{layer}")
         assert len(entropy) == steps and all(0 < event.value < 1 for event in entropy)
+
+
+@pytest.mark.parametrize("matrices_per_chunk", [1, 3, 4, 6])
+def test_measuring_a_chunk_of_matrices_at_a_time_gives_what_one_call_gives(matrices_per_chunk: int) -> None:
+    """Chunks of one matrix, of heads of one sequence, of whole sequences: the exact metrics, the spectra
+    head diversity uses and the drawn head's heatmap blocks are those of the whole layer in one call."""
+    import torch
+
+    from spectral_monitor import SpectralMonitor
+    from spectral_monitor.demo import DemoTransformer
+    from spectral_monitor.probes import AttentionCapture
+    from spectral_monitor.probes.attention import DENSE_CALL_NBYTES
+    from spectral_monitor.sinks.figures import attention_block_means
+    from spectral_monitor.toolbox.head_diversity import attention_spectra, spectrum_working_nbytes
+
+    model = DemoTransformer(vocab_size=16, d_model=32, n_layers=2, n_heads=4, seq_len=40, causal=True)
+    tokens = torch.randint(16, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), AttentionCapture(model, max_sequences=3).armed() as recording:
+        model(tokens)
+    layers = recording.captured
+    # Room for the chunk, its working memory and one float64 spectrum; chunks are sized keeping room for a
+    # float32 one.
+    per_matrix = layers[0].dense_matrix_nbytes(exact=True)
+    spectrum = spectrum_working_nbytes(40, 40, torch.float64)
+    room = DENSE_CALL_NBYTES + matrices_per_chunk * per_matrix + per_matrix // 2 + spectrum
+    spectra_room = spectrum_working_nbytes(40, 40, torch.float32)
+    assert layers[0].matrices_per_chunk(room - spectra_room, exact=True) == matrices_per_chunk
+
+    monitor = SpectralMonitor(metric_method="exact")
+    chunked = monitor._attention_of_layers(layers, room, diversity=True, draw=True)
+    whole = monitor._attention_of_layers(layers, 2**30, diversity=True, draw=True)
+    for captured, by_chunks, at_once in zip(layers, chunked, whole, strict=True):
+        assert by_chunks.metrics.keys() == at_once.metrics.keys()
+        for name, values in at_once.metrics.items():
+            assert values.shape == (3, 4)
+            torch.testing.assert_close(by_chunks.metrics[name], values, rtol=1e-6, atol=1e-7, equal_nan=True)
+        sample = captured.sample()
+        reference = attention_spectra(sample.probs, sample.query_mask, sample.key_mask)
+        torch.testing.assert_close(by_chunks.spectra, reference, rtol=0, atol=1e-12)
+        blocks = attention_block_means(sample.probs[0, 0].numpy())
+        assert by_chunks.drawn is not None
+        assert by_chunks.drawn.blocks.shape == blocks.shape
+        assert (by_chunks.drawn.blocks.means == blocks.means).all()
