@@ -77,6 +77,7 @@ from spectral_monitor.probes import (
     SkippedCapture,
     WeightProbe,
 )
+from spectral_monitor.probes.attention import DENSE_CALL_NBYTES
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 from spectral_monitor.probes.output_logits import OutputLogitCapture, OutputLogitSample
 from spectral_monitor.probes.token_masks import checked_token_mask
@@ -91,8 +92,20 @@ from spectral_monitor.sinks import (
     diagnosis_layout,
     steps_phrase,
 )
-from spectral_monitor.sinks.figures import AttentionHeatmapImages, LayerHeadHeatmapImages, SpectrumImages
-from spectral_monitor.toolbox.head_diversity import head_diversity_records, redundant_pairs_markdown
+from spectral_monitor.sinks.figures import (
+    AttentionBlocks,
+    AttentionHeatmapImages,
+    LayerHeadHeatmapImages,
+    SpectrumImages,
+    attention_block_means,
+)
+from spectral_monitor.toolbox.head_diversity import (
+    SPECTRUM_DTYPES,
+    attention_spectra,
+    redundant_pairs_markdown,
+    spectra_diversity_records,
+    spectrum_working_nbytes,
+)
 from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
 from spectral_monitor.validation import (
@@ -195,12 +208,23 @@ class SpectralMonitor(*CALLBACK_BASES):
             it). ``None``: everything.
         exclude: patterns of module names not to measure; applied after ``include``.
         max_sequences: sequences of the batch captured (the first ones: no random numbers drawn).
-        memory_budget_mb: most memory the attention capture may hold (at least 1/1024, 1 KiB); over it
-            fewer sequences, then heads, then layers are kept, with a warning. A layer whose probabilities
-            would not fit it, or with at least ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, is measured from q
-            and k in blocks within what is left of it (``attention_metrics_from_qk``), and left out of the
-            figures and head diversity. It bounds what the capture holds, not the working memory of the
-            metrics and figures computed from it.
+        memory_budget_mb: most memory (MiB: 2²⁰ bytes; at least 1/1024) a logging step's attention work
+            adds at its peak: the q and k the capture holds from the forward, the probabilities formed from
+            them, the metrics' working memory, the singular values for head diversity and the figures, and
+            the drawn attention. Over it the capture keeps fewer sequences, then heads, then layers, with a
+            warning, so that each layer's probabilities fit whole. Each layer is then measured a chunk of
+            its matrices at a time, as many as fit what the capture leaves with their working memory (about
+            8.5 times a float32 matrix on the exact path, 2.3–3.8 on the Krylov path); where not even one
+            fits, or from ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, from q and k in blocks within it
+            (``attention_metrics_from_qk``, on the Krylov path where the exact one was asked for, with a
+            warning), and the layer is left out of the figures and head diversity. Singular values are
+            taken in float64 where that fits, else in float32 (σ within ~1e-7 σ₁), else the layer is left
+            out of them with a warning. The heatmaps keep block means of at most 128 × 128. Not covered:
+            the model's own forward and backward, the other families (tokens, weights and the opt-in
+            probes), the figures' canvases kept between figure steps and their PNG encoding, and memory
+            the allocator keeps after it is freed. With all of those, a logging step at n = 2048 (2 layers,
+            2 sequences, 2 heads, figures and head diversity on) grew the resident set by at most 68.4 MiB
+            with a 64 MB budget and 148.7 MiB with 256 MB (``tests/test_memory_budget.py``).
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
             each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
             12-head model writes 24 attention scalars per layer rather than 167; the alert rules read
@@ -624,20 +648,18 @@ class SpectralMonitor(*CALLBACK_BASES):
     def _measure_attention(self, progress: _LoggingStep) -> None:
         recording = progress.attention
         write_histograms = self.histograms and self._kept(Capability.HISTOGRAMS)
-        drawn_heads = []
-        diversity_samples = []
-        budget = int(self.memory_budget_mb * 2**20)
-        # Long or over-budget attention is measured from q and k in blocks; the figures and head diversity,
-        # which need whole matrices, leave that layer out.
-        layers = [
-            (captured, None if captured.measured_blockwise(budget) else captured.sample())
-            for captured in recording.captured
-            if self._selected(captured.layer)
-        ]
-        per_head_of_layers = self._attention_per_head(
-            progress.step, layers, budget - recording.nbytes(budget)
+        diversity_due = _due(self.head_diversity_every_n_logs, self._logging_steps_done)
+        # What the capture holds stays alive throughout; the rest of the budget is the working memory.
+        room = int(self.memory_budget_mb * 2**20) - sum(
+            captured.held_nbytes() for captured in recording.captured
         )
-        for (captured, sample), per_head in zip(layers, per_head_of_layers, strict=True):
+        layers = [captured for captured in recording.captured if self._selected(captured.layer)]
+        measured = self._attention_of_layers(
+            layers, room, diversity=diversity_due, draw=progress.draw_figures
+        )
+        drawn_heads = []
+        for captured, layer in zip(layers, measured, strict=True):
+            per_head = self._head_means(progress.step, captured.layer, layer.metrics)
             layer_records, head_records = _layer_measurements(
                 progress.step, "attention", captured.layer, per_head
             )
@@ -658,17 +680,19 @@ class SpectralMonitor(*CALLBACK_BASES):
                     for metric, head_values in per_head.items()
                     if metric in HISTOGRAM_METRICS
                 ]
-            if sample is None:
-                continue
-            diversity_samples.append(sample)
-            drawn = _DrawnHead.of(sample, per_head) if progress.draw_figures else None
+            drawn = _DrawnHead.of(captured.layer, layer, per_head)
             if drawn is not None:
                 drawn_heads.append(drawn)
         if drawn_heads:
             progress.figures += self._attention_images.drawn(drawn_heads)
-        if _due(self.head_diversity_every_n_logs, self._logging_steps_done):
+        if diversity_due:
             with self._reports.failures_of("measuring head diversity"):
-                records, pairs = head_diversity_records(progress.step, diversity_samples)
+                spectra = {
+                    captured.layer: layer.spectra
+                    for captured, layer in zip(layers, measured, strict=True)
+                    if layer.spectra is not None
+                }
+                records, pairs = spectra_diversity_records(progress.step, spectra)
                 progress.measurements += records
                 if pairs:
                     progress.texts.append(
@@ -700,50 +724,182 @@ class SpectralMonitor(*CALLBACK_BASES):
             with self._reports.failures_of(f"writing the preflight to {type(sink).__name__}"):
                 sink.write_text("preflight", preflight_markdown(findings), trainer.global_step)
 
-    def _attention_per_head(
-        self,
-        step: int,
-        layers: list[tuple[CapturedAttention, AttentionSample | None]],
-        working_bytes: int,
-    ) -> list[dict[str, Tensor]]:
-        """Each defined metric of each layer as (heads,) float64 on the CPU, averaged over the sequences:
-        from the dense sample, or blockwise from q and k within ``working_bytes`` where it is None.
+    def _attention_of_layers(
+        self, layers: list[CapturedAttention], room: int, *, diversity: bool, draw: bool
+    ) -> list[_LayerAttention]:
+        """Each layer's metrics (S, H), with its spectra and the drawn head's heatmap where wanted, within
+        ``room`` bytes of working memory.
 
-        Dense layers on the exact path with one shape, causality and masking are measured in one call:
-        there the elements are independent, and the demo's four layers took 12 ms in one call, 19 in four.
+        A layer is measured densely a chunk of matrices at a time (:meth:`CapturedAttention.chunks`), as many
+        as fit ``room`` with their working memory (:func:`dense_working_nbytes`); where not even one fits, or
+        from ``BLOCKWISE_MIN_TOKENS`` tokens, blockwise from q and k within ``room``, and it is left out of
+        the figures and head diversity. Every chunk's tensors are released before the next is formed.
+        Whole layers on the exact path with one shape, causality and masking are measured in one call when
+        they fit together: there the elements are independent, and the demo's four layers took 12 ms in one
+        call, 19 in four.
         """
-        metrics_of_layers: list[dict[str, Tensor] | None] = [None] * len(layers)
+        results: list[_LayerAttention | None] = [None] * len(layers)
         together: dict[tuple[Any, ...], list[int]] = {}
-        for index, (captured, sample) in enumerate(layers):
-            if sample is not None and uses_exact_path(*sample.probs.shape[-2:], self.metric_method):
-                kind = (sample.probs.shape[1:], sample.probs.dtype, sample.probs.device, sample.causal)
-                masks = (sample.key_mask is None, sample.query_mask is None, sample.attendable is None)
+        for index, captured in enumerate(layers):
+            n, m = captured.q.shape[2], captured.k.shape[2]
+            exact = uses_exact_path(n, m, self.metric_method)
+            # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
+            # not one matrix: the metrics come first.
+            spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
+            per_chunk = 0
+            if not captured.measured_blockwise():
+                per_chunk = captured.matrices_per_chunk(room - spectra_room, exact) or (
+                    captured.matrices_per_chunk(room, exact)
+                )
+            matrices = captured.num_sequences * captured.num_heads
+            if per_chunk == 0:
+                results[index] = self._blockwise_attention(captured, room, exact)
+            elif exact and per_chunk == matrices:
+                kind = (captured.q.shape[1:3], captured.k.shape[2], captured.q.device, captured.causal)
+                masks = tuple(
+                    tensor is None for tensor in (captured.mask, captured.key_mask, captured.query_mask)
+                )
                 together.setdefault((*kind, *masks), []).append(index)
             else:
-                metrics_of_layers[index] = self._layer_attention_metrics(captured, sample, working_bytes)
+                state = None if exact else self._krylov_state(captured)
+                results[index] = self._dense_attention(
+                    [captured], captured.chunks(per_chunk), room, state, diversity, draw
+                )[0]
         for indices in together.values():
-            samples = [layers[index][1] for index in indices]
-            heads = samples[0].probs.shape[1]
-            metrics = attention_metrics(
-                torch.cat([sample.probs for sample in samples]),
-                key_mask=_per_head(_concatenated([sample.key_mask for sample in samples]), heads),
-                query_mask=_per_head(_concatenated([sample.query_mask for sample in samples]), heads),
-                causal=samples[0].causal,
-                attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
-                method=self.metric_method,
-                include_rank_sums=self.attention_rank_sums,
+            per_matrix = layers[indices[0]].dense_matrix_nbytes(exact=True)
+            n, m = layers[indices[0]].q.shape[2], layers[indices[0]].k.shape[2]
+            spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
+            fitting = max(1, (room - spectra_room - DENSE_CALL_NBYTES) // per_matrix)
+            group: list[int] = []
+            for index in [*indices, None]:
+                if (
+                    index is not None
+                    and sum(layers[i].num_sequences * layers[i].num_heads for i in [*group, index]) <= fitting
+                ):
+                    group.append(index)
+                    continue
+                members = [layers[i] for i in group]
+                for i, result in zip(
+                    group,
+                    self._dense_attention(members, iter(members), room, None, diversity, draw),
+                    strict=True,
+                ):
+                    results[i] = result
+                group = [] if index is None else [index]
+        return [result for result in results if result is not None]
+
+    def _dense_attention(
+        self,
+        layers: list[CapturedAttention],
+        chunks: Iterator[CapturedAttention],
+        room: int,
+        state: KrylovState | None,
+        diversity: bool,
+        draw: bool,
+    ) -> list[_LayerAttention]:
+        """The attention of ``layers`` measured densely: several whole layers of one kind in one call (the
+        chunks are the layers), or one layer in ``chunks`` of its matrices, one call each, in order."""
+        if len(layers) > 1:
+            call = self._dense_call(list(chunks), room, None, diversity, draw)
+            sizes = [layer.num_sequences for layer in layers]
+            metrics = {name: values.split(sizes) for name, values in call.metrics.items()}
+            spectra = None if call.spectra is None else call.spectra.split(sizes)
+            return [
+                _LayerAttention(
+                    {name: split[position] for name, split in metrics.items()},
+                    None if spectra is None else spectra[position],
+                    call.drawn[position],
+                )
+                for position in range(len(layers))
+            ]
+        (layer,) = layers
+        warm = None if state is None else state.vectors
+        warm_fits = warm is not None and warm.shape[0] == layer.num_sequences * layer.num_heads
+        calls, next_vectors, first = [], [], 0
+        for chunk in chunks:
+            count = chunk.num_sequences * chunk.num_heads
+            chunk_state = None
+            if state is not None:
+                chunk_state = KrylovState(warm[first : first + count] if warm_fits else None)
+            calls.append(self._dense_call([chunk], room, chunk_state, diversity, draw and first == 0))
+            if chunk_state is not None:
+                next_vectors.append(chunk_state.vectors)
+            first += count
+        if state is not None and all(vectors is not None for vectors in next_vectors):
+            state.vectors = torch.cat(next_vectors)
+        shape = (layer.num_sequences, layer.num_heads)
+        metrics = {
+            name: torch.cat([call.metrics[name].reshape(-1) for call in calls]).reshape(shape)
+            for name in calls[0].metrics
+        }
+        spectra = None
+        if all(call.spectra is not None for call in calls):
+            spectra = torch.cat([call.spectra.flatten(0, 1) for call in calls]).unflatten(0, shape)
+        return [_LayerAttention(metrics, spectra, calls[0].drawn[0])]
+
+    def _dense_call(
+        self,
+        parts: list[CapturedAttention],
+        room: int,
+        state: KrylovState | None,
+        diversity: bool,
+        draw: bool,
+    ) -> _DenseCall:
+        """One ``attention_metrics`` call on ``parts`` (one kind), their probabilities formed into one
+        buffer; then, within what the buffer leaves of ``room``, their spectra and each part's first
+        matrix's heatmap. The call's tensors are released when it returns."""
+        first = parts[0]
+        heads, n, m = first.num_heads, first.q.shape[2], first.k.shape[2]
+        sequences = [part.num_sequences for part in parts]
+        probs = torch.empty((sum(sequences), heads, n, m), dtype=torch.float32, device=first.q.device)
+        samples = [part.sample(out=block) for part, block in zip(parts, probs.split(sequences), strict=True)]
+        key_mask = _concatenated([sample.key_mask for sample in samples])
+        query_mask = _concatenated([sample.query_mask for sample in samples])
+        metrics = attention_metrics(
+            probs,
+            key_mask=_per_head(key_mask, heads),
+            query_mask=_per_head(query_mask, heads),
+            causal=first.causal,
+            attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
+            method=self.metric_method,
+            include_rank_sums=self.attention_rank_sums,
+            state=state,
+        )
+        if all(sample.max_logit is not None for sample in samples):
+            metrics["max_logit"] = torch.cat([sample.max_logit for sample in samples])
+        call = _DenseCall(metrics, None, [None] * len(parts))
+        if not (diversity or draw):
+            return call
+        left = room - probs.numel() * probs.element_size() - DENSE_CALL_NBYTES
+        dtype = next(
+            (dtype for dtype in SPECTRUM_DTYPES if spectrum_working_nbytes(n, m, dtype) <= left), None
+        )
+        if dtype is None:
+            self._reports.once(
+                "spectra over budget",
+                f"the memory budget ({self.memory_budget_mb:g} MB) leaves no room for the singular values of "
+                f"{first.layer}'s {n}×{m} attention; it is left out of head diversity and the figures",
             )
-            sizes = [sample.probs.shape[0] for sample in samples]
-            parts = {name: values.split(sizes) for name, values in metrics.items()}
-            for position, index in enumerate(indices):
-                metrics_of_layers[index] = {name: split[position] for name, split in parts.items()}
-        for (_, sample), metrics in zip(layers, metrics_of_layers, strict=True):
-            if sample is not None and sample.max_logit is not None and metrics is not None:
-                metrics["max_logit"] = sample.max_logit
-        return [
-            self._head_means(step, captured.layer, metrics)
-            for (captured, _), metrics in zip(layers, metrics_of_layers, strict=True)
-        ]
+            return call
+        if diversity:
+            call.spectra = attention_spectra(probs, query_mask, key_mask, dtype)
+        if draw:
+            firsts = torch.tensor([0, *sequences[:-1]]).cumsum(0).tolist()
+            call.drawn = [
+                _drawn_attention(
+                    sample,
+                    attention_spectra(
+                        sample.probs[:1, _FIGURE_HEAD : _FIGURE_HEAD + 1],
+                        None if sample.query_mask is None else sample.query_mask[:1],
+                        None if sample.key_mask is None else sample.key_mask[:1],
+                        dtype,
+                    )[0, 0]
+                    if call.spectra is None
+                    else call.spectra[position, _FIGURE_HEAD],
+                )
+                for sample, position in zip(samples, firsts, strict=True)
+            ]
+        return call
 
     def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
         """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where
@@ -757,31 +913,34 @@ class SpectralMonitor(*CALLBACK_BASES):
             return []
         return [Measurement(step, "attention", "max_logit_growth", layer, current / previous)]
 
-    def _layer_attention_metrics(
-        self, captured: CapturedAttention, sample: AttentionSample | None, working_bytes: int
-    ) -> dict[str, Tensor]:
-        """One layer's metrics (S, heads), warm-started from its ``KrylovState``."""
+    def _blockwise_attention(self, captured: CapturedAttention, room: int, exact: bool) -> _LayerAttention:
+        """One layer's metrics from q and k in blocks within ``room``; on the Krylov path where the exact
+        one would form whole matrices beyond it."""
+        method = self.metric_method
+        if exact and not captured.measured_blockwise():
+            method = "krylov"
+            self._reports.once(
+                "exact over budget",
+                f"the memory budget ({self.memory_budget_mb:g} MB) is too small for the exact measurement "
+                f"of one of {captured.layer}'s attention matrices "
+                f"({captured.dense_matrix_nbytes(True) / 2**20:.0f} MiB); it is measured on the Krylov path "
+                "from q and k",
+            )
+        return _LayerAttention(
+            captured.blockwise_metrics(
+                method=method,
+                max_bytes=max(room, 2**20),
+                include_rank_sums=self.attention_rank_sums,
+                state=self._krylov_state(captured),
+            )
+        )
+
+    def _krylov_state(self, captured: CapturedAttention) -> KrylovState:
+        """The layer's warm-start vectors, on the capture's device."""
         state = self._krylov_states.setdefault(captured.layer, KrylovState())
         if state.vectors is not None and state.vectors.device != captured.q.device:  # from a checkpoint
             state.vectors = state.vectors.to(captured.q.device)
-        if sample is None:
-            return captured.blockwise_metrics(
-                method=self.metric_method,
-                max_bytes=max(working_bytes, 2**20),
-                include_rank_sums=self.attention_rank_sums,
-                state=state,
-            )
-        heads = sample.probs.shape[1]
-        return attention_metrics(
-            sample.probs,
-            key_mask=_per_head(sample.key_mask, heads),
-            query_mask=_per_head(sample.query_mask, heads),
-            causal=sample.causal,
-            attendable=_concatenated_patterns([sample.attendable], heads),
-            method=self.metric_method,
-            include_rank_sums=self.attention_rank_sums,
-            state=state,
-        )
+        return state
 
     def _head_means(self, step: int, layer: str, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
         nonfinite = metrics["nonfinite"]
@@ -937,35 +1096,71 @@ class _LoggingStep:
 
 
 @dataclass
+class _DrawnAttention:
+    """What the figures draw of one layer's head ``_FIGURE_HEAD`` in its first sequence."""
+
+    blocks: AttentionBlocks  # the heatmap's block means over real queries × keys, padding keys left out
+    singular_values: np.ndarray  # of the attention restricted to real queries and attendable keys
+
+
+@dataclass
+class _DenseCall:
+    """One dense ``attention_metrics`` call's results: metrics (S, H), spectra (S, H, k) where measured, and
+    each part's drawn attention where drawn and drawable."""
+
+    metrics: dict[str, Tensor]
+    spectra: Tensor | None
+    drawn: list[_DrawnAttention | None]
+
+
+@dataclass
+class _LayerAttention:
+    """A layer's attention as measured: metrics (S, H); spectra (S, H, k) for head diversity and figures,
+    None where the layer was measured blockwise or its spectra did not fit the memory budget."""
+
+    metrics: dict[str, Tensor]
+    spectra: Tensor | None = None
+    drawn: _DrawnAttention | None = None
+
+
+def _drawn_attention(sample: AttentionSample, singular_values: Tensor) -> _DrawnAttention | None:
+    """Head ``_FIGURE_HEAD`` of the first sequence of ``sample``, with its ``singular_values``, reduced to
+    what its figures draw; None when it cannot be drawn: no real query or no attendable key (all padding), or
+    attention holding NaN or inf (its spectrum is NaN; written as such by the metrics)."""
+    real_queries = sample.probs.shape[2] if sample.query_mask is None else int(sample.query_mask[0].sum())
+    attendable_keys = sample.probs.shape[3] if sample.key_mask is None else int(sample.key_mask[0].sum())
+    if min(real_queries, attendable_keys) == 0 or not bool(singular_values.isfinite().all()):
+        return None
+    # The block means read the float32 matrix in place, a few rows at a time (no float64 copy of it).
+    attention = sample.probs[0, _FIGURE_HEAD].cpu().numpy()
+    return _DrawnAttention(
+        blocks=attention_block_means(
+            attention,
+            None if sample.key_mask is None else (~sample.key_mask[0]).cpu().numpy(),
+            None if sample.query_mask is None else sample.query_mask[0].nonzero().flatten().cpu().numpy(),
+        ),
+        singular_values=singular_values[: min(real_queries, attendable_keys)].numpy(),
+    )
+
+
+@dataclass
 class _DrawnHead:
     """What the figures need of one layer, kept after its attention probabilities are dropped."""
 
     layer: str
-    attention: np.ndarray  # (real queries, keys) of head _FIGURE_HEAD in the first sequence
-    key_padding: np.ndarray | None  # (keys,) True = no query may attend the key
+    blocks: AttentionBlocks  # head _FIGURE_HEAD of the first sequence, as its heatmap draws it
     singular_values: np.ndarray  # of the attention restricted to real queries and attendable keys
     head_values: dict[str, np.ndarray]  # (heads,) of each HEATMAP_METRICS member the layer has
 
     @classmethod
-    def of(cls, sample: AttentionSample, per_head: dict[str, Tensor]) -> _DrawnHead | None:
-        """The drawn head of ``sample``; None when it cannot be drawn: a first sequence with no real query
-        or no attendable key (all padding), or attention holding NaN or inf (written as such by the
-        metrics)."""
-        attention = sample.probs[0, _FIGURE_HEAD]
-        if sample.query_mask is not None:
-            attention = attention[sample.query_mask[0]]
-        attendable = attention
-        key_padding = None
-        if sample.key_mask is not None:
-            attendable = attention[:, sample.key_mask[0]]
-            key_padding = (~sample.key_mask[0]).cpu().numpy()
-        if attendable.numel() == 0 or not bool(attendable.isfinite().all()):
+    def of(cls, layer: str, attention: _LayerAttention, per_head: dict[str, Tensor]) -> _DrawnHead | None:
+        """The drawn head of a layer; None where it was not drawn (``_drawn_attention``)."""
+        if attention.drawn is None:
             return None
         return cls(
-            layer=sample.layer,
-            attention=attention.to("cpu", torch.float64).numpy(),
-            key_padding=key_padding,
-            singular_values=torch.linalg.svdvals(attendable.double()).cpu().numpy(),
+            layer=layer,
+            blocks=attention.drawn.blocks,
+            singular_values=attention.drawn.singular_values,
             head_values={
                 metric: per_head[metric].numpy() for metric in HEATMAP_METRICS if metric in per_head
             },
@@ -998,16 +1193,16 @@ class _AttentionImages:
         drawn_heads = heads[:1] + heads[1:][-1:]  # the first and the last layer
         kept: dict[tuple[int, ...], AttentionHeatmapImages] = {}
         for head in drawn_heads:
-            shape = head.attention.shape
+            shape = head.blocks.shape
             kept[shape] = kept.get(shape) or self.heatmaps.get(shape) or AttentionHeatmapImages()
         self.heatmaps = kept
         for head in drawn_heads:
-            heatmap = self.heatmaps[head.attention.shape]
+            heatmap = self.heatmaps[head.blocks.shape]
             images.append(
                 (
                     f"attention/figures/heatmap/{head.layer}",
-                    lambda head=head, heatmap=heatmap: heatmap.image(
-                        head.attention, f"{head.layer}, head {_FIGURE_HEAD}", head.key_padding
+                    lambda head=head, heatmap=heatmap: heatmap.image_of_blocks(
+                        head.blocks, f"{head.layer}, head {_FIGURE_HEAD}"
                     ),
                 )
             )

@@ -148,25 +148,24 @@ def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers()
     the shapes of the last figure step are kept; every image is the fresh figure of its own layer."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from spectral_monitor.sinks.figures import attention_heatmap_figure
+    from spectral_monitor.sinks.figures import attention_block_means, attention_heatmap_figure
 
     rng = np.random.default_rng(0)
 
-    def head(layer: str, queries: int) -> _DrawnHead:
+    def head(layer: str, queries: int) -> tuple[_DrawnHead, np.ndarray]:
         attention = rng.random((queries, 8))
         attention /= attention.sum(axis=1, keepdims=True)
-        return _DrawnHead(layer, attention, None, np.linalg.svd(attention, compute_uv=False), {})
+        blocks = attention_block_means(attention)
+        return _DrawnHead(layer, blocks, np.linalg.svd(attention, compute_uv=False), {}), attention
 
     images = _AttentionImages()
     for step, last_queries in ((0, 8), (10, 8), (20, 6), (30, 8)):
-        heads = [head("l0", 8), head("l1", 8), head("l2", last_queries)]
-        drawn = dict(images.drawn(heads))
+        heads, attentions = zip(*(head("l0", 8), head("l1", 8), head("l2", last_queries)), strict=True)
+        drawn = dict(images.drawn(list(heads)))
         assert len(images.heatmaps) == (1 if last_queries == 8 else 2)
-        for drawn_head in (heads[0], heads[2]):
+        for drawn_head, attention in ((heads[0], attentions[0]), (heads[2], attentions[2])):
             image = drawn[f"attention/figures/heatmap/{drawn_head.layer}"]()
-            canvas = FigureCanvasAgg(
-                attention_heatmap_figure(drawn_head.attention, f"{drawn_head.layer}, head 0")
-            )
+            canvas = FigureCanvasAgg(attention_heatmap_figure(attention, f"{drawn_head.layer}, head 0"))
             canvas.draw()
             assert np.array_equal(image, np.array(canvas.buffer_rgba())), (drawn_head.layer, step)
 
@@ -458,8 +457,12 @@ def test_a_tight_memory_budget_keeps_fewer_sequences_and_says_so_once(tmp_path: 
         warnings.simplefilter("always")
         fit(TinyEncoder(), [monitor], logger, max_steps=3)
 
-    (budget,) = monitor_warnings(record, "memory budget")
+    # The capture's cut, and the working memory: 4 KiB holds no matrix's exact measurement.
+    budget, working = sorted(
+        monitor_warnings(record, "memory budget"), key=lambda message: "kept" not in message
+    )
     assert "kept 1 of 2 sequences" in budget and all(layer in budget for layer in LAYERS)
+    assert "too small for the exact measurement" in working and "Krylov path" in working
     assert scalar_steps(read_back(logger.log_dir), f"attention/entropy/{LAYERS[1]}/head_1") == [0, 1, 2]
 
 

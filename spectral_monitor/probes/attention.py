@@ -51,11 +51,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.metrics import KrylovState, attention_metrics_from_qk, max_attention_logit
-from spectral_monitor.metrics.long_context import DEFAULT_MAX_BYTES
+from spectral_monitor.metrics.long_context import DEFAULT_MAX_BYTES, KRYLOV_COLUMNS
 from spectral_monitor.metrics.masks import (
     additive_mask,
     attendable_pattern,
-    causal_pattern,
     is_causal_pattern,
 )
 from spectral_monitor.probes.huggingface import observe_eager_attention
@@ -72,6 +71,7 @@ __all__ = [
     "AttentionSample",
     "CapturedAttention",
     "SkippedCapture",
+    "dense_working_nbytes",
     "register_attention_extractor",
 ]
 
@@ -79,6 +79,26 @@ BLOCKWISE_MIN_TOKENS = 4096
 """From this many queries or keys on, a layer's metrics are computed blockwise from q and k even where its
 probabilities would fit the budget: the dense path's extras (figures, head diversity) factorise whole
 matrices, about a minute for one 4096² ``svdvals`` on a CPU core."""
+
+PROBABILITY_BLOCK_BYTES = 2**20
+"""Bytes of the rows of probabilities formed at a time (:meth:`CapturedAttention.probs`)."""
+EXACT_WORKING_COPIES = 7.5
+"""Memory ``attention_metrics``' exact path takes per matrix beyond its input, in units of the matrix's
+float32 size: the float64 Gram matrix and its ``eigvalsh`` copy, the ``eigvals`` workspace, the exact
+Dobrushin distances, the masked copy. Measured from the peak resident set (every buffer mapped on its own)
+on 1 and 2 softmax matrices at n = 512, 1024 and 2048: 6.1–6.5 unmasked, 7.1–7.3 masked (9.3 for one matrix
+at n = 512, where the fixed part, ``DENSE_CALL_NBYTES``, is most of it)."""
+KRYLOV_WORKING_COPIES = 1.25
+"""The same for the Krylov path on unmasked matrices (its one-pass temporaries are cache-sized blocks):
+0.16–1.14 at n = 1024 and 2048 (the most on one near-uniform matrix at 2048), besides its Krylov
+vectors (``KRYLOV_COLUMNS``)."""
+KRYLOV_MASKED_WORKING_COPIES = 2.5
+"""The same with key or query masks, which make the masked copy of the batch and its attendable pattern:
+2.0–3.0 at n = 512 to 2048."""
+DENSE_CALL_NBYTES = 4 * 2**20
+"""Memory of one dense ``attention_metrics`` call that does not grow with its batch (LAPACK workspaces of
+small matrices, cache-sized scratch, the probability blocks being formed): the measurements above less the
+per-matrix parts came to at most 3 MiB."""
 
 ROOT_LAYER_NAME = "model"
 """The layer name reported for attention computed by the captured model's own (root) forward."""
@@ -167,30 +187,49 @@ class CapturedAttention:
     def num_heads(self) -> int:
         return self.q.shape[1]
 
-    def logits(self) -> Tensor:
-        """scale · q kᵀ + mask, with the causal pattern applied: (S, H, n, m) float32."""
-        logits = torch.matmul(self.q.float(), self.k.float().transpose(-1, -2)) * self.scale
+    def logits(self, out: Tensor | None = None) -> Tensor:
+        """scale · q kᵀ + mask, with the causal pattern applied: (S, H, n, m) float32 (into ``out``)."""
+        logits = torch.matmul(self.q.float(), self.k.float().transpose(-1, -2), out=out).mul_(self.scale)
         if self.mask is not None:
-            logits = logits + self.mask
+            logits.add_(self.mask)
         if self.causal:
-            logits = logits.masked_fill(~causal_pattern(*logits.shape[-2:], logits.device), -math.inf)
+            for start, stop in self._row_blocks(logits):
+                rows = torch.arange(start, stop, device=logits.device)[:, None]
+                later_keys = torch.arange(logits.shape[-1], device=logits.device) > rows
+                logits[..., start:stop, :].masked_fill_(later_keys, -math.inf)
         return logits
 
-    def probs(self) -> Tensor:
-        """The attention probabilities softmax(logits) before dropout: (S, H, n, m) float32."""
-        return _probabilities(self.logits())
+    def probs(self, out: Tensor | None = None) -> Tensor:
+        """The attention probabilities softmax(logits) before dropout: (S, H, n, m) float32, into ``out`` (a
+        float32 tensor of that shape) if given.
 
-    def sample(self) -> AttentionSample:
-        """The probabilities with their masks and the largest logit of each head, computed now (from one
-        logits tensor, freed once the probabilities are formed)."""
-        logits = self.logits()
+        Formed in place over the logits a block of rows at a time, so forming them takes their own size
+        and a block's (``PROBABILITY_BLOCK_BYTES``) rather than three times their size."""
+        return self._softmax_in_place(self.logits(out))
+
+    def _softmax_in_place(self, logits: Tensor) -> Tensor:
+        for start, stop in self._row_blocks(logits):
+            rows = logits[..., start:stop, :]
+            no_attendable_key = torch.isneginf(rows.amax(dim=-1, keepdim=True))
+            rows.copy_(torch.softmax(rows, dim=-1).masked_fill_(no_attendable_key, 0.0))
+        return logits
+
+    @staticmethod
+    def _row_blocks(matrices: Tensor) -> Iterator[tuple[int, int]]:
+        rows, row_bytes = matrices.shape[-2], matrices[..., :1, :].numel() * matrices.element_size()
+        per_block = max(1, PROBABILITY_BLOCK_BYTES // max(row_bytes, 1))
+        return ((start, min(start + per_block, rows)) for start in range(0, rows, per_block))
+
+    def sample(self, out: Tensor | None = None) -> AttentionSample:
+        """The probabilities with their masks and the largest logit of each head, computed now (into ``out``
+        if given, as :meth:`probs`: the largest logits are read before the logits become probabilities)."""
+        logits = self.logits(out)
         max_logit = max_attention_logit(
             logits,
             key_mask=None if self.key_mask is None else self.key_mask[:, None, :],
             query_mask=None if self.query_mask is None else self.query_mask[:, None, :],
         )
-        probs = _probabilities(logits)
-        del logits
+        probs = self._softmax_in_place(logits)
         attendable = None
         if self.mask is not None:
             attendable = attendable_pattern(self.mask, self.causal, probs.shape)
@@ -198,6 +237,56 @@ class CapturedAttention:
         return AttentionSample(
             self.layer, probs, self.key_mask, self.query_mask, self.causal, self.scale, attendable, max_logit
         )
+
+    def held_nbytes(self) -> int:
+        """Bytes this capture holds: q, k and the masks (no probabilities)."""
+        tensors = (self.q, self.k, self.mask, self.key_mask, self.query_mask)
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+
+    def dense_matrix_nbytes(self, exact: bool) -> int:
+        """Most memory measuring one (n, m) matrix densely takes, by :func:`dense_working_nbytes`."""
+        return dense_working_nbytes(self.q.shape[2], self.k.shape[2], exact, self._masked())
+
+    def matrices_per_chunk(self, max_bytes: int, exact: bool) -> int:
+        """How many of this layer's matrices (sequences × heads) may be measured densely at once within
+        ``max_bytes`` (0: not even one; the layer is then measured blockwise from q and k)."""
+        room = max_bytes - DENSE_CALL_NBYTES
+        return max(0, min(self.num_sequences * self.num_heads, room // self.dense_matrix_nbytes(exact)))
+
+    def chunks(self, matrices: int) -> Iterator[CapturedAttention]:
+        """This capture in consecutive parts of at most ``matrices`` matrices (whole sequences, or heads of
+        one sequence), views of it in the order of its flattened (sequences × heads) batch."""
+        heads = self.num_heads
+        if matrices >= heads:
+            step = matrices // heads
+            for first in range(0, self.num_sequences, step):
+                yield self._part(slice(first, first + step), slice(None))
+            return
+        for sequence in range(self.num_sequences):
+            for first in range(0, heads, matrices):
+                yield self._part(slice(sequence, sequence + 1), slice(first, first + matrices))
+
+    def _part(self, sequences: slice, heads: slice) -> CapturedAttention:
+        def cut(tensor: Tensor | None, head_dim: bool) -> Tensor | None:
+            if tensor is None:
+                return None
+            if tensor.shape[0] > 1:
+                tensor = tensor[sequences]
+            if head_dim and tensor.shape[1] > 1:
+                tensor = tensor[:, heads]
+            return tensor
+
+        return replace(
+            self,
+            q=cut(self.q, True),
+            k=cut(self.k, True),
+            mask=cut(self.mask, True),
+            key_mask=cut(self.key_mask, False),
+            query_mask=cut(self.query_mask, False),
+        )
+
+    def _masked(self) -> bool:
+        return self.mask is not None or self.key_mask is not None or self.query_mask is not None
 
     def probs_nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
         """Bytes of the float32 probabilities of the first ``sequences`` x ``heads``, were they formed."""
@@ -779,12 +868,6 @@ def _attendable_keys_and_queries(
     return keys, queries
 
 
-def _probabilities(logits: Tensor) -> Tensor:
-    """softmax over the keys, rows with no attendable key zero."""
-    no_attendable_key = torch.isneginf(logits).all(dim=-1, keepdim=True)
-    return torch.softmax(logits, dim=-1).masked_fill_(no_attendable_key, 0.0)
-
-
 def _conjunction(mask: Tensor | None, other: Tensor) -> Tensor:
     return other.clone() if mask is None else mask & other
 
@@ -841,6 +924,19 @@ def _fit_to_budget(recording: AttentionRecording, max_bytes: int) -> None:
             )
         )
     recording.captured[:] = kept
+
+
+def dense_working_nbytes(queries: int, keys: int, exact: bool, masked: bool) -> int:
+    """Most memory the dense measurement of one (``queries``, ``keys``) attention matrix takes: its float32
+    probabilities with their attendable pattern, and ``attention_metrics``' working memory on the exact or the
+    Krylov path (``EXACT_WORKING_COPIES``, ``KRYLOV_WORKING_COPIES``, ``KRYLOV_MASKED_WORKING_COPIES``);
+    ``DENSE_CALL_NBYTES`` comes once per call on top."""
+    matrix = 4 * queries * keys
+    held = matrix * (1.25 if masked else 1.0)
+    if exact:
+        return int(held + EXACT_WORKING_COPIES * matrix)
+    copies = KRYLOV_MASKED_WORKING_COPIES if masked else KRYLOV_WORKING_COPIES
+    return int(held + copies * matrix + 8 * KRYLOV_COLUMNS * max(queries, keys))
 
 
 def _module_with_fused_inference_path(model: nn.Module) -> str | None:

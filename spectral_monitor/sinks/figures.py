@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import matplotlib
@@ -200,29 +201,41 @@ def attention_heatmap_figure(
     and ignored; those columns are drawn grey. A matrix with more than 128 queries or keys is shown as
     means over blocks of consecutive queries and keys (said in the title), which keeps the PNG small.
     """
-    return _AttentionHeatmap(*_shown_attention(probs, title, key_padding_mask)).figure
+    blocks = attention_block_means(probs, key_padding_mask)
+    return _AttentionHeatmap(blocks.means, blocks.shape, _blocks_title(title, blocks)).figure
 
 
-class AttentionHeatmapImages(_KeptFigure):
-    """:func:`attention_heatmap_figure` of successive steps as RGBA images, redrawn while the matrix's
-    shape stays the same."""
+@dataclass(frozen=True)
+class AttentionBlocks:
+    """What an attention heatmap draws of a matrix: ``means`` (at most 128 × 128) over ``block``-shaped
+    tiles of consecutive queries and keys of the (n, m) matrix ``shape``, NaN where a tile is all padding."""
 
-    def image(self, probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None) -> np.ndarray:
-        shown, shape, title = _shown_attention(probs, title, key_padding_mask)
-        return self._image(shape, lambda: _AttentionHeatmap(shown, shape, title), shown, title)
+    means: np.ndarray
+    shape: tuple[int, int]
+    block: tuple[int, int]
 
 
-def _shown_attention(
-    probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None
-) -> tuple[np.ndarray, tuple[int, int], str]:
-    """(what is drawn, the matrix's shape, the title): padding keys NaN, large matrices as block means."""
-    probs = np.asarray(probs, dtype=np.float64)
-    if probs.ndim != 2 or probs.size == 0:
-        raise ValueError(f"probs must be a non-empty (n_queries, n_keys) array; got shape {probs.shape}")
-    if not np.all(np.isfinite(probs)) or np.any(probs < 0):
-        raise ValueError("probs must hold finite, non-negative attention weights")
-    n_queries, n_keys = probs.shape
-    shown = probs
+def attention_block_means(
+    probs: np.ndarray, key_padding_mask: np.ndarray | None = None, query_rows: np.ndarray | None = None
+) -> AttentionBlocks:
+    """The heatmap's block means of ``probs`` (n, m), any float dtype, restricted to the queries
+    ``query_rows`` (row indices; None: all). Padding keys (``key_padding_mask`` True) are left out of the
+    means.
+
+    Read a tile of rows at a time, summed in float64: the working memory is a few tiles' rows, not a
+    float64 copy of the matrix (32 MiB at n = 2048), so it fits what the monitor's memory budget leaves.
+    """
+    probs = np.asarray(probs)
+    if probs.ndim != 2 or probs.size == 0 or not np.issubdtype(probs.dtype, np.floating):
+        raise ValueError(
+            f"probs must be a non-empty (n_queries, n_keys) float array; got shape {probs.shape} and dtype "
+            f"{probs.dtype}"
+        )
+    rows = np.arange(probs.shape[0]) if query_rows is None else np.asarray(query_rows)
+    n_queries, n_keys = rows.size, probs.shape[1]
+    if n_queries == 0:
+        raise ValueError("query_rows must select at least one query")
+    kept_keys = np.ones(n_keys, dtype=bool)
     if key_padding_mask is not None:
         key_padding_mask = np.asarray(key_padding_mask)
         if key_padding_mask.dtype != np.bool_ or key_padding_mask.shape != (n_keys,):
@@ -230,12 +243,43 @@ def _shown_attention(
                 f"key_padding_mask must be a boolean array of shape ({n_keys},) (one entry per key, "
                 f"True = padding); got dtype {key_padding_mask.dtype} and shape {key_padding_mask.shape}"
             )
-        shown = np.where(key_padding_mask, np.nan, probs)
+        kept_keys = ~key_padding_mask
     block = (-(-n_queries // _HEATMAP_CELLS), -(-n_keys // _HEATMAP_CELLS))
-    if block != (1, 1):
-        shown = _block_means(shown, block)
-        title = f"{title} (means of {block[0]}×{block[1]} blocks)"
-    return shown, (n_queries, n_keys), title
+    row_tiles, column_tiles = -(-n_queries // block[0]), -(-n_keys // block[1])
+    column_tile = np.repeat(np.arange(column_tiles), block[1])[:n_keys]
+    keys_per_tile = np.bincount(column_tile, weights=kept_keys, minlength=column_tiles)
+    sums = np.zeros((row_tiles, column_tiles))
+    counts = np.zeros((row_tiles, column_tiles))
+    for tile, start in enumerate(range(0, n_queries, block[0])):
+        tile_rows = probs[rows[start : start + block[0]]][:, kept_keys].astype(np.float64)
+        if not np.all(np.isfinite(tile_rows)) or np.any(tile_rows < 0):
+            raise ValueError("probs must hold finite, non-negative attention weights")
+        sums[tile] = np.bincount(
+            column_tile[kept_keys], weights=tile_rows.sum(axis=0), minlength=column_tiles
+        )
+        counts[tile] = tile_rows.shape[0] * keys_per_tile
+    means = np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
+    return AttentionBlocks(means, (n_queries, n_keys), block)
+
+
+class AttentionHeatmapImages(_KeptFigure):
+    """:func:`attention_heatmap_figure` of successive steps as RGBA images, redrawn while the matrix's
+    shape stays the same."""
+
+    def image(self, probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None) -> np.ndarray:
+        return self.image_of_blocks(attention_block_means(probs, key_padding_mask), title)
+
+    def image_of_blocks(self, blocks: AttentionBlocks, title: str) -> np.ndarray:
+        """The image of a matrix already reduced by :func:`attention_block_means`."""
+        title = _blocks_title(title, blocks)
+        shape = blocks.shape
+        return self._image(shape, lambda: _AttentionHeatmap(blocks.means, shape, title), blocks.means, title)
+
+
+def _blocks_title(title: str, blocks: AttentionBlocks) -> str:
+    if blocks.block == (1, 1):
+        return title
+    return f"{title} (means of {blocks.block[0]}×{blocks.block[1]} blocks)"
 
 
 HEATMAP_GAMMA = 0.5
@@ -456,19 +500,6 @@ def _checked_spectrum(label: str, values: np.ndarray) -> np.ndarray:
     if not np.all(np.isfinite(sigma)) or np.any(sigma < 0):
         raise ValueError(f"singular_values[{label!r}] must hold finite, non-negative singular values")
     return np.sort(sigma)[::-1]
-
-
-def _block_means(matrix: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """Means over ``block``-shaped tiles (the last ones may be partial); NaN entries are left out."""
-    block_rows, block_columns = block
-    rows = -(-matrix.shape[0] // block_rows)
-    columns = -(-matrix.shape[1] // block_columns)
-    padded = np.full((rows * block_rows, columns * block_columns), np.nan)
-    padded[: matrix.shape[0], : matrix.shape[1]] = matrix
-    tiles = padded.reshape(rows, block_rows, columns, block_columns)
-    counts = np.isfinite(tiles).sum(axis=(1, 3))
-    sums = np.nansum(tiles, axis=(1, 3))
-    return np.divide(sums, counts, out=np.full(sums.shape, np.nan), where=counts > 0)
 
 
 def _legend_labels(labels: list[str]) -> list[str]:
