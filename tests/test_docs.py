@@ -71,8 +71,8 @@ def test_readme_example_trains_and_writes_attention_spectra(tmp_path: Path) -> N
         timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    (event_file,) = (tmp_path / "runs").rglob("events.out.tfevents.*")
-    tags = read_back(event_file.parent).Tags()["scalars"]
+    (run_directory,) = {path.parent for path in (tmp_path / "runs").rglob("events.out.tfevents.*")}
+    tags = read_back(run_directory).Tags()["scalars"]
     for family in ("attention/entropy/", "tokens/cosine_similarity/", "weights/spectral_norm/"):
         assert any(tag.startswith(family) for tag in tags), (family, sorted(tags)[:20])
 

@@ -99,7 +99,8 @@ def probe_steps(every_n_steps: int = 100, schedule: str = "linear", **_: object)
 
 def expected_steps(monitor: dict, family: str, tag: str) -> list[int]:
     if family not in OPT_IN:
-        return logging_steps(monitor["every_n_steps"], monitor.get("log_first_step", True))
+        steps = logging_steps(monitor["every_n_steps"], monitor.get("log_first_step", True))
+        return steps[1:] if "_growth/" in tag else steps  # a growth ratio starts on the second
     steps = probe_steps(**monitor.get(family, {}))
     # The share of a step's time needs the length of a step before it; AdamW's sharpness and edge need v̂.
     after_first = tag.startswith((f"{family}/overhead_percent/", "curvature/sharpness"))
@@ -160,10 +161,14 @@ def test_lightning_ddp_every_family_written_once_by_rank_zero(tmp_path: Path, st
     # Rank 0 alone writes: rank 1's loggers got Lightning's own metrics but nothing of the monitor's.
     assert monitor_tags(tmp_path / "rank0.jsonl")
     assert monitor_tags(tmp_path / "rank1.jsonl") == set()
+    # One run directory: Lightning's event file and the monitors' own, all written by rank 0's process.
     event_files = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
-    assert len(event_files) == 1, event_files
+    (run_directory,) = {path.parent for path in event_files}
+    lightning_files = [path for path in event_files if not path.name.endswith(".spectral_monitor")]
+    assert len(lightning_files) == 1, event_files
+    assert len({path.name.split(".")[5] for path in event_files}) == 1, event_files  # one process id
 
-    accumulator = event_accumulator.EventAccumulator(str(event_files[0]), size_guidance={"scalars": 0})
+    accumulator = event_accumulator.EventAccumulator(str(run_directory), size_guidance={"scalars": 0})
     accumulator.Reload()
     scalar_tags = accumulator.Tags()["scalars"]
     for monitor in monitors:
@@ -272,8 +277,8 @@ def ddp_curvature_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, s
 
 
 def written_scalars(output: Path) -> event_accumulator.EventAccumulator:
-    (event_file,) = (output / "tb").rglob("events.out.tfevents.*")
-    accumulator = event_accumulator.EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+    (run_directory,) = {path.parent for path in (output / "tb").rglob("events.out.tfevents.*")}
+    accumulator = event_accumulator.EventAccumulator(str(run_directory), size_guidance={"scalars": 0})
     accumulator.Reload()
     return accumulator
 
