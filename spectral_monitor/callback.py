@@ -571,6 +571,7 @@ class SpectralMonitor(*CALLBACK_BASES):
                 if state.vectors is not None
             },
             "alerts": self._alerting.engine.state_dict(),
+            "previous_max_logit": dict(self._previous_max_logit),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -581,6 +582,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
         }
         self._alerting.engine.load_state_dict(state_dict.get("alerts", {}))
+        self._previous_max_logit = dict(state_dict.get("previous_max_logit", {}))
         for key, part in self._stateful_parts().items():
             state = state_dict.get(key)
             if state is None:

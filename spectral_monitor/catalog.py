@@ -287,7 +287,7 @@ CATALOG: tuple[MetricInfo, ...] = (
     ),
     MetricInfo(
         "attention", "max_logit_growth", "ratio > 0", "steady",
-        "max_logit_max of this logging step / that of the layer's previous logging step in this process "
+        "max_logit_max of this logging step / that of the layer's previous logging step (in checkpoints) "
         "(written from the second logging step, where the previous value is positive)",
         "persistently > 1 while the loss is flat: logits growing toward instability",
         "Wortsman et al. 2023", "Entropy", _ATTENTION,

@@ -116,7 +116,12 @@ def is_wall_clock(tag: str) -> bool:
 
 
 def same_series(actual: list[tuple[int, float]], expected: list[tuple[int, float]]) -> bool:
-    """The same steps and bit-identical values, NaN equal to NaN."""
+    """The same steps and bit-identical values, NaN equal to NaN. Each monitor writes its own event file, so
+    a tag both monitors write (``alerts/…``) is read back file by file: the points are compared in step
+    order."""
+    actual, expected = (
+        sorted(series, key=lambda point: (point[0], repr(point[1]))) for series in (actual, expected)
+    )
     return [step for step, _ in actual] == [step for step, _ in expected] and np.array_equal(
         [value for _, value in actual], [value for _, value in expected], equal_nan=True
     )
