@@ -43,11 +43,10 @@ from typing import Any, Literal
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from spectral_monitor.distributed import global_rank
-from spectral_monitor.lightning_namespaces import pl
+from spectral_monitor.lightning_namespaces import pl, rank_zero_warn
 from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
 from spectral_monitor.probes.curvature import (
     BLOCK_PRESETS,
