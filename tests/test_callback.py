@@ -200,6 +200,7 @@ def test_load_state_dict_fills_missing_keys_with_defaults() -> None:
         "weight_probe": None,
         "second_order": None,
         "attention_krylov_vectors": {},
+        "previous_max_logit": {},
     }
 
 
