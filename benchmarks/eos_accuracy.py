@@ -28,8 +28,8 @@ from pytorch_lightning.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.callback import SpectralMonitor
-from spectral_monitor.curvature_monitor import CurvatureOptions
+from spectral_monitor import SpectralMonitor
+from spectral_monitor.core.second_order import CurvatureOptions
 
 TOLERANCE = 1e-3
 

@@ -37,8 +37,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from torch import nn
 
 from spectral_monitor import SpectralMonitor
-from spectral_monitor.callback import FAMILIES
-from spectral_monitor.curvature_monitor import OPT_IN_FAMILIES, CurvatureOptions, JacobianOptions, NTKOptions
+from spectral_monitor.core import FAMILIES
+from spectral_monitor.core.second_order import OPT_IN_FAMILIES, CurvatureOptions, JacobianOptions, NTKOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 
 WARM_UP_FRACTION = 0.25

@@ -1,7 +1,9 @@
 """spectral-monitor: watch the spectra of a transformer's attention, residual stream and weights as it trains.
 
-Add :class:`SpectralMonitor` to a Lightning ``Trainer``; or call the metric functions
-(:mod:`spectral_monitor.metrics`) and probes (:mod:`spectral_monitor.probes`) directly, without Lightning.
+Add :class:`SpectralMonitor` to a Lightning ``Trainer``; drive a :class:`MonitorSession` from any other
+training loop; or call the metric functions (:mod:`spectral_monitor.metrics`) and probes
+(:mod:`spectral_monitor.probes`) directly, without a training framework. Everything a user configures is
+importable from here: ``from spectral_monitor import SpectralMonitor, AlertConfig, CurvatureOptions``.
 
 The names below are imported on first use, so the parts that need neither torch nor Lightning
 (``spectral-monitor report``, :mod:`spectral_monitor.catalog`) start without loading them.
@@ -13,26 +15,56 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from spectral_monitor.callback import SpectralMonitor
+    from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule, default_rules
+    from spectral_monitor.core import MonitorOptions, MonitorSession
+    from spectral_monitor.core.second_order import (
+        CurvatureOptions,
+        JacobianOptions,
+        NTKOptions,
+        ProbeDataOptions,
+    )
+    from spectral_monitor.lightning import SpectralMonitor
     from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
     from spectral_monitor.records import Distribution, Measurement
 
 __version__ = "0.1.0"
 
 _HOMES = {
+    "AlertConfig": "spectral_monitor.alerts",
+    "AlertEvent": "spectral_monitor.alerts",
+    "Condition": "spectral_monitor.alerts",
+    "CurvatureOptions": "spectral_monitor.core.second_order",
     "Distribution": "spectral_monitor.records",
+    "JacobianOptions": "spectral_monitor.core.second_order",
     "Measurement": "spectral_monitor.records",
-    "SpectralMonitor": "spectral_monitor.callback",
+    "MonitorOptions": "spectral_monitor.core",
+    "MonitorSession": "spectral_monitor.core",
+    "NTKOptions": "spectral_monitor.core.second_order",
+    "ProbeDataOptions": "spectral_monitor.core.second_order",
+    "Rule": "spectral_monitor.alerts",
+    "SpectralMonitor": "spectral_monitor.lightning",
     "attention_metrics": "spectral_monitor.metrics",
+    "default_rules": "spectral_monitor.alerts",
     "token_metrics": "spectral_monitor.metrics",
     "weight_metrics": "spectral_monitor.metrics",
 }
 
 __all__ = [
+    "AlertConfig",
+    "AlertEvent",
+    "Condition",
+    "CurvatureOptions",
     "Distribution",
+    "JacobianOptions",
     "Measurement",
+    "MonitorOptions",
+    "MonitorSession",
+    "NTKOptions",
+    "ProbeDataOptions",
+    "Rule",
     "SpectralMonitor",
     "attention_metrics",
+    "default_rules",
     "token_metrics",
     "weight_metrics",
 ]

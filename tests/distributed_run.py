@@ -37,7 +37,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from spectral_monitor import SpectralMonitor
-from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
+from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
 from spectral_monitor.demo import DemoTransformer
 
 STEPS = 6
@@ -205,7 +205,7 @@ def own_shard_curvature(rank: int) -> dict:
 
 def curvature_refusals(sharded: torch.nn.Module, rank: int) -> list[str | None]:
     """What the curvature probe and the callback's probes say to a sharded model (None: no refusal)."""
-    from spectral_monitor.curvature_monitor import SecondOrderProbes
+    from spectral_monitor.core.second_order import SecondOrderProbes
     from spectral_monitor.probes.curvature import measure_curvature
 
     options = [kind() for kind in OPTIONS_CLASSES.values()]

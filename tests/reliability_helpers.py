@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions
+from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 
 VOCAB = 16
 WIDTH = 16
@@ -54,7 +54,7 @@ FAMILY_CONFIGURATIONS = (
         (
             "spectral_monitor.probes.attention:AttentionCapture.arm",
             "spectral_monitor.probes.attention:_captured_multi_head_attention",
-            "spectral_monitor.callback:attention_metrics",
+            "spectral_monitor.core.session:attention_metrics",
         ),
         during_forward=("spectral_monitor.probes.attention:_captured_multi_head_attention",),
     ),
@@ -64,7 +64,7 @@ FAMILY_CONFIGURATIONS = (
         (
             "spectral_monitor.probes.residual:ResidualCapture.arm",
             "spectral_monitor.probes.residual:_batch_first",
-            "spectral_monitor.callback:token_metrics",
+            "spectral_monitor.core.session:token_metrics",
         ),
         during_forward=("spectral_monitor.probes.residual:_batch_first",),
     ),
@@ -79,17 +79,17 @@ FAMILY_CONFIGURATIONS = (
     FamilyConfiguration(
         "curvature",
         {"families": ["curvature"], "curvature": CurvatureOptions(every_n_steps=1, max_products=8)},
-        ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_curvature",),
+        ("spectral_monitor.core.second_order:SecondOrderProbes._measure_curvature",),
     ),
     FamilyConfiguration(
         "jacobian",
         {"families": ["jacobian"], "jacobian": JacobianOptions(every_n_steps=1, max_iters=4)},
-        ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_jacobian",),
+        ("spectral_monitor.core.second_order:SecondOrderProbes._measure_jacobian",),
     ),
     FamilyConfiguration(
         "ntk",
         {"families": ["ntk"], "ntk": NTKOptions(every_n_steps=1, examples=4)},
-        ("spectral_monitor.curvature_monitor:SecondOrderProbes._measure_ntk",),
+        ("spectral_monitor.core.second_order:SecondOrderProbes._measure_ntk",),
     ),
 )
 """Every family the monitor has; a new family is one more line here."""

@@ -22,7 +22,7 @@ from spectral_monitor.alerts import (
     open_alerts_markdown,
     rules_from_config,
 )
-from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor import SpectralMonitor
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks import diagnosis_layout
 

@@ -28,10 +28,10 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.callback import (
+from spectral_monitor import SpectralMonitor
+from spectral_monitor.core.session import (
     HEATMAP_METRICS,
     HISTOGRAM_METRICS,
-    SpectralMonitor,
     _AttentionImages,
     _DrawnHead,
 )

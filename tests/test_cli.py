@@ -27,7 +27,7 @@ trainer:
   accelerator: cpu
   enable_checkpointing: false
   callbacks:
-    - class_path: spectral_monitor.callback.SpectralMonitor
+    - class_path: spectral_monitor.SpectralMonitor
       init_args:
         every_n_steps: 2
         figures_every_n_logs: 0

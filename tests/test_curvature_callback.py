@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
-from spectral_monitor.callback import SpectralMonitor
-from spectral_monitor.curvature_monitor import CurvatureOptions, JacobianOptions, NTKOptions
+from spectral_monitor import SpectralMonitor
+from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,7 +25,7 @@ from reliability_helpers import (
     tensorboard_logger,
 )
 
-from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor import SpectralMonitor
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 

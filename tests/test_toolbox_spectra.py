@@ -13,7 +13,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 
-from spectral_monitor.callback import SpectralMonitor
+from spectral_monitor import SpectralMonitor
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics.heads import head_diversity, head_spectral_distances, most_redundant_head_pairs
 from spectral_monitor.metrics.spectra import energy_rank, marchenko_pastur_density, power_law_alpha

@@ -1,31 +1,38 @@
-"""The Lightning callback that measures a transformer's attention, residual stream and weights as it trains.
+"""The framework-free core of the monitor: one training run's logging-step pipeline, :class:`MonitorSession`.
 
-``SpectralMonitor`` orchestrates; it does not compute. On a logging step it arms the probes
-(``spectral_monitor.probes``) around the training forward, turns what they recorded into numbers with
-``spectral_monitor.metrics`` and hands the records to sinks (``spectral_monitor.sinks``) made from the
-trainer's loggers. Between logging steps nothing is installed on the model.
+An integration (the Lightning callback :class:`~spectral_monitor.SpectralMonitor`, a Hugging Face callback,
+a plain loop) tells the session where the run is; the session does the rest. On a logging step it arms the
+probes (``spectral_monitor.probes``) around the training forward, turns what they recorded into numbers with
+``spectral_monitor.metrics``, evaluates the alerts (``spectral_monitor.alerts``) and hands the records to
+the sinks (``spectral_monitor.sinks``) it was given. Between logging steps nothing is installed on the model.
 
-A logging step s is ``trainer.fit_loop.epoch_loop._batches_that_stepped`` when its batch starts: the step
-under which Lightning files what ``self.log`` recorded for the same batch (``trainer.global_step`` has
-already advanced by ``on_train_batch_end``). Its hooks:
+Per step s (the step axis is the caller's: the step under which the training framework files its own
+scalars of the same batch):
 
-- ``on_train_batch_start``: the weights are measured (the parameters this batch's forward uses), then the
-  attention and residual captures are armed;
+- :meth:`MonitorSession.begin_step` before the forward: the opt-in second-order probes run on their own
+  cadence; on a logging step the weights are measured (the parameters this step's forward uses), then the
+  attention, residual-stream and output-logit captures are armed;
 - the training forward runs untouched while the probes copy the first ``max_sequences`` sequences;
-- ``on_before_backward``: the captures are disarmed, so the backward (and any activation recomputation)
-  runs unobserved;
-- ``on_train_batch_end``: metrics from the recordings under ``no_grad``, records written, recordings dropped.
+- :meth:`MonitorSession.end_forward` before the backward: the captures are disarmed, so the backward (and any
+  activation recomputation) runs unobserved (``start(disarm_after_forward=True)`` does it when the model's
+  forward returns, for a framework with no hook between forward and backward);
+- :meth:`MonitorSession.end_step`: metrics from the recordings under ``no_grad``, alerts, records written,
+  recordings dropped; returns the ``stop_on`` rules that ask training to stop.
 
 Every rank measures, so a probe whose measurement takes part in a collective is entered by all ranks (the
-collectives, and the rules that keep ranks in step, are in ``spectral_monitor.distributed``); global rank 0
-alone writes. Under FSDP the weights are gathered whole for their measurement. A model whose attention runs
-inside torch.compile graphs gets one warning and no attention or token capture (see the README's "Scale").
+collectives, and the rules that keep ranks in step, are in ``spectral_monitor.distributed``); the writing
+rank (global rank 0) alone writes, warns and calls ``on_alert``. Under FSDP the weights are gathered whole
+for their measurement. A model whose attention runs inside torch.compile graphs gets one warning and no
+attention or token capture (see ``docs/scale.md``).
+
+Nothing here imports a training framework.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,25 +43,11 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from spectral_monitor.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
-from spectral_monitor.alerts import AlertConfig, AlertEvent
 from spectral_monitor.catalog import CATALOG, histogram_metrics, layer_head_heatmap_metrics
-from spectral_monitor.curvature_monitor import (
-    OPT_IN_FAMILIES,
-    CurvatureOptions,
-    JacobianOptions,
-    NTKOptions,
-    ProbeDataOptions,
-    SecondOrderProbes,
-)
+from spectral_monitor.core.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
+from spectral_monitor.core.options import MonitorOptions
+from spectral_monitor.core.second_order import OPT_IN_FAMILIES, LossFn, SecondOrderProbes
 from spectral_monitor.distributed import full_parameters
-from spectral_monitor.lightning_namespaces import (
-    CALLBACK_BASES,
-    MisconfigurationException,
-    TensorBoardLogger,
-    pl,
-    rank_zero_warn,
-)
 from spectral_monitor.metrics import (
     ATTENTION_LOGIT_METRICS,
     ATTENTION_METRICS,
@@ -64,7 +57,6 @@ from spectral_monitor.metrics import (
     output_logit_metrics,
     token_metrics,
 )
-from spectral_monitor.metrics import METHODS as METRIC_METHODS
 from spectral_monitor.metrics.attention import uses_exact_path
 from spectral_monitor.probes import (
     AttentionCapture,
@@ -86,9 +78,7 @@ from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import (
     Capability,
     Layout,
-    LoggerSink,
     Sink,
-    TensorBoardSink,
     diagnosis_layout,
     steps_phrase,
 )
@@ -108,25 +98,8 @@ from spectral_monitor.toolbox.head_diversity import (
 )
 from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
-from spectral_monitor.validation import (
-    check_bool,
-    check_callable,
-    check_choice,
-    check_instance,
-    check_int,
-    check_names,
-    check_number,
-    check_patterns,
-)
 
-__all__ = ["FAMILIES", "SpectralMonitor"]
-
-FAMILIES = ("attention", "tokens", "weights")
-"""What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
-ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
-
-MIN_MEMORY_BUDGET_MB = 2**-10
-"""The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
+__all__ = ["HEATMAP_METRICS", "HISTOGRAM_METRICS", "MonitorSession", "outputs_not_kept"]
 
 HISTOGRAM_METRICS = histogram_metrics("attention")
 """The attention metrics whose per-head values are also written as a histogram (``<metric>_per_head``), as
@@ -159,220 +132,42 @@ _NO_ATTENTION_SEEN = (
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
 
 
-class SpectralMonitor(*CALLBACK_BASES):
-    """Measures attention, residual-stream and weight spectra on logging steps and writes them to loggers.
+class MonitorSession:
+    """One monitored training run: arms the probes on logging steps, measures, judges, writes.
 
-    Add it to a Trainer with a logger; a ``TensorBoardLogger`` receives everything, any other Lightning logger
-    the scalars only::
+    Made from validated :class:`~spectral_monitor.core.options.MonitorOptions` (a ValueError names a
+    ``stop_on`` rule that does not run); :meth:`state_dict` and :meth:`load_state_dict` work from then on,
+    before and after a run, so a checkpoint loaded before training starts is applied when it does. A run is
+    :meth:`start` … :meth:`close`; a session may run several times (a Lightning ``fit`` after another).
 
-        trainer = pl.Trainer(callbacks=[SpectralMonitor()], logger=TensorBoardLogger("runs"))
+    What each caller does, per training step ``step`` (non-decreasing; repeated for the micro-batches of one
+    optimizer step, which are measured once, at the first):
 
-    It is a callback of ``pytorch_lightning`` and of ``lightning.pytorch``, Trainer and ``LightningCLI`` alike
-    (it derives from the ``Callback`` of each installed namespace: ``spectral_monitor.lightning_namespaces``).
+    1. ``session.begin_step(step, batch, optimizer=...)`` before the forward (every rank);
+    2. the training forward;
+    3. ``session.end_forward()`` before the backward (or ``start(disarm_after_forward=True)``);
+    4. ``session.end_step()`` after the step (every rank): the ``stop_on`` rules asking to stop, if any.
 
-    Written on each logging step (tags ``family/metric/layer[/head_h]``, see ``Measurement.tag``):
-
-    - ``attention/<metric>/<layer>``: each metric of ``spectral_monitor.metrics.attention_metrics``, the mean
-      over heads; ``<metric>_min`` and ``<metric>_max`` over heads for the metrics whose spread diagnoses
-      something (``spectral_monitor.catalog``: entropy, rank-one residual, effective rank / n, spectral gap;
-      ``sigma1_max``, ``eigen_gap_min``), and per head only when ``per_head``; histograms of the per-head
-      values of the metrics in ``HISTOGRAM_METRICS``; ``max_logit`` (each head's largest pre-softmax logit
-      over the sampled sequences) with ``max_logit_max`` and ``max_logit_growth`` (the layer's largest over
-      the previous logging step's);
-    - ``tokens/<metric>/<block>``: ``token_metrics`` of each transformer block's output;
-    - ``weights/<metric>/<weight>``: what :class:`~spectral_monitor.probes.weights.WeightProbe` measures
-      (spectral norm, stable rank, per-head ‖W_Q^hᵀ W_K^h‖₂, ...), with histograms of per-head values;
-    - every ``figures_every_n_logs``-th logging step, histograms of every weight's singular values and
-      figures: the singular values of the drawn head of each layer, the attention of that head in the first
-      and last layer, and a layer × head map of each metric in ``HEATMAP_METRICS``;
-    - a Custom Scalars layout grouped by diagnosis (rank collapse, entropy, token collapse, signal
-      propagation, curvature, weights, alerts), one chart per metric with one line per layer;
-    - alerts (:mod:`spectral_monitor.alerts`): each rule is evaluated on every logging step's records; an
-      alert that fires or resolves is one line of the ``spectral_monitor.alerts`` logger on rank 0 and a
-      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/table``);
-      ``alerts/open/<rule>`` and ``alerts/fired/<rule>`` count them on every logging step.
-    - opt-in, each on its own cadence (``spectral_monitor.curvature_monitor``): ``curvature/<metric>/model``
-      (sharpness against the optimizer's edge of stability, top Hessian eigenvalues, trace, density figure),
-      ``jacobian/<metric>/<block>`` (block Jacobian norms), ``ntk/<metric>/model`` (empirical NTK), with
-      ``<family>/overhead_ms/model`` and ``overhead_percent`` (of the last training step).
-
-    Metrics a layer does not define (``eigen_gap`` of causal attention) are not written for it.
-
-    Args:
-        every_n_steps: measure when ``(step + 1) % every_n_steps == 0``, Lightning's own ``log_every_n_steps``
-            rule, so with equal values both land on the same steps.
-        families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure, and of the opt-in
-            ``"curvature"``, ``"jacobian"``, ``"ntk"`` (each also turned on by passing its options).
-        include: ``fnmatch`` patterns over qualified module names: an attention module, a block or a weight's
-            module is measured if its name matches one (``"blocks.0*"``: the first block and everything in
-            it). ``None``: everything.
-        exclude: patterns of module names not to measure; applied after ``include``.
-        max_sequences: sequences of the batch captured (the first ones: no random numbers drawn).
-        memory_budget_mb: most memory (MiB: 2²⁰ bytes; at least 1/1024) a logging step's attention work
-            adds at its peak: the q and k the capture holds from the forward, the probabilities formed from
-            them, the metrics' working memory, the singular values for head diversity and the figures, and
-            the drawn attention. Over it the capture keeps fewer sequences, then heads, then layers, with a
-            warning, so that each layer's probabilities fit whole. Each layer is then measured a chunk of
-            its matrices at a time, as many as fit what the capture leaves with their working memory (about
-            8.5 times a float32 matrix on the exact path, 2.3–3.8 on the Krylov path); where not even one
-            fits, or from ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, from q and k in blocks within it
-            (``attention_metrics_from_qk``, on the Krylov path where the exact one was asked for, with a
-            warning), and the layer is left out of the figures and head diversity. Singular values are
-            taken in float64 where that fits, else in float32 (σ within ~1e-7 σ₁), else the layer is left
-            out of them with a warning. The heatmaps keep block means of at most 128 × 128. Not covered:
-            the model's own forward and backward, the other families (tokens, weights and the opt-in
-            probes), the figures' canvases kept between figure steps and their PNG encoding, and memory
-            the allocator keeps after it is freed. With all of those, a logging step at n = 2048 (2 layers,
-            2 sequences, 2 heads, figures and head diversity on) grew the resident set by at most 68.4 MiB
-            with a 64 MB budget and 148.7 MiB with 256 MB (``tests/test_memory_budget.py``).
-        per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
-            each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
-            12-head model writes 24 attention scalars per layer rather than 167; the alert rules read
-            every head either way, and the attention histograms and layer × head images show them.
-        histograms: write histograms of per-head values and of weight singular values.
-        figures_every_n_logs: on every k-th logging step, starting with the first, draw the figures and write
-            histograms of each weight's singular values (a full SVD of every weight); 0: never. The default,
-            every 10th (every 500 steps at the default cadence), writes as many images as TensorBoard shows:
-            it keeps 10 per tag unless started with ``--samples_per_plugin images=N``. The figures are kept
-            and redrawn (``spectral_monitor.sinks.figures.RedrawnFigure``): on the demo model the first
-            logging step, which draws each figure new, spends ~1 s in the monitor on a slow CPU core, and
-            a later figure step redraws its four figures in ~0.1 s (their PNGs and the weights' full SVDs
-            come on top).
-        metric_method: ``method`` of ``attention_metrics``: ``"auto"``, ``"exact"`` or ``"krylov"``.
-        attention_rank_sums: measure the attention's effective and threshold ranks, the members that need
-            the whole spectrum. On the Krylov path (long sequences) their quadrature is most of the time: 64
-            heads at n = 2048 took 14 s with them and 6 s without (``benchmarks/README.md``); near-uniform
-            attention at n = 4096 about 100 s a head. False leaves them (and the effective-rank figure) out.
-        strict: raise failures of the monitor (a probe or sink raising, non-finite measurements) instead of
-            warning once per kind and going on without them.
-        log_first_step: also measure step 0, the model before any update.
-        curvature: options of the loss-Hessian probe (:class:`CurvatureOptions`); giving them turns it on.
-        jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
-        ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
-        probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
-        head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
-            ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
-            attention spectra, :mod:`spectral_monitor.metrics.heads`), ``head_diversity_min`` (the closest
-            pair) and a text entry ``attention/redundant_heads`` listing each layer's closest head pairs
-            (one ``svdvals`` per sampled head); 0: never.
-        weight_spectra_every_n_logs: on every k-th logging step, starting with the first, a full SVD of every
-            weight: ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
-            exponent of σ², WeightWatcher's convention), ``alpha_ks_distance``, ``energy_rank_90`` and
-            ``energy_rank_99`` (compressible rank), and ESD-against-Marchenko–Pastur figures
-            ``weights/figures/esd/<weight>``, with the "weights" family on; 0 (default): never.
-        preflight: at fit start, run :func:`spectral_monitor.toolbox.preflight.architecture_preflight` once:
-            warnings through ``rank_zero_warn``, every finding in the text entry ``preflight``.
-        preflight_context_length: context length of the preflight's logit-scale check (None: the model's
-            ``hparams.seq_len`` if it has one, else the check is skipped).
-        alerts: which alert rules run: ``None`` for :func:`~spectral_monitor.alerts.default_rules`, or an
-            :class:`~spectral_monitor.alerts.AlertConfig` that disables, tunes or adds rules.
-        on_alert: called on global rank 0 with each :class:`~spectral_monitor.alerts.AlertEvent`, fired
-            and resolved (``event.kind``), after its console line.
-        stop_on: names of rules whose firing stops training: every rank stops after the same step.
-        token_mask: a function of the training batch returning its (batch, tokens) token mask, True (or
-            nonzero) = real token, or None. Needed only where the model's forward does not say which tokens
-            are padding: a Hugging Face ``attention_mask`` and ``nn.Transformer``'s ``src_key_padding_mask``
-            / ``tgt_key_padding_mask`` are read from the forward itself. Padded queries leave the attention
-            metrics of every layer with that many queries, and padded tokens the token metrics.
-        output_logits: also write ``outputs/max_logit/model`` (the largest output logit over the sampled
-            sequences' real tokens) and ``outputs/log_partition/model`` (the mean over them of the
-            log-sum-exp over the vocabulary, the z-loss quantity), from a forward hook on the LM head on
-            logging steps. True: the head is ``get_output_embeddings()`` of a Hugging Face model, else the
-            last ``nn.Linear`` with as many outputs as the first ``nn.Embedding`` has rows; a string names
-            the head module. False (default): off.
-
-    Raises:
-        ValueError: if an argument is out of range (the message names it).
-        MisconfigurationException: at ``setup`` if the Trainer has no logger.
+    ``abandon()`` drops a step whose forward failed or whose end never came.
     """
 
-    def __init__(
-        self,
-        every_n_steps: int = 50,
-        families: Sequence[str] = FAMILIES,
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
-        max_sequences: int = 2,
-        memory_budget_mb: float = 256.0,
-        per_head: bool = False,
-        histograms: bool = True,
-        figures_every_n_logs: int = 10,
-        metric_method: str = "auto",
-        attention_rank_sums: bool = True,
-        strict: bool = False,
-        log_first_step: bool = True,
-        curvature: CurvatureOptions | None = None,
-        jacobian: JacobianOptions | None = None,
-        ntk: NTKOptions | None = None,
-        probe_data: ProbeDataOptions | None = None,
-        head_diversity_every_n_logs: int = 4,
-        weight_spectra_every_n_logs: int = 0,
-        preflight: bool = True,
-        preflight_context_length: int | None = None,
-        alerts: AlertConfig | None = None,
-        on_alert: Callable[[AlertEvent], Any] | None = None,
-        stop_on: Sequence[str] = (),
-        token_mask: Callable[[Any], Tensor | None] | None = None,
-        output_logits: bool | str = False,
-    ) -> None:
-        super().__init__()
-        self.every_n_steps = check_int("every_n_steps", every_n_steps, smallest=1)
-        self.families = tuple(
-            dict.fromkeys(check_names("families", families, allowed=ALL_FAMILIES, non_empty=True))
-        )
-        self.include = check_patterns("include", include)
-        self.exclude = check_patterns("exclude", exclude)
-        self.max_sequences = check_int("max_sequences", max_sequences, smallest=1)
-        self.memory_budget_mb = check_number(
-            "memory_budget_mb",
-            memory_budget_mb,
-            at_least=MIN_MEMORY_BUDGET_MB,
-            unit="positive number of megabytes",
-        )
-        self.per_head = check_bool("per_head", per_head)
-        if not isinstance(output_logits, (bool, str)) or output_logits == "":
-            raise ValueError(
-                f"output_logits must be True, False or the name of the LM head module, got {output_logits!r}"
-            )
-        self.output_logits = output_logits
-        self.histograms = check_bool("histograms", histograms)
-        self.figures_every_n_logs = check_int("figures_every_n_logs", figures_every_n_logs, smallest=0)
-        self.metric_method = check_choice("metric_method", metric_method, METRIC_METHODS)
-        self.attention_rank_sums = check_bool("attention_rank_sums", attention_rank_sums)
-        self.strict = check_bool("strict", strict)
-        self.log_first_step = check_bool("log_first_step", log_first_step)
-        given = {"curvature": curvature, "jacobian": jacobian, "ntk": ntk}
-        self.families += tuple(
-            name for name, value in given.items() if value is not None and name not in self.families
-        )
-        self.curvature = check_instance("curvature", curvature, CurvatureOptions)
-        self.jacobian = check_instance("jacobian", jacobian, JacobianOptions)
-        self.ntk = check_instance("ntk", ntk, NTKOptions)
-        self.probe_data = check_instance("probe_data", probe_data, ProbeDataOptions)
-        self._second_order: SecondOrderProbes | None = None
-        self.head_diversity_every_n_logs = check_int(
-            "head_diversity_every_n_logs", head_diversity_every_n_logs, smallest=0
-        )
-        self.weight_spectra_every_n_logs = check_int(
-            "weight_spectra_every_n_logs", weight_spectra_every_n_logs, smallest=0
-        )
-        self.preflight = check_bool("preflight", preflight)
-        if preflight_context_length is not None:
-            check_int("preflight_context_length", preflight_context_length, smallest=2)
-        self.preflight_context_length = preflight_context_length
-        self._alerting = Alerting(alerts, on_alert, stop_on, self.families)
-        self.token_mask = check_callable(
-            "token_mask", token_mask, "a function of the batch returning its token mask"
-        )
-
-        self._reports = _Reports(strict)
+    def __init__(self, options: MonitorOptions) -> None:
+        self.options = options
+        self.alerting = Alerting(options.alerts, options.on_alert, options.stop_on, options.families)
+        self._reports = _Reports(options.strict)
         self._sinks: list[Sink] = []
+        self._model: nn.Module | None = None
+        self._request_stop: Callable[[], None] = _no_stop
+        self._disarm_after_forward = False
+        self._training_root: nn.Module | None = None
+        self._forward_return_hook: torch.utils.hooks.RemovableHandle | None = None
         self._attention_capture: AttentionCapture | None = None
         self._residual_capture: ResidualCapture | None = None
         self._output_capture: OutputLogitCapture | None = None
         self._weight_probe: WeightProbe | None = None
+        self._second_order: SecondOrderProbes | None = None
         # The checkpoint state of a stateful part (by its key) while the part does not exist: loaded before
-        # on_fit_start makes it, or kept after teardown for a checkpoint or the next fit.
+        # start makes it, or kept after close for a checkpoint or the next run.
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
         self._previous_max_logit: dict[str, float] = {}
@@ -383,80 +178,103 @@ class SpectralMonitor(*CALLBACK_BASES):
         self._last_logged_step = -1
         self._logging_steps_done = 0
 
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(
-            every_n_steps=self.every_n_steps,
-            families=list(self.families),
-            include=self.include,
-            exclude=self.exclude,
-        )
+    def start(
+        self,
+        model: nn.Module,
+        sinks: Sequence[Sink],
+        *,
+        writes: bool = True,
+        training_root: nn.Module | None = None,
+        default_loss: LossFn | None = None,
+        request_stop: Callable[[], None] | None = None,
+        disarm_after_forward: bool = False,
+        step: int = 0,
+    ) -> None:
+        """Begin a run: find what to measure on ``model`` and run the architecture preflight.
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if not trainer.loggers:
-            raise MisconfigurationException(
-                "SpectralMonitor needs a logger to write to, but the Trainer has none (logger=False): "
-                "pass logger=TensorBoardLogger(save_dir) for everything, or any Lightning logger for scalars."
-            )
-        self._sinks = _sinks_of(trainer.loggers) if trainer.is_global_zero else []
-        if trainer.is_global_zero:
-            self._warn_about_dropped_outputs(trainer.loggers)
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Here rather than in `setup`: `configure_model` has built every layer and the strategy has moved it.
-        self._warn_about_unmatched_patterns(pl_module)
-        if self.preflight:
+        Args:
+            model: the module whose forward the training step calls and whose parts are measured (with
+                Lightning, the LightningModule), with every layer built and on its device.
+            sinks: where records go; empty on a rank that does not write.
+            writes: whether this process writes, warns and calls ``on_alert``: global rank 0.
+            training_root: the outermost module trained (a DDP or FSDP wrapper of ``model``): every rank
+                gathers its sharded weights for their measurement, and the second-order probes refuse a
+                sharded one. Default ``model``.
+            default_loss: ``default_loss(model, batch) -> scalar`` for the second-order probes when
+                ``ProbeDataOptions.loss_fn`` is not given (Lightning: the module's ``training_step``).
+            request_stop: called on every rank, once a step, when a ``stop_on`` rule fired on any rank.
+            disarm_after_forward: end each logging step's captures when ``model``'s forward returns (a
+                one-shot forward hook), for a loop that cannot call :meth:`end_forward` before the backward.
+            step: the step the run starts at (the preflight's text is filed under it).
+        """
+        options = self.options
+        self._model = model
+        self._sinks = list(sinks)
+        self._reports.writes = writes
+        self._request_stop = request_stop or _no_stop
+        self._disarm_after_forward = disarm_after_forward
+        self.alerting.stopping = False
+        training_root = model if training_root is None else training_root
+        self._warn_about_unmatched_patterns(model)
+        if options.preflight:
             with self._reports.failures_of("the architecture preflight"):
-                self._run_preflight(trainer, pl_module)
-        captures = [family for family in ("attention", "tokens") if family in self.families]
-        compiled = compiled_attention_regions(pl_module) if captures else []
+                self._run_preflight(model, step)
+        captures = [family for family in ("attention", "tokens") if family in options.families]
+        compiled = compiled_attention_regions(model) if captures else []
         if compiled:
             self._reports.once("compiled", _uncaptured_under_compile(compiled, captures))
-        if "attention" in self.families and not compiled:
+        if "attention" in options.families and not compiled:
             self._attention_capture = AttentionCapture(
-                pl_module,
-                max_sequences=self.max_sequences,
-                max_bytes=int(self.memory_budget_mb * 2**20),
-                strict=self.strict,
+                model,
+                max_sequences=options.max_sequences,
+                max_bytes=int(options.memory_budget_mb * 2**20),
+                strict=options.strict,
             )
-        if "tokens" in self.families and not compiled:
+        if "tokens" in options.families and not compiled:
             with self._reports.failures_of("finding the transformer blocks (tokens family)"):
                 self._residual_capture = ResidualCapture(
-                    pl_module, max_sequences=self.max_sequences, strict=self.strict
+                    model, max_sequences=options.max_sequences, strict=options.strict
                 )
-        if self.output_logits is not False:
+        if options.output_logits is not False:
             with self._reports.failures_of("finding the LM head (output_logits)"):
-                head = self.output_logits if isinstance(self.output_logits, str) else None
-                self._output_capture = OutputLogitCapture(pl_module, head, self.max_sequences)
-        if "weights" in self.families:
+                head = options.output_logits if isinstance(options.output_logits, str) else None
+                self._output_capture = OutputLogitCapture(model, head, options.max_sequences)
+        if "weights" in options.families:
             self._weight_probe = WeightProbe(
-                pl_module, include=self.include, exclude=self.exclude, per_head=self.per_head
+                model, include=options.include, exclude=options.exclude, per_head=options.per_head
             )
-        if any(family in self.families for family in OPT_IN_FAMILIES):
+        self._training_root = training_root
+        if any(family in options.families for family in OPT_IN_FAMILIES):
             self._second_order = SecondOrderProbes(
-                trainer.strategy.model,
-                self.families,
-                self.curvature,
-                self.jacobian,
-                self.ntk,
-                self.probe_data,
+                training_root,
+                options.families,
+                options.curvature,
+                options.jacobian,
+                options.ntk,
+                options.probe_data,
                 self._reports.failures_of,
+                warn=self._reports.warn,
+                default_loss=default_loss,
             )
         for key, part in self._stateful_parts().items():
             if part is not None and key in self._parked_states:
                 part.load_state_dict(self._parked_states.pop(key))
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._abandon_step()  # a batch whose end hook never ran (its module hook returned -1)
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    def begin_step(self, step: int, batch: Any, *, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Before the training forward of ``step`` on ``batch``: whether it is a logging step.
+
+        The second-order probes measure when their own cadence falls (``optimizer`` gives the curvature's
+        edge of stability); their records are judged and written at once off a logging step. On a logging
+        step the weights are measured and the captures armed, the token mask read from ``batch`` by the
+        ``token_mask`` option. Call it on every rank.
+        """
+        self.abandon()  # a step whose end never came
+        if self._model is None:
+            raise RuntimeError("MonitorSession.begin_step was called before start")
         self._reports.step = step
         probed = _LoggingStep(step, False)
         if self._second_order is not None:
-            event = self._second_order.on_train_batch_start(trainer, pl_module, batch, batch_idx, step)
+            event = self._second_order.measure_due(self._model, batch, step, optimizer)
             broken = sorted(
                 {f"{m.family}/{m.metric}" for m in event.measurements if not math.isfinite(m.value)}
             )
@@ -469,10 +287,11 @@ class SpectralMonitor(*CALLBACK_BASES):
             probed = _LoggingStep(step, False, measurements=event.measurements, figures=event.figures)
         if not self._is_logging_step(step):
             if probed.measurements:  # the opt-in probes' own cadence: their alerts cannot wait
-                self._evaluate_alerts(trainer, probed)
+                self._stop_if_asked(self._evaluate_alerts(probed))
                 self._write(probed)
-            return
+            return False
         self._last_logged_step = step
+        options = self.options
         costly = self._figures_due()
         progress = _LoggingStep(step, draw_figures=costly and self._kept(Capability.FIGURES))
         progress.measurements += probed.measurements  # judged and written with the rest of this step
@@ -483,18 +302,18 @@ class SpectralMonitor(*CALLBACK_BASES):
             with (
                 self._reports.failures_of("measuring the weights"),
                 torch.no_grad(),
-                full_parameters(trainer.strategy.model),
+                full_parameters(self._training_root),
             ):
                 progress.measurements += self._checked_weights(self._weight_probe.measure(step))
-                if self.histograms and self._kept(Capability.HISTOGRAMS):
+                if options.histograms and self._kept(Capability.HISTOGRAMS):
                     progress.distributions += self._weight_probe.distributions(step, full_spectrum=costly)
-            if _due(self.weight_spectra_every_n_logs, self._logging_steps_done):
+            if _due(options.weight_spectra_every_n_logs, self._logging_steps_done):
                 with self._reports.failures_of("measuring the weight spectra"), torch.no_grad():
-                    self._measure_weight_spectra(progress, pl_module)
+                    self._measure_weight_spectra(progress, self._model)
         token_mask = None
-        if self.token_mask is not None:
+        if options.token_mask is not None:
             with self._reports.failures_of("reading the batch's token mask (token_mask)"):
-                token_mask = checked_token_mask(self.token_mask(batch), "the token_mask function's result")
+                token_mask = checked_token_mask(options.token_mask(batch), "the token_mask function's result")
         if self._attention_capture is not None:
             with self._reports.failures_of("arming the attention capture"):
                 self._attention_capture.arm(token_mask)
@@ -504,121 +323,14 @@ class SpectralMonitor(*CALLBACK_BASES):
         if self._output_capture is not None:
             with self._reports.failures_of("arming the output-logit capture"):
                 self._output_capture.arm(token_mask)
+        if self._disarm_after_forward:
+            self._forward_return_hook = self._model.register_forward_hook(self._end_forward_on_return)
+        return True
 
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._disarm()
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._disarm()  # no backward ran (manual optimisation, or training_step returned None)
-        progress, self._in_progress = self._in_progress, None
-        if progress is None:
-            return
-        with torch.no_grad():
-            if progress.attention is not None:
-                with self._reports.failures_of("computing the attention metrics"):
-                    self._measure_attention(progress)
-            if progress.residual is not None:
-                with self._reports.failures_of("computing the token metrics"):
-                    self._measure_tokens(progress)
-            if progress.outputs is not None:
-                with self._reports.failures_of("computing the output-logit metrics"):
-                    progress.measurements += _output_logit_measurements(progress.step, progress.outputs)
-        # The recordings are not kept past this step.
-        progress.attention = progress.residual = progress.outputs = None
-        self._evaluate_alerts(trainer, progress)
-        self._write(progress)
-        self._logging_steps_done += 1
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._abandon_step()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        self._abandon_step()
-        for sink in self._sinks:
-            with self._reports.failures_of(f"closing {type(sink).__name__}"):
-                sink.close()
-        self._reports.end_of_run(self._sinks)
-        # The weight probe's warm vectors, and the opt-in probes' batch and warm vectors, stay.
-        for key, part in self._stateful_parts().items():
-            if part is not None:
-                self._parked_states[key] = part.state_dict()
-        if "second_order" in self._parked_states:
-            # The last step tells a step's micro-batches apart within a fit; a next fit's steps are its own.
-            self._parked_states["second_order"].pop("last_step", None)
-        self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
-        self._output_capture = None
-        self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
-        self._attention_images = _AttentionImages()  # kept figures hold canvases: not past a fit
-
-    def state_dict(self) -> dict[str, Any]:
-        parts = {
-            key: part.state_dict() if part is not None else self._parked_states.get(key)
-            for key, part in self._stateful_parts().items()
-        }
-        return {
-            "last_logged_step": self._last_logged_step,
-            "logging_steps_done": self._logging_steps_done,
-            **parts,
-            "attention_krylov_vectors": {
-                layer: state.vectors.detach().clone()
-                for layer, state in self._krylov_states.items()
-                if state.vectors is not None
-            },
-            "alerts": self._alerting.engine.state_dict(),
-            "previous_max_logit": dict(self._previous_max_logit),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_logged_step = state_dict.get("last_logged_step", -1)
-        self._logging_steps_done = state_dict.get("logging_steps_done", 0)
-        self._krylov_states = {
-            layer: KrylovState(vectors.detach().clone())
-            for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
-        }
-        self._alerting.engine.load_state_dict(state_dict.get("alerts", {}))
-        self._previous_max_logit = dict(state_dict.get("previous_max_logit", {}))
-        for key, part in self._stateful_parts().items():
-            state = state_dict.get(key)
-            if state is None:
-                continue
-            if part is None:
-                self._parked_states[key] = state  # loaded when on_fit_start makes the part
-            else:
-                part.load_state_dict(state)
-
-    def _stateful_parts(self) -> dict[str, WeightProbe | SecondOrderProbes | None]:
-        """The parts with checkpoint state of their own, by their key in :meth:`state_dict`."""
-        return {"weight_probe": self._weight_probe, "second_order": self._second_order}
-
-    def _evaluate_alerts(self, trainer: pl.Trainer, progress: _LoggingStep) -> None:
-        alerts = AlertStep()
-        with self._reports.failures_of("evaluating the alerts"):
-            records = [*progress.measurements, *progress.read_only]
-            alerts = self._alerting.evaluate(progress.step, records, trainer.is_global_zero)
-        # Outside the failure guard: every rank must enter the collective.
-        self._alerting.stop_if_asked(trainer, progress.step, alerts.stop)
-        progress.measurements += alerts.records
-        progress.alert_text = alerts.text
-
-    def _is_logging_step(self, step: int) -> bool:
-        if step == self._last_logged_step:  # later micro-batches of an accumulated step
-            return False
-        return (step + 1) % self.every_n_steps == 0 or (self.log_first_step and step == 0)
-
-    def _figures_due(self) -> bool:
-        every = self.figures_every_n_logs
-        return every > 0 and self._logging_steps_done % every == 0
-
-    def _kept(self, capability: Capability) -> bool:
-        return any(capability in sink.capabilities for sink in self._sinks)
-
-    def _disarm(self) -> None:
+    def end_forward(self) -> None:
+        """Disarm the captures, keeping what they recorded: call it after the forward, before the backward.
+        Nothing happens off a logging step or when already disarmed."""
+        self._remove_forward_return_hook()
         progress = self._in_progress
         if progress is None:
             return
@@ -641,18 +353,144 @@ class SpectralMonitor(*CALLBACK_BASES):
             with self._reports.failures_of("disarming the output-logit capture"):
                 progress.outputs = output_capture.disarm()
 
-    def _abandon_step(self) -> None:
+    def end_step(self) -> list[str]:
+        """After the step: metrics from the recordings under ``no_grad``, alerts evaluated, records written,
+        recordings dropped. Returns the ``stop_on`` rules that fired on any rank (``request_stop`` has been
+        called); empty off a logging step. Call it on every rank (stopping is decided in a collective)."""
+        self.end_forward()  # no backward ran (manual optimisation, or no loss)
+        progress, self._in_progress = self._in_progress, None
+        if progress is None:
+            return []
+        with torch.no_grad():
+            if progress.attention is not None:
+                with self._reports.failures_of("computing the attention metrics"):
+                    self._measure_attention(progress)
+            if progress.residual is not None:
+                with self._reports.failures_of("computing the token metrics"):
+                    self._measure_tokens(progress)
+            if progress.outputs is not None:
+                with self._reports.failures_of("computing the output-logit metrics"):
+                    progress.measurements += _output_logit_measurements(progress.step, progress.outputs)
+        # The recordings are not kept past this step.
+        progress.attention = progress.residual = progress.outputs = None
+        stopping = self._stop_if_asked(self._evaluate_alerts(progress))
+        self._write(progress)
+        self._logging_steps_done += 1
+        return stopping
+
+    def abandon(self) -> None:
+        """Drop the step in progress, if any: captures disarmed, recordings discarded, nothing written."""
+        self._remove_forward_return_hook()
         for capture in (self._attention_capture, self._residual_capture, self._output_capture):
             if capture is not None and capture.is_armed:
                 capture.disarm()
         self._in_progress = None
 
+    def close(self) -> None:
+        """End the run: sinks closed, and one warning listing what failed and what the sinks could not write
+        (the end-of-run report). Warm state stays for a checkpoint or the next :meth:`start`."""
+        self.abandon()
+        for sink in self._sinks:
+            with self._reports.failures_of(f"closing {type(sink).__name__}"):
+                sink.close()
+        self._reports.end_of_run(self._sinks)
+        # The weight probe's warm vectors, and the opt-in probes' batch and warm vectors, stay.
+        for key, part in self._stateful_parts().items():
+            if part is not None:
+                self._parked_states[key] = part.state_dict()
+        if "second_order" in self._parked_states:
+            # The last step tells a step's micro-batches apart within a run; a next run's steps are its own.
+            self._parked_states["second_order"].pop("last_step", None)
+        self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
+        self._output_capture = self._model = None
+        self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
+        self._attention_images = _AttentionImages()  # kept figures hold canvases: not past a run
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to measure, judge and write as this one would have gone on doing."""
+        parts = {
+            key: part.state_dict() if part is not None else self._parked_states.get(key)
+            for key, part in self._stateful_parts().items()
+        }
+        return {
+            "last_logged_step": self._last_logged_step,
+            "logging_steps_done": self._logging_steps_done,
+            **parts,
+            "attention_krylov_vectors": {
+                layer: state.vectors.detach().clone()
+                for layer, state in self._krylov_states.items()
+                if state.vectors is not None
+            },
+            "alerts": self.alerting.engine.state_dict(),
+            "previous_max_logit": dict(self._previous_max_logit),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a key it lacks leaves that part as a new run starts it."""
+        self._last_logged_step = state_dict.get("last_logged_step", -1)
+        self._logging_steps_done = state_dict.get("logging_steps_done", 0)
+        self._krylov_states = {
+            layer: KrylovState(vectors.detach().clone())
+            for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
+        }
+        self.alerting.engine.load_state_dict(state_dict.get("alerts", {}))
+        self._previous_max_logit = dict(state_dict.get("previous_max_logit", {}))
+        for key, part in self._stateful_parts().items():
+            state = state_dict.get(key)
+            if state is None:
+                continue
+            if part is None:
+                self._parked_states[key] = state  # loaded when start makes the part
+            else:
+                part.load_state_dict(state)
+
+    def _stateful_parts(self) -> dict[str, WeightProbe | SecondOrderProbes | None]:
+        """The parts with checkpoint state of their own, by their key in :meth:`state_dict`."""
+        return {"weight_probe": self._weight_probe, "second_order": self._second_order}
+
+    def _end_forward_on_return(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.end_forward()
+
+    def _remove_forward_return_hook(self) -> None:
+        if self._forward_return_hook is not None:
+            self._forward_return_hook.remove()
+            self._forward_return_hook = None
+
+    def _stop_if_asked(self, fired_here: list[str]) -> list[str]:
+        # Outside any failure guard: every rank must enter the collective.
+        rules = self.alerting.rules_stopping(self._reports.step, fired_here, self._reports.writes)
+        if rules:
+            self._request_stop()
+        return rules
+
+    def _evaluate_alerts(self, progress: _LoggingStep) -> list[str]:
+        """The alerts' records and text added to ``progress``; returns the ``stop_on`` rules fired here."""
+        alerts = AlertStep()
+        with self._reports.failures_of("evaluating the alerts"):
+            records = [*progress.measurements, *progress.read_only]
+            alerts = self.alerting.evaluate(progress.step, records, self._reports.writes)
+        progress.measurements += alerts.records
+        progress.alert_text = alerts.text
+        return alerts.stop
+
+    def _is_logging_step(self, step: int) -> bool:
+        if step == self._last_logged_step:  # later micro-batches of an accumulated step
+            return False
+        return (step + 1) % self.options.every_n_steps == 0 or (self.options.log_first_step and step == 0)
+
+    def _figures_due(self) -> bool:
+        every = self.options.figures_every_n_logs
+        return every > 0 and self._logging_steps_done % every == 0
+
+    def _kept(self, capability: Capability) -> bool:
+        return _kept_by(self._sinks, capability)
+
     def _measure_attention(self, progress: _LoggingStep) -> None:
         recording = progress.attention
-        write_histograms = self.histograms and self._kept(Capability.HISTOGRAMS)
-        diversity_due = _due(self.head_diversity_every_n_logs, self._logging_steps_done)
+        write_histograms = self.options.histograms and self._kept(Capability.HISTOGRAMS)
+        diversity_due = _due(self.options.head_diversity_every_n_logs, self._logging_steps_done)
         # What the capture holds stays alive throughout; the rest of the budget is the working memory.
-        room = int(self.memory_budget_mb * 2**20) - sum(
+        room = int(self.options.memory_budget_mb * 2**20) - sum(
             captured.held_nbytes() for captured in recording.captured
         )
         layers = [captured for captured in recording.captured if self._selected(captured.layer)]
@@ -668,7 +506,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             progress.measurements += layer_records + self._max_logit_growth(
                 progress.step, captured.layer, per_head
             )
-            if self.per_head:
+            if self.options.per_head:
                 progress.measurements += head_records
             else:
                 progress.read_only += head_records
@@ -701,8 +539,8 @@ class SpectralMonitor(*CALLBACK_BASES):
                         ("attention/redundant_heads", redundant_pairs_markdown(progress.step, pairs))
                     )
 
-    def _measure_weight_spectra(self, progress: _LoggingStep, pl_module: pl.LightningModule) -> None:
-        spectra = weight_spectra(pl_module, include=self.include, exclude=self.exclude)
+    def _measure_weight_spectra(self, progress: _LoggingStep, model: nn.Module) -> None:
+        spectra = weight_spectra(model, include=self.options.include, exclude=self.options.exclude)
         progress.measurements += weight_spectrum_measurements(spectra, progress.step)
         if self._kept(Capability.FIGURES):
             progress.figures += [
@@ -710,21 +548,20 @@ class SpectralMonitor(*CALLBACK_BASES):
                 for spectrum in spectra
             ]
 
-    def _run_preflight(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        context = self.preflight_context_length
+    def _run_preflight(self, model: nn.Module, step: int) -> None:
+        context = self.options.preflight_context_length
         if context is None:
-            seq_len = getattr(pl_module, "hparams", {}).get("seq_len")
+            seq_len = getattr(model, "hparams", {}).get("seq_len")
             context = seq_len if isinstance(seq_len, int) and seq_len >= 2 else None
-        findings = architecture_preflight(pl_module, context_length=context)
+        findings = architecture_preflight(model, context_length=context)
         for finding in findings:
             if finding.severity == "warning":
-                rank_zero_warn(
-                    f"SpectralMonitor preflight ({finding.check}, {finding.where}): {finding.message}.",
-                    category=RuntimeWarning,
+                self._reports.warn(
+                    f"SpectralMonitor preflight ({finding.check}, {finding.where}): {finding.message}."
                 )
         for sink in self._sinks:
             with self._reports.failures_of(f"writing the preflight to {type(sink).__name__}"):
-                sink.write_text("preflight", preflight_markdown(findings), trainer.global_step)
+                sink.write_text("preflight", preflight_markdown(findings), step)
 
     def _attention_of_layers(
         self, layers: list[CapturedAttention], room: int, *, diversity: bool, draw: bool
@@ -744,7 +581,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         together: dict[tuple[Any, ...], list[int]] = {}
         for index, captured in enumerate(layers):
             n, m = captured.q.shape[2], captured.k.shape[2]
-            exact = uses_exact_path(n, m, self.metric_method)
+            exact = uses_exact_path(n, m, self.options.metric_method)
             # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
             # not one matrix: the metrics come first.
             spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
@@ -863,8 +700,8 @@ class SpectralMonitor(*CALLBACK_BASES):
             query_mask=_per_head(query_mask, heads),
             causal=first.causal,
             attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
-            method=self.metric_method,
-            include_rank_sums=self.attention_rank_sums,
+            method=self.options.metric_method,
+            include_rank_sums=self.options.attention_rank_sums,
             state=state,
         )
         if all(sample.max_logit is not None for sample in samples):
@@ -879,8 +716,9 @@ class SpectralMonitor(*CALLBACK_BASES):
         if dtype is None:
             self._reports.once(
                 "spectra over budget",
-                f"the memory budget ({self.memory_budget_mb:g} MB) leaves no room for the singular values of "
-                f"{first.layer}'s {n}×{m} attention; it is left out of head diversity and the figures",
+                f"the memory budget ({self.options.memory_budget_mb:g} MB) leaves no room for the singular "
+                f"values of {first.layer}'s {n}×{m} attention; it is left out of head diversity and the "
+                "figures",
             )
             return call
         if diversity:
@@ -918,13 +756,13 @@ class SpectralMonitor(*CALLBACK_BASES):
     def _blockwise_attention(self, captured: CapturedAttention, room: int, exact: bool) -> _LayerAttention:
         """One layer's metrics from q and k in blocks within ``room``; on the Krylov path where the exact
         one would form whole matrices beyond it."""
-        method = self.metric_method
+        method = self.options.metric_method
         if exact and not captured.measured_blockwise():
             method = "krylov"
             self._reports.once(
                 "exact over budget",
-                f"the memory budget ({self.memory_budget_mb:g} MB) is too small for the exact measurement "
-                f"of one of {captured.layer}'s attention matrices "
+                f"the memory budget ({self.options.memory_budget_mb:g} MB) is too small for the exact "
+                f"measurement of one of {captured.layer}'s attention matrices "
                 f"({captured.dense_matrix_nbytes(True) / 2**20:.0f} MiB); it is measured on the Krylov path "
                 "from q and k",
             )
@@ -932,7 +770,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             captured.blockwise_metrics(
                 method=method,
                 max_bytes=max(room, 2**20),
-                include_rank_sums=self.attention_rank_sums,
+                include_rank_sums=self.options.attention_rank_sums,
                 state=self._krylov_state(captured),
             )
         )
@@ -1040,9 +878,9 @@ class SpectralMonitor(*CALLBACK_BASES):
 
     def _selected(self, layer: str) -> bool:
         """Whether the module named ``layer`` is measured: the same rule as ``WeightProbe``'s."""
-        if self.include is not None and not _any_match([layer], self.include):
+        if self.options.include is not None and not _any_match([layer], self.options.include):
             return False
-        return self.exclude is None or not _any_match([layer], self.exclude)
+        return self.options.exclude is None or not _any_match([layer], self.options.exclude)
 
     def _report_skipped(self, what: str, skipped: list[SkippedCapture]) -> None:
         """Once per distinct reason, with the layers it applied to the first time."""
@@ -1052,24 +890,9 @@ class SpectralMonitor(*CALLBACK_BASES):
         for reason, layers in layers_by_reason.items():
             self._reports.once(reason, f"not all of the {what} was captured ({', '.join(layers)}): {reason}")
 
-    def _warn_about_dropped_outputs(self, loggers: Sequence[pl.loggers.Logger]) -> None:
-        wanted = {Capability.LAYOUT: "the custom-scalars layout"}
-        if self.histograms:
-            wanted[Capability.HISTOGRAMS] = "histograms"
-        if self.figures_every_n_logs:
-            wanted[Capability.FIGURES] = "figures"
-        dropped = [what for capability, what in wanted.items() if not self._kept(capability)]
-        if dropped:
-            names = ", ".join(type(logger).__name__ for logger in loggers)
-            rank_zero_warn(
-                f"SpectralMonitor: {names} keeps scalars only; {', '.join(dropped)} need a TensorBoardLogger "
-                "and are skipped.",
-                category=RuntimeWarning,
-            )
-
     def _warn_about_unmatched_patterns(self, model: nn.Module) -> None:
         names = [name for name, _ in unwrapped_named_modules(model) if name]
-        patterns = [*(self.include or ()), *(self.exclude or ())]
+        patterns = [*(self.options.include or ()), *(self.options.exclude or ())]
         unmatched = [pattern for pattern in patterns if not _any_match(names, [pattern])]
         if unmatched:
             examples = names[:: max(1, len(names) // _EXAMPLE_NAMES)][:_EXAMPLE_NAMES]
@@ -1314,12 +1137,13 @@ def _layer_measurements(
 class _Reports:
     """Reports each kind of problem once; with ``strict`` failures and problems raise instead.
 
-    Every failure is also kept, by what failed and the step it failed at (``step``, set by the callback), for
+    Every failure is also kept, by what failed and the step it failed at (``step``, set by the session), for
     the end-of-run report.
     """
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
+        self.writes = True  # whether this process warns: the writing rank only
         self.step = 0
         self.failed_steps: dict[str, list[int]] = {}
         self._reported: set[str] = set()
@@ -1327,7 +1151,12 @@ class _Reports:
     def once(self, kind: str, message: str) -> None:
         if kind not in self._reported:
             self._reported.add(kind)
-            rank_zero_warn(f"SpectralMonitor: {message}.", category=RuntimeWarning)
+            self.warn(f"SpectralMonitor: {message}.")
+
+    def warn(self, message: str) -> None:
+        """A RuntimeWarning, on the writing rank only."""
+        if self.writes:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def end_of_run(self, sinks: Sequence[Sink]) -> None:
         """One warning listing every part that failed, at which steps, and what each sink could not write;
@@ -1339,10 +1168,7 @@ class _Reports:
             if getattr(sink, "losses", None)
         ]
         if lines:
-            rank_zero_warn(
-                "SpectralMonitor: end of the run; lost to failures: " + "; ".join(lines) + ".",
-                category=RuntimeWarning,
-            )
+            self.warn("SpectralMonitor: end of the run; lost to failures: " + "; ".join(lines) + ".")
         self.failed_steps = {}
 
     def problem(self, kind: str, message: str) -> None:
@@ -1374,17 +1200,23 @@ def _due(every_n_logs: int, logging_steps_done: int) -> bool:
     return every_n_logs > 0 and logging_steps_done % every_n_logs == 0
 
 
-def _sinks_of(loggers: Sequence[pl.loggers.Logger]) -> list[Sink]:
-    """A sink per logger; a TensorBoard logger's run directory gets the monitor's own event file."""
-    return [
-        TensorBoardSink(logger.log_dir) if _is_tensorboard(logger) else LoggerSink(logger)
-        for logger in loggers
-    ]
+def outputs_not_kept(options: MonitorOptions, sinks: Sequence[Sink]) -> list[str]:
+    """What the options ask to write that none of ``sinks`` keeps (``"histograms"``, ``"figures"``, ...),
+    for the integration's one warning naming its loggers."""
+    wanted = {Capability.LAYOUT: "the custom-scalars layout"}
+    if options.histograms:
+        wanted[Capability.HISTOGRAMS] = "histograms"
+    if options.figures_every_n_logs:
+        wanted[Capability.FIGURES] = "figures"
+    return [what for capability, what in wanted.items() if not _kept_by(sinks, capability)]
 
 
-def _is_tensorboard(logger: object) -> bool:
-    # By name too: lightning.pytorch's TensorBoardLogger is the same class under the other namespace.
-    return isinstance(logger, TensorBoardLogger) or type(logger).__name__ == "TensorBoardLogger"
+def _kept_by(sinks: Sequence[Sink], capability: Capability) -> bool:
+    return any(capability in sink.capabilities for sink in sinks)
+
+
+def _no_stop() -> None:
+    return None
 
 
 def _concatenated(masks: list[Tensor | None]) -> Tensor | None:

@@ -1,8 +1,9 @@
-"""What ``SpectralMonitor`` does with alerts during training: console lines, the user's callable, records and
-text for the sinks, and stopping every rank together.
+"""What the monitor does with alerts during training: console lines, the user's callable, records and text
+for the sinks, and the decision, taken by every rank together, to stop.
 
-The rules and their evaluation live in :mod:`spectral_monitor.alerts` (no Lightning); this module is the
-integration layer's part: it knows the trainer (rank, strategy, ``should_stop``) but computes nothing.
+The rules and their evaluation live in :mod:`spectral_monitor.alerts`; this module acts on what they say.
+It knows no training framework: stopping is asked of the integration through the callable it gives
+:meth:`~spectral_monitor.core.MonitorSession.start` (Lightning sets ``trainer.should_stop``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from spectral_monitor.alerts import (
     rules_from_config,
 )
 from spectral_monitor.distributed import any_rank
-from spectral_monitor.lightning_namespaces import pl
 from spectral_monitor.records import Measurement
 from spectral_monitor.validation import check_callable, check_names
 
@@ -81,7 +81,8 @@ class Alerting:
     """Evaluates the alert rules on each logging step and acts on what fires or resolves.
 
     Every rank evaluates (each measures its own batch), so a ``stop_on`` decision is taken by all ranks in
-    one collective; only global rank 0 logs, calls ``on_alert`` and returns output for the sinks.
+    one collective; only the writing rank (global rank 0) logs, calls ``on_alert`` and returns output for the
+    sinks.
     """
 
     def __init__(
@@ -94,13 +95,14 @@ class Alerting:
         self.engine = AlertEngine(rules_from_config(config))
         self.on_alert = check_callable("on_alert", on_alert, "a callable taking an AlertEvent")
         self.stop_on = tuple(check_stop_on(stop_on, self.engine.rules, families))
+        self.stopping = False  # a stop was asked for in this run: the console says so once
 
-    def evaluate(self, step: int, measurements: Sequence[Measurement], is_global_zero: bool) -> AlertStep:
-        """Advance the rules by one evaluation; log and hand over what changed (rank 0)."""
+    def evaluate(self, step: int, measurements: Sequence[Measurement], writes: bool) -> AlertStep:
+        """Advance the rules by one evaluation; log and hand over what changed (on the writing rank)."""
         events = self.engine.evaluate(step, measurements)
         fired = {event.rule for event in events if event.kind == "fired"}
         stop = [rule for rule in self.stop_on if rule in fired]
-        if not is_global_zero:
+        if not writes:
             return AlertStep(stop=stop)
         logger = alert_logger()
         for event in events:
@@ -111,20 +113,20 @@ class Alerting:
         text = open_alerts_markdown(self.engine.open_alerts, step) if events else None
         return AlertStep(self.engine.counter_records(step), text, stop)
 
-    def stop_if_asked(self, trainer: pl.Trainer, step: int, fired_here: Sequence[str]) -> None:
-        """Stop training on every rank, after this step, when any rank saw a ``stop_on`` rule fire.
+    def rules_stopping(self, step: int, fired_here: Sequence[str], writes: bool) -> list[str]:
+        """The ``stop_on`` rules that fired on any rank at this step; training stops after it on every rank
+        when there is one.
 
         A collective when ``stop_on`` is set (one all-reduce of a flag per rule), entered by every rank on
-        every step the alerts are evaluated, whatever its own rules did; rank 0 names the rules that fired
-        and whether they fired on its own data or only on another rank's (whose alert it does not log).
+        every step the alerts are evaluated, whatever its own rules did; the writing rank names the rules that
+        fired, once per run, and whether they fired on its own data or only on another rank's (whose alert
+        it does not log).
         """
         if not self.stop_on:
-            return
+            return []
         fired_anywhere = any_rank([rule in fired_here for rule in self.stop_on])
         rules = [rule for rule, fired in zip(self.stop_on, fired_anywhere, strict=True) if fired]
-        if not rules:
-            return
-        if trainer.is_global_zero and not trainer.should_stop:
+        if rules and writes and not self.stopping:
             elsewhere = [rule for rule in rules if rule not in fired_here]
             alert_logger().warning(
                 "SpectralMonitor: stopping training after step %d: %s fired%s (stop_on=%s)",
@@ -133,4 +135,5 @@ class Alerting:
                 f" ({', '.join(elsewhere)} on another rank's data)" if elsewhere else "",
                 list(self.stop_on),
             )
-        trainer.should_stop = True
+        self.stopping = self.stopping or bool(rules)
+        return rules

@@ -1,16 +1,18 @@
-"""The Lightning side of the curvature, Jacobian and NTK probes: options, probe batch, loss closure, cadence.
+"""The curvature, Jacobian and NTK probes during training: options, probe batch, loss closure, cadence.
 
-:class:`SpectralMonitor` holds one :class:`SecondOrderProbes` when a family among ``"curvature"``,
-``"jacobian"``, ``"ntk"`` is on, and calls :meth:`SecondOrderProbes.on_train_batch_start` at every batch
-start: before the training forward, so the parameters measured are the ones this batch uses. The numbers
+:class:`~spectral_monitor.core.MonitorSession` holds one :class:`SecondOrderProbes` when a family among
+``"curvature"``, ``"jacobian"``, ``"ntk"`` is on, and calls :meth:`SecondOrderProbes.measure_due` at every
+step start: before the training forward, so the parameters measured are the ones this step uses. The numbers
 come from :mod:`spectral_monitor.probes.curvature`, :mod:`~spectral_monitor.probes.jacobian` and
 :mod:`~spectral_monitor.probes.ntk`; this module only decides when, on what batch, and with which loss.
 
-The default loss is the LightningModule's own ``training_step`` on the probe batch, with ``self.log`` and
-``self.log_dict`` turned into no-ops for the call (so the probe's loss never reaches the logged metrics).
+The loss is ``ProbeDataOptions.loss_fn`` when given, else the integration's default: with Lightning the
+LightningModule's own ``training_step`` on the probe batch, with ``self.log`` and ``self.log_dict`` turned
+into no-ops for the call (:func:`spectral_monitor.lightning.losses.training_step_loss`), so the probe's loss
+never reaches the logged metrics.
 
-Under DDP the probes run on the unwrapped LightningModule (DDP does not support double backward through
-its wrapper), and each rank's probe batch is its own shard (the batch its dataloader gave it):
+Under DDP the probes run on the unwrapped module (DDP does not support double backward through its
+wrapper), and each rank's probe batch is its own shard (the batch its dataloader gave it):
 
 - curvature: every Hessian-vector product is averaged over the ranks, so the sharpness, eigenvalues, trace
   and density are those of the mean loss over the global probe batch (all ranks' shards together), the
@@ -21,12 +23,12 @@ its wrapper), and each rank's probe batch is its own shard (the batch its datalo
   read its own. (A Jacobian is of one sequence, and an NTK of a fixed set of examples: averaging over
   ranks would measure nothing more meaningful.)
 
-Under FSDP (or any sharded parameters) the three families are refused when ``fit`` starts, naming DDP as
+Under FSDP (or any sharded parameters) the three families are refused when training starts, naming DDP as
 the alternative (:func:`~spectral_monitor.probes.curvature.check_unsharded`).
 
 A checkpoint holds what a resumed run needs to go on measuring as the uninterrupted run would have: the
 probe batches, the curvature and Jacobian warm vectors, the probes' generator and step counter
-(:meth:`SecondOrderProbes.state_dict`, under ``"second_order"`` in ``SpectralMonitor``'s state). The curvature
+(:meth:`SecondOrderProbes.state_dict`, under ``"second_order"`` in the monitor's state). The curvature
 vectors are parameter-sized; ``CurvatureOptions(checkpoint_warm_vectors=False)`` leaves them out.
 """
 
@@ -35,8 +37,8 @@ from __future__ import annotations
 import io
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -46,7 +48,6 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from spectral_monitor.distributed import global_rank
-from spectral_monitor.lightning_namespaces import pl, rank_zero_warn
 from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
 from spectral_monitor.probes.curvature import (
     BLOCK_PRESETS,
@@ -78,8 +79,8 @@ __all__ = [
     "JacobianOptions",
     "NTKOptions",
     "ProbeDataOptions",
+    "LossFn",
     "SecondOrderProbes",
-    "training_step_loss",
 ]
 
 OPT_IN_FAMILIES = ("curvature", "jacobian", "ntk")
@@ -173,10 +174,12 @@ class CurvatureOptions:
         check_choice("method", self.method, HESSIAN_METHODS)
         check_bool("checkpoint_warm_vectors", self.checkpoint_warm_vectors)
 
-    def spaces(self, module: nn.Module) -> dict[str, ParameterSpace]:
+    def spaces(
+        self, module: nn.Module, warn: Callable[[str], None] = warnings.warn
+    ) -> dict[str, ParameterSpace]:
         """The parameter space of each layer measured: ``"model"`` and each block. A block that cannot be
         formed on ``module`` (its patterns match no trainable parameter) costs that block only: one warning
-        names it, and the others are measured."""
+        (through ``warn``) names it, and the others are measured."""
         spaces = {WHOLE_MODEL: ParameterSpace.of(module)} if self.whole_model else {}
         blocks = self.blocks or {}
         patterns = (
@@ -186,10 +189,9 @@ class CurvatureOptions:
             try:
                 spaces[name] = ParameterSpace.of(module, block_patterns)
             except ValueError as error:
-                rank_zero_warn(
+                warn(
                     f"SpectralMonitor: curvature block {name!r} is not measured on {type(module).__name__}: "
-                    f"{error}; the other layers of the curvature family are.",
-                    category=RuntimeWarning,
+                    f"{error}; the other layers of the curvature family are."
                 )
         return spaces
 
@@ -283,35 +285,6 @@ class ProbeDataOptions:
         check_choice("mode", self.mode, PROBE_MODES)
 
 
-@contextmanager
-def logging_suppressed(module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` do nothing while the probe runs ``training_step``."""
-    module.log = _ignore  # instance attributes shadow the methods
-    module.log_dict = _ignore
-    try:
-        yield
-    finally:
-        del module.log
-        del module.log_dict
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def training_step_loss(module: pl.LightningModule, batch: Any, batch_idx: int = 0) -> Tensor:
-    """The loss ``module.training_step(batch, batch_idx)`` returns, with Lightning logging suppressed."""
-    with logging_suppressed(module):
-        output = module.training_step(batch, batch_idx)
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, Tensor) or loss.ndim != 0:
-        raise ValueError(
-            "training_step returned no scalar loss for the curvature probe; "
-            "pass ProbeDataOptions(loss_fn=...)"
-        )
-    return loss
-
-
 def _copy(batch: Any) -> Any:
     return apply_to_collection(batch, Tensor, lambda tensor: tensor.detach().clone())
 
@@ -362,17 +335,21 @@ def _layout(space: ParameterSpace) -> Layout:
 
 
 @dataclass
-class _Event:
+class ProbeEvent:
+    """What the opt-in probes measured at one step: records, and figures drawn only for sinks keeping them."""
+
     measurements: list[Measurement] = field(default_factory=list)
     figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
 
 
 class SecondOrderProbes:
     """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors, and
-    hands them to the callback's checkpoint state (:meth:`state_dict`).
+    hands them to the monitor's checkpoint state (:meth:`state_dict`).
 
-    ``model``: the outermost module the strategy trains (``trainer.strategy.model``); a sharded one is
-    refused here with a ValueError naming DDP (the probes themselves run on the LightningModule).
+    ``model``: the outermost module trained (with Lightning ``trainer.strategy.model``); a sharded one is
+    refused here with a ValueError naming DDP (the probes themselves run on the module given to
+    :meth:`measure_due`). ``default_loss(module, batch)``: the loss when ``ProbeDataOptions.loss_fn`` is not
+    given (None: ``loss_fn`` is required). ``warn``: how a one-time warning reaches the user.
     """
 
     def __init__(
@@ -384,11 +361,15 @@ class SecondOrderProbes:
         ntk: NTKOptions,
         data: ProbeDataOptions,
         failures_of: Callable[[str], Any],
+        warn: Callable[[str], None] = warnings.warn,
+        default_loss: LossFn | None = None,
     ) -> None:
         self.families = [family for family in OPT_IN_FAMILIES if family in families]
         check_unsharded(model, f"SpectralMonitor's {'/'.join(self.families)} probes")
         self.curvature, self.jacobian, self.ntk, self.data = curvature, jacobian, ntk, data
         self._failures_of = failures_of
+        self._warn = warn
+        self._default_loss = default_loss
         self._device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
         self._batches: list[Any] = []
         self._curvature_warm: dict[str, CurvatureWarmStart] = {}
@@ -402,14 +383,16 @@ class SecondOrderProbes:
         self._step_seconds: float | None = None
         self._generator = torch.Generator().manual_seed(0)
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int, step: int
-    ) -> _Event:
+    def measure_due(
+        self, module: nn.Module, batch: Any, step: int, optimizer: torch.optim.Optimizer | None
+    ) -> ProbeEvent:
+        """Measure the families due at ``step`` on ``module`` (the probe batch taken from ``batch`` as
+        ``ProbeDataOptions`` says); ``optimizer`` sets the curvature's edge of stability (None: none)."""
         now = time.perf_counter()
         if self._last_start is not None:
             self._step_seconds = now - self._last_start - self._last_probe_seconds
         self._last_start, self._last_probe_seconds = now, 0.0
-        event = _Event()
+        event = ProbeEvent()
         if step == self._last_step:  # a later micro-batch of an accumulated step
             return event
         self._last_step = step
@@ -424,7 +407,7 @@ class SecondOrderProbes:
         for family in due:
             started = time.perf_counter()
             with self._failures_of(f"measuring the {family} family"):
-                getattr(self, f"_measure_{family}")(trainer, module, batches, step, event)
+                getattr(self, f"_measure_{family}")(module, batches, step, event, optimizer)
             elapsed = time.perf_counter() - started
             event.measurements.append(Measurement(step, family, "overhead_ms", WHOLE_MODEL, 1000 * elapsed))
             if self._step_seconds:
@@ -487,31 +470,34 @@ class SecondOrderProbes:
         options = getattr(self, family)
         return options.every_n_steps, options.schedule
 
-    def _loss_closure(self, module: pl.LightningModule, batches: list[Any]) -> Callable[[], Tensor]:
+    def _loss_closure(self, module: nn.Module, batches: list[Any]) -> Callable[[], Tensor]:
         def loss() -> Tensor:
             total = sum(self._loss(module, batch) for batch in batches)
             return total / len(batches)
 
         return loss
 
-    def _loss(self, module: pl.LightningModule, batch: Any) -> Tensor:
+    def _loss(self, module: nn.Module, batch: Any) -> Tensor:
         if self.data.loss_fn is not None:
             return self.data.loss_fn(module, batch)
-        if not module.automatic_optimization:
-            raise ValueError(
-                "with manual optimisation the curvature probes need ProbeDataOptions(loss_fn=...)"
-            )
-        return training_step_loss(module, batch)
+        if self._default_loss is None:
+            raise ValueError("the curvature, Jacobian and NTK probes need ProbeDataOptions(loss_fn=...) here")
+        return self._default_loss(module, batch)
 
     def _measure_curvature(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
+        self,
+        module: nn.Module,
+        batches: list[Any],
+        step: int,
+        event: ProbeEvent,
+        optimizer: torch.optim.Optimizer | None,
     ) -> None:
         if self._spaces is None or not _spaces_still_current(self._spaces, module):
             # First use in this process, or the model changed under the probe (a block removed, a weight
             # replaced): measure it as it now is. Vectors restored from a checkpoint are kept where the
             # parameters are laid out as when they were made; those of a changed model are of no use.
             changed = self._spaces is not None
-            self._spaces = self.curvature.spaces(module)
+            self._spaces = self.curvature.spaces(module, self._warn)
             layouts = {layer: _layout(space) for layer, space in self._spaces.items()}
             self._curvature_warm = {
                 layer: warm
@@ -519,7 +505,6 @@ class SecondOrderProbes:
                 if not changed and self._space_layouts.get(layer) == layouts.get(layer)
             }
             self._space_layouts = layouts
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
         options = self.curvature
         for layer, space in self._spaces.items():
             estimate = measure_curvature(
@@ -554,7 +539,12 @@ class SecondOrderProbes:
                 )
 
     def _measure_jacobian(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
+        self,
+        module: nn.Module,
+        batches: list[Any],
+        step: int,
+        event: ProbeEvent,
+        optimizer: torch.optim.Optimizer | None,
     ) -> None:
         options = self.jacobian
         norms = block_jacobian_norms(
@@ -574,7 +564,7 @@ class SecondOrderProbes:
         for name, reason in norms.skipped.items():
             if name not in self._jacobian_skipped_warned:
                 self._jacobian_skipped_warned.add(name)
-                rank_zero_warn(f"SpectralMonitor: the Jacobian norm of {name!r} is not measured: {reason}")
+                self._warn(f"SpectralMonitor: the Jacobian norm of {name!r} is not measured: {reason}")
         for layer, converged in norms.converged.items():
             event.measurements.append(Measurement(step, "jacobian", "converged", layer, float(converged)))
         for layer, value in norms.jacobian_norm.items():
@@ -587,7 +577,12 @@ class SecondOrderProbes:
             )
 
     def _measure_ntk(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batches: list[Any], step: int, event: _Event
+        self,
+        module: nn.Module,
+        batches: list[Any],
+        step: int,
+        event: ProbeEvent,
+        optimizer: torch.optim.Optimizer | None,
     ) -> None:
         batch = batches[0]
         if self.ntk.outputs_fn is not None:

@@ -1,0 +1,11 @@
+"""The monitor without a training framework: :class:`MonitorSession` runs one training run's logging steps
+(arm the probes around a forward → measure → records → alerts → sinks) for any integration.
+
+Nothing under this package imports Lightning or another training framework; the integrations
+(:mod:`spectral_monitor.lightning`, and any other) adapt their hooks to the session's calls.
+"""
+
+from spectral_monitor.core.options import ALL_FAMILIES, FAMILIES, MonitorOptions
+from spectral_monitor.core.session import MonitorSession, outputs_not_kept
+
+__all__ = ["ALL_FAMILIES", "FAMILIES", "MonitorOptions", "MonitorSession", "outputs_not_kept"]

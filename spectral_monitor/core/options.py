@@ -1,0 +1,122 @@
+"""What a monitor measures, how often and with which limits: :class:`MonitorOptions`, validated when made.
+
+Every integration (the Lightning callback, and any other) takes these options, by keyword, and hands them
+to :class:`~spectral_monitor.core.MonitorSession`; their meaning is documented once, on
+:class:`~spectral_monitor.SpectralMonitor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from spectral_monitor.alerts import AlertConfig, AlertEvent
+from spectral_monitor.core.second_order import (
+    OPT_IN_FAMILIES,
+    CurvatureOptions,
+    JacobianOptions,
+    NTKOptions,
+    ProbeDataOptions,
+)
+from spectral_monitor.metrics import METHODS as METRIC_METHODS
+from spectral_monitor.validation import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_names,
+    check_number,
+    check_patterns,
+)
+
+__all__ = ["ALL_FAMILIES", "FAMILIES", "MIN_MEMORY_BUDGET_MB", "MonitorOptions"]
+
+FAMILIES = ("attention", "tokens", "weights")
+"""What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
+ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
+
+MIN_MEMORY_BUDGET_MB = 2**-10
+"""The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
+
+
+@dataclass
+class MonitorOptions:
+    """The monitor's options (each one's meaning: :class:`~spectral_monitor.SpectralMonitor`'s arguments).
+
+    Made valid or not at all: a value out of range raises a ValueError naming the argument. ``families``
+    ends up naming every family measured: an opt-in family whose options object is given is added to it.
+    ``stop_on`` is checked against the rules that run when a :class:`~spectral_monitor.core.MonitorSession`
+    is made from the options.
+    """
+
+    every_n_steps: int = 50
+    families: Sequence[str] = FAMILIES
+    include: Sequence[str] | None = None
+    exclude: Sequence[str] | None = None
+    max_sequences: int = 2
+    memory_budget_mb: float = 256.0
+    per_head: bool = False
+    histograms: bool = True
+    figures_every_n_logs: int = 10
+    metric_method: str = "auto"
+    attention_rank_sums: bool = True
+    strict: bool = False
+    log_first_step: bool = True
+    curvature: CurvatureOptions | None = None
+    jacobian: JacobianOptions | None = None
+    ntk: NTKOptions | None = None
+    probe_data: ProbeDataOptions | None = None
+    head_diversity_every_n_logs: int = 4
+    weight_spectra_every_n_logs: int = 0
+    preflight: bool = True
+    preflight_context_length: int | None = None
+    alerts: AlertConfig | None = None
+    on_alert: Callable[[AlertEvent], Any] | None = None
+    stop_on: Sequence[str] = ()
+    token_mask: Callable[[Any], Tensor | None] | None = None
+    output_logits: bool | str = False
+
+    def __post_init__(self) -> None:
+        check_int("every_n_steps", self.every_n_steps, smallest=1)
+        self.families = tuple(
+            dict.fromkeys(check_names("families", self.families, allowed=ALL_FAMILIES, non_empty=True))
+        )
+        self.include = check_patterns("include", self.include)
+        self.exclude = check_patterns("exclude", self.exclude)
+        check_int("max_sequences", self.max_sequences, smallest=1)
+        self.memory_budget_mb = check_number(
+            "memory_budget_mb",
+            self.memory_budget_mb,
+            at_least=MIN_MEMORY_BUDGET_MB,
+            unit="positive number of megabytes",
+        )
+        check_bool("per_head", self.per_head)
+        if not isinstance(self.output_logits, (bool, str)) or self.output_logits == "":
+            raise ValueError(
+                "output_logits must be True, False or the name of the LM head module, "
+                f"got {self.output_logits!r}"
+            )
+        check_bool("histograms", self.histograms)
+        check_int("figures_every_n_logs", self.figures_every_n_logs, smallest=0)
+        check_choice("metric_method", self.metric_method, METRIC_METHODS)
+        check_bool("attention_rank_sums", self.attention_rank_sums)
+        check_bool("strict", self.strict)
+        check_bool("log_first_step", self.log_first_step)
+        given = {"curvature": self.curvature, "jacobian": self.jacobian, "ntk": self.ntk}
+        self.families += tuple(
+            name for name, value in given.items() if value is not None and name not in self.families
+        )
+        self.curvature = check_instance("curvature", self.curvature, CurvatureOptions)
+        self.jacobian = check_instance("jacobian", self.jacobian, JacobianOptions)
+        self.ntk = check_instance("ntk", self.ntk, NTKOptions)
+        self.probe_data = check_instance("probe_data", self.probe_data, ProbeDataOptions)
+        check_int("head_diversity_every_n_logs", self.head_diversity_every_n_logs, smallest=0)
+        check_int("weight_spectra_every_n_logs", self.weight_spectra_every_n_logs, smallest=0)
+        check_bool("preflight", self.preflight)
+        if self.preflight_context_length is not None:
+            check_int("preflight_context_length", self.preflight_context_length, smallest=2)
+        check_callable("token_mask", self.token_mask, "a function of the batch returning its token mask")

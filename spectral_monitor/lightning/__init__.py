@@ -1,0 +1,9 @@
+"""The Lightning integration: :class:`SpectralMonitor`, a callback of ``pytorch_lightning`` and of
+``lightning.pytorch`` over the framework-free :mod:`spectral_monitor.core`; the default loss of the
+second-order probes (:mod:`~spectral_monitor.lightning.losses`); the namespace shim
+(:mod:`~spectral_monitor.lightning.namespaces`). The only package of the library that imports Lightning.
+"""
+
+from spectral_monitor.lightning.callback import SpectralMonitor
+
+__all__ = ["SpectralMonitor"]
