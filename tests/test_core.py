@@ -17,6 +17,7 @@ from torch import nn
 
 from spectral_monitor import AlertConfig, Measurement, MonitorOptions, MonitorSession, Rule
 from spectral_monitor.alerts import Condition
+from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.sinks import Capability, Sink
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,3 +151,19 @@ def test_a_stop_on_rule_that_fires_is_returned_and_asks_the_integration_to_stop(
     assert session.end_step() == ["always"]
     assert asked == [1]
     session.close()
+
+
+@pytest.mark.parametrize(
+    ("cadence", "due"),
+    [
+        (Cadence.of_steps(4), [0, 3, 7, 11]),  # Lightning's log_every_n_steps rule, and step 0
+        (Cadence.of_steps(4, first_step=False), [3, 7, 11]),
+        (Cadence.of_steps(1), list(range(12))),
+        (Cadence.of_steps(8, log_spaced=True), [0, 1, 3, 7]),  # dense early, then every 8th
+        (Cadence.of_logs(4), [0, 4, 8]),  # every 4th logging step, starting with the first
+        (Cadence.of_logs(1), list(range(12))),
+        (Cadence.of_logs(0), []),
+    ],
+)
+def test_each_cadence_falls_on_the_counts_its_rule_names(cadence: Cadence, due: list[int]) -> None:
+    assert [count for count in range(12) if cadence.due(count)] == due

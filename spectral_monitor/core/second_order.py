@@ -47,6 +47,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.distributed import global_rank
 from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
 from spectral_monitor.probes.curvature import (
@@ -96,14 +97,6 @@ WHOLE_MODEL = "model"
 def _check_cadence(every_n_steps: object, schedule: object) -> None:
     check_int("every_n_steps", every_n_steps, smallest=1)
     check_choice("schedule", schedule, ("linear", "log"))
-
-
-def _is_due(step: int, every_n_steps: int, schedule: str) -> bool:
-    """``"linear"``: (step + 1) % every == 0, and step 0. ``"log"``: also every step with step + 1 a power
-    of two below ``every_n_steps`` (0, 1, 3, 7, ...): dense early, where curvature changes fastest."""
-    if step == 0 or (step + 1) % every_n_steps == 0:
-        return True
-    return schedule == "log" and step + 1 < every_n_steps and (step + 1) & step == 0
 
 
 @dataclass
@@ -398,7 +391,7 @@ class SecondOrderProbes:
         self._last_step = step
         if self.data.probe_batch == "averaged" and len(self._batches) < self.data.probe_batches:
             self._batches.append(_copy(batch))
-        due = [family for family in self.families if _is_due(step, *self._cadence(family))]
+        due = [family for family in self.families if self._cadence(family).due(step)]
         if not due:
             return event
         if self.data.probe_batch == "fixed" and not self._batches:
@@ -466,9 +459,11 @@ class SecondOrderProbes:
         }
         self._spaces = None  # built at the first event, from the model as it is then
 
-    def _cadence(self, family: str) -> tuple[int, str]:
+    def _cadence(self, family: str) -> Cadence:
+        """``"linear"``: (step + 1) % every_n_steps == 0, and step 0; ``"log"``: also the steps with step + 1
+        a power of two below ``every_n_steps``."""
         options = getattr(self, family)
-        return options.every_n_steps, options.schedule
+        return Cadence.of_steps(options.every_n_steps, log_spaced=options.schedule == "log")
 
     def _loss_closure(self, module: nn.Module, batches: list[Any]) -> Callable[[], Tensor]:
         def loss() -> Tensor:

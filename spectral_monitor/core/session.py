@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from spectral_monitor.catalog import CATALOG, histogram_metrics, layer_head_heatmap_metrics
 from spectral_monitor.core.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
 from spectral_monitor.core.options import MonitorOptions
+from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES, LossFn, SecondOrderProbes
 from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import (
@@ -155,6 +156,10 @@ class MonitorSession:
         self.options = options
         self.alerting = Alerting(options.alerts, options.on_alert, options.stop_on, options.families)
         self._reports = _Reports(options.strict)
+        self._logging_cadence = Cadence.of_steps(options.every_n_steps, first_step=options.log_first_step)
+        self._figures_cadence = Cadence.of_logs(options.figures_every_n_logs)
+        self._head_diversity_cadence = Cadence.of_logs(options.head_diversity_every_n_logs)
+        self._weight_spectra_cadence = Cadence.of_logs(options.weight_spectra_every_n_logs)
         self._sinks: list[Sink] = []
         self._model: nn.Module | None = None
         self._request_stop: Callable[[], None] = _no_stop
@@ -292,7 +297,7 @@ class MonitorSession:
             return False
         self._last_logged_step = step
         options = self.options
-        costly = self._figures_due()
+        costly = self._figures_cadence.due(self._logging_steps_done)
         progress = _LoggingStep(step, draw_figures=costly and self._kept(Capability.FIGURES))
         progress.measurements += probed.measurements  # judged and written with the rest of this step
         progress.figures += probed.figures
@@ -307,7 +312,7 @@ class MonitorSession:
                 progress.measurements += self._checked_weights(self._weight_probe.measure(step))
                 if options.histograms and self._kept(Capability.HISTOGRAMS):
                     progress.distributions += self._weight_probe.distributions(step, full_spectrum=costly)
-            if _due(options.weight_spectra_every_n_logs, self._logging_steps_done):
+            if self._weight_spectra_cadence.due(self._logging_steps_done):
                 with self._reports.failures_of("measuring the weight spectra"), torch.no_grad():
                     self._measure_weight_spectra(progress, self._model)
         token_mask = None
@@ -476,11 +481,7 @@ class MonitorSession:
     def _is_logging_step(self, step: int) -> bool:
         if step == self._last_logged_step:  # later micro-batches of an accumulated step
             return False
-        return (step + 1) % self.options.every_n_steps == 0 or (self.options.log_first_step and step == 0)
-
-    def _figures_due(self) -> bool:
-        every = self.options.figures_every_n_logs
-        return every > 0 and self._logging_steps_done % every == 0
+        return self._logging_cadence.due(step)
 
     def _kept(self, capability: Capability) -> bool:
         return _kept_by(self._sinks, capability)
@@ -488,7 +489,7 @@ class MonitorSession:
     def _measure_attention(self, progress: _LoggingStep) -> None:
         recording = progress.attention
         write_histograms = self.options.histograms and self._kept(Capability.HISTOGRAMS)
-        diversity_due = _due(self.options.head_diversity_every_n_logs, self._logging_steps_done)
+        diversity_due = self._head_diversity_cadence.due(self._logging_steps_done)
         # What the capture holds stays alive throughout; the rest of the budget is the working memory.
         room = int(self.options.memory_budget_mb * 2**20) - sum(
             captured.held_nbytes() for captured in recording.captured
@@ -1193,11 +1194,6 @@ class _Reports:
                 f"{what} failed with {error!r}; training goes on without it. Later failures of this kind "
                 "are not reported (strict=True raises them)",
             )
-
-
-def _due(every_n_logs: int, logging_steps_done: int) -> bool:
-    """Whether a cadence of every k-th logging step (0: never), starting with the first, falls now."""
-    return every_n_logs > 0 and logging_steps_done % every_n_logs == 0
 
 
 def outputs_not_kept(options: MonitorOptions, sinks: Sequence[Sink]) -> list[str]:

@@ -1,0 +1,49 @@
+"""When the monitor measures: :class:`Cadence`, the one rule behind every cadence it has.
+
+Counted in steps: the logging steps (``every_n_steps``, Lightning's ``log_every_n_steps`` rule) and each
+second-order probe's own steps. Counted in logging steps: figures, head diversity and weight spectra
+(``*_every_n_logs``, starting with the first logging step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Cadence"]
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Which counts 0, 1, 2, ... are due.
+
+    Attributes:
+        every: the period; 0: no count is due.
+        ends_period: due where a period ends, ``(count + 1) % every == 0`` (steps ``every - 1``,
+            ``2 every - 1``, ...); else where one starts, ``count % every == 0`` (0, ``every``, ...).
+        first: count 0 is due too.
+        log_spaced: also the counts with ``count + 1`` a power of two below ``every`` (0, 1, 3, 7, ...):
+            dense early, where curvature changes fastest.
+    """
+
+    every: int
+    ends_period: bool = True
+    first: bool = True
+    log_spaced: bool = False
+
+    @classmethod
+    def of_steps(cls, every_n_steps: int, *, first_step: bool = True, log_spaced: bool = False) -> Cadence:
+        """Training steps: ``(step + 1) % every_n_steps == 0``, and step 0 with ``first_step``."""
+        return cls(every_n_steps, ends_period=True, first=first_step, log_spaced=log_spaced)
+
+    @classmethod
+    def of_logs(cls, every_n_logs: int) -> Cadence:
+        """Logging steps, counted from 0: every ``every_n_logs``-th, starting with the first; 0: never."""
+        return cls(every_n_logs, ends_period=False)
+
+    def due(self, count: int) -> bool:
+        """Whether ``count`` is due."""
+        if self.every <= 0:
+            return False
+        if (count + self.ends_period) % self.every == 0 or (self.first and count == 0):
+            return True
+        return self.log_spaced and count + 1 < self.every and (count + 1) & count == 0
