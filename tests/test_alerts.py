@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 from jsonargparse import ArgumentParser
 
+from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import (
     AlertConfig,
     AlertEngine,
@@ -22,7 +23,6 @@ from spectral_monitor.alerts import (
     open_alerts_markdown,
     rules_from_config,
 )
-from spectral_monitor import SpectralMonitor
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks import diagnosis_layout
 

@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing import event_accumulator
 from test_curvature_callback import LEARNING_RATE as EOS_LEARNING_RATE
 from test_curvature_callback import FullBatchRegression, teacher_data
 
-from spectral_monitor.alerts import AlertEvent, default_rules
 from spectral_monitor import SpectralMonitor
+from spectral_monitor.alerts import AlertEvent, default_rules
 from spectral_monitor.cli import main, shipped_configs
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule

@@ -29,13 +29,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor
+from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.core.session import (
     HEATMAP_METRICS,
     HISTOGRAM_METRICS,
     _AttentionImages,
     _DrawnHead,
 )
-from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe

@@ -18,8 +18,8 @@ from jsonargparse import ArgumentParser
 from pytorch_lightning.cli import LightningCLI
 from reliability_helpers import TinyEncoder, fit, monitor_reports, tensorboard_logger
 
-from spectral_monitor.alerts import AlertConfig, Condition, Rule, default_rules
 from spectral_monitor import SpectralMonitor
+from spectral_monitor.alerts import AlertConfig, Condition, Rule, default_rules
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.validation import check_metric_pattern

@@ -17,8 +17,8 @@ from test_callback import TinyEncoder, fit, read_back, scalar_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor import SpectralMonitor
+from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -46,8 +46,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import spectral_monitor.sinks.figures as figures_module
 import spectral_monitor.sinks.tfrecord as tfrecord_module
-from spectral_monitor.alerts import AlertEvent
 from spectral_monitor import SpectralMonitor
+from spectral_monitor.alerts import AlertEvent
 from spectral_monitor.core.second_order import CurvatureOptions
 from spectral_monitor.probes import AttentionInputs, register_attention_extractor
 from spectral_monitor.records import Measurement

@@ -43,8 +43,8 @@ from reliability_helpers import (
 from torch.utils.data import DataLoader
 
 import spectral_monitor.core.second_order as curvature_monitor
-from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor import SpectralMonitor
+from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES, CurvatureOptions
 from spectral_monitor.probes.curvature import CurvatureWarmStart
 

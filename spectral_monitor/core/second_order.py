@@ -194,7 +194,8 @@ class JacobianOptions:
     """The block-Jacobian probe (family ``"jacobian"``).
 
     Args:
-        every_n_steps, schedule: as in :class:`CurvatureOptions`.
+        every_n_steps: as in :class:`CurvatureOptions`.
+        schedule: as in :class:`CurvatureOptions`.
         block_patterns: ``fnmatch`` patterns naming the blocks (default: found automatically).
         sequence: which sequence of the probe batch the Jacobians are of.
         residual_branch: also ‖J − I‖₂ (``residual_branch_norm``).
@@ -230,7 +231,8 @@ class NTKOptions:
     """The empirical-NTK probe (family ``"ntk"``).
 
     Args:
-        every_n_steps, schedule: as in :class:`CurvatureOptions`.
+        every_n_steps: as in :class:`CurvatureOptions`.
+        schedule: as in :class:`CurvatureOptions`.
         examples: examples of the probe batch in the kernel (at most 64).
         max_megabytes: most memory the per-example gradients may take; beyond it the kernel is built a
             column at a time.
