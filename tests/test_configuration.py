@@ -32,16 +32,16 @@ CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.ya
 BAD_VALUES = {
     "every_n_steps": ([0, -3, 2.5, True, "10"], "int >= 1"),
     "families": (
-        [["attention", "jacobians"], "attention", [], None, ["weights", 3]],
+        [["attention", "jacobians"], "attention", [], ["weights", 3]],
         "['attention', 'tokens', 'weights', 'curvature', 'jacobian', 'ntk']",
     ),
     "include": (["blocks.*", [3], [], [""]], "fnmatch patterns"),
     "exclude": (["blocks.*", [None], [3], [], [""]], "fnmatch patterns"),
     "max_sequences": ([0, 1.5, False], "int >= 1"),
     "memory_budget_mb": ([0, -1.0, math.nan, math.inf, True, "256"], "positive number of megabytes"),
-    "per_head": (["yes", 1, None], "True or False"),
+    "per_head": (["yes", 1], "True or False"),
     "histograms": ([1, "no"], "True or False"),
-    "figures_every_n_logs": ([-1, 0.5, None], "int >= 0"),
+    "figures_every_n_logs": ([-1, 0.5], "int >= 0"),
     "metric_method": (["svd", "", None], "('auto', 'exact', 'krylov')"),
     "attention_rank_sums": (["no", 0], "True or False"),
     "strict": ([None, 0, "true"], "True or False"),
@@ -50,7 +50,7 @@ BAD_VALUES = {
     "jacobian": ([{"every_n_logs": 2}, True], "JacobianOptions or None"),
     "ntk": ([{"samples": 4}, 1.0], "NTKOptions or None"),
     "probe_data": ([{"source": "current"}, "current"], "ProbeDataOptions or None"),
-    "head_diversity_every_n_logs": ([-1, 1.5, None], "int >= 0"),
+    "head_diversity_every_n_logs": ([-1, 1.5], "int >= 0"),
     "weight_spectra_every_n_logs": ([-2, "4"], "int >= 0"),
     "preflight": (["yes", 1], "True or False"),
     "preflight_context_length": ([1, 0, 2.5], "int >= 2"),
@@ -59,6 +59,7 @@ BAD_VALUES = {
     "stop_on": (["rank_collapse", ["no_such_rule"]], "rule"),
     "token_mask": ([3, "attention_mask"], "function of the batch"),
     "output_logits": ([1, None, ""], "True, False or the name of the LM head module"),
+    "preset": (["heavy", None, "Light"], "('light', 'standard', 'full')"),
 }
 
 BAD_CASES = [

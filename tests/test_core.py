@@ -167,3 +167,32 @@ def test_a_stop_on_rule_that_fires_is_returned_and_asks_the_integration_to_stop(
 )
 def test_each_cadence_falls_on_the_counts_its_rule_names(cadence: Cadence, due: list[int]) -> None:
     assert [count for count in range(12) if cadence.due(count)] == due
+
+
+PRESET_VALUES = {
+    "light": (("attention", "weights"), False, False, 0, 0, 0),
+    "standard": (("attention", "tokens", "weights"), False, True, 10, 4, 0),
+    "full": (("attention", "tokens", "weights", "curvature"), True, True, 10, 1, 10),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_VALUES))
+def test_each_preset_sets_what_it_documents_and_an_explicit_argument_overrides_it(preset: str) -> None:
+    options = MonitorOptions(preset=preset)
+    assert (
+        options.families,
+        options.per_head,
+        options.histograms,
+        options.figures_every_n_logs,
+        options.head_diversity_every_n_logs,
+        options.weight_spectra_every_n_logs,
+    ) == PRESET_VALUES[preset]
+    assert MonitorOptions(preset=preset) == MonitorOptions(preset=preset)  # fresh options, equal
+    overridden = MonitorOptions(preset=preset, histograms=not options.histograms, families=["tokens"])
+    assert overridden.histograms is not options.histograms
+    assert overridden.families[0] == "tokens"
+    assert overridden.per_head is options.per_head  # the rest stays the preset's
+
+
+def test_the_default_preset_is_the_standard_one() -> None:
+    assert MonitorOptions() == MonitorOptions(preset="standard")

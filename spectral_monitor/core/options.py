@@ -33,7 +33,7 @@ from spectral_monitor.validation import (
     check_patterns,
 )
 
-__all__ = ["ALL_FAMILIES", "FAMILIES", "MIN_MEMORY_BUDGET_MB", "MonitorOptions"]
+__all__ = ["ALL_FAMILIES", "FAMILIES", "MIN_MEMORY_BUDGET_MB", "PRESETS", "MonitorOptions"]
 
 FAMILIES = ("attention", "tokens", "weights")
 """What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
@@ -42,26 +42,61 @@ ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
 MIN_MEMORY_BUDGET_MB = 2**-10
 """The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
 
+PRESETS: dict[str, dict[str, Any]] = {
+    "light": {
+        "families": ("attention", "weights"),
+        "per_head": False,
+        "histograms": False,
+        "figures_every_n_logs": 0,
+        "head_diversity_every_n_logs": 0,
+        "weight_spectra_every_n_logs": 0,
+        "curvature": None,
+    },
+    "standard": {
+        "families": FAMILIES,
+        "per_head": False,
+        "histograms": True,
+        "figures_every_n_logs": 10,
+        "head_diversity_every_n_logs": 4,
+        "weight_spectra_every_n_logs": 0,
+        "curvature": None,
+    },
+    "full": {
+        "families": FAMILIES,
+        "per_head": True,
+        "histograms": True,
+        "figures_every_n_logs": 10,
+        "head_diversity_every_n_logs": 1,
+        "weight_spectra_every_n_logs": 10,
+        "curvature": CurvatureOptions,  # made anew for each monitor: options are mutable
+    },
+}
+"""What each ``preset`` sets, for the arguments left at None: ``"light"``, the attention and weight
+scalars alone (no tokens, histograms, figures or head diversity); ``"standard"``, the defaults;
+``"full"``, per-head scalars, head diversity on every logging step, weight spectra every 10th and the
+loss-Hessian probe with :class:`CurvatureOptions`' defaults."""
+
 
 @dataclass
 class MonitorOptions:
     """The monitor's options (each one's meaning: :class:`~spectral_monitor.SpectralMonitor`'s arguments).
 
-    Made valid or not at all: a value out of range raises a ValueError naming the argument. ``families``
-    ends up naming every family measured: an opt-in family whose options object is given is added to it.
+    Made valid or not at all: a value out of range raises a ValueError naming the argument. An argument
+    left at None takes the ``preset``'s value (:data:`PRESETS`); ``families`` ends up naming every family
+    measured: an opt-in family whose options object is given is added to it.
     ``stop_on`` is checked against the rules that run when a :class:`~spectral_monitor.core.MonitorSession`
     is made from the options.
     """
 
     every_n_steps: int = 50
-    families: Sequence[str] = FAMILIES
+    families: Sequence[str] | None = None
     include: Sequence[str] | None = None
     exclude: Sequence[str] | None = None
     max_sequences: int = 2
     memory_budget_mb: float = 256.0
-    per_head: bool = False
-    histograms: bool = True
-    figures_every_n_logs: int = 10
+    per_head: bool | None = None
+    histograms: bool | None = None
+    figures_every_n_logs: int | None = None
     metric_method: str = "auto"
     attention_rank_sums: bool = True
     strict: bool = False
@@ -70,8 +105,8 @@ class MonitorOptions:
     jacobian: JacobianOptions | None = None
     ntk: NTKOptions | None = None
     probe_data: ProbeDataOptions | None = None
-    head_diversity_every_n_logs: int = 4
-    weight_spectra_every_n_logs: int = 0
+    head_diversity_every_n_logs: int | None = None
+    weight_spectra_every_n_logs: int | None = None
     preflight: bool = True
     preflight_context_length: int | None = None
     alerts: AlertConfig | None = None
@@ -79,8 +114,13 @@ class MonitorOptions:
     stop_on: Sequence[str] = ()
     token_mask: Callable[[Any], Tensor | None] | None = None
     output_logits: bool | str = False
+    preset: str = "standard"
 
     def __post_init__(self) -> None:
+        check_choice("preset", self.preset, tuple(PRESETS))
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value() if isinstance(value, type) else value)
         check_int("every_n_steps", self.every_n_steps, smallest=1)
         self.families = tuple(
             dict.fromkeys(check_names("families", self.families, allowed=ALL_FAMILIES, non_empty=True))

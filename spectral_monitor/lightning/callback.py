@@ -28,7 +28,7 @@ from typing import Any
 from torch import Tensor
 
 from spectral_monitor.alerts import AlertConfig, AlertEvent
-from spectral_monitor.core import FAMILIES, MonitorOptions, MonitorSession, outputs_not_kept
+from spectral_monitor.core import MonitorOptions, MonitorSession, outputs_not_kept
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
 from spectral_monitor.lightning.losses import lightning_module_loss
 from spectral_monitor.lightning.namespaces import (
@@ -93,7 +93,8 @@ class SpectralMonitor(*CALLBACK_BASES):
         every_n_steps: measure when ``(step + 1) % every_n_steps == 0``, Lightning's own ``log_every_n_steps``
             rule, so with equal values both land on the same steps.
         families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure, and of the opt-in
-            ``"curvature"``, ``"jacobian"``, ``"ntk"`` (each also turned on by passing its options).
+            ``"curvature"``, ``"jacobian"``, ``"ntk"`` (each also turned on by passing its options). None:
+            the preset's (standard: attention, tokens, weights).
         include: ``fnmatch`` patterns over qualified module names: an attention module, a block or a weight's
             module is measured if its name matches one (``"blocks.0*"``: the first block and everything in
             it). ``None``: everything.
@@ -119,12 +120,15 @@ class SpectralMonitor(*CALLBACK_BASES):
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
             each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
             12-head model writes 24 attention scalars per layer rather than 167; the alert rules read
-            every head either way, and the attention histograms and layer × head images show them.
-        histograms: write histograms of per-head values and of weight singular values.
+            every head either way, and the attention histograms and layer × head images show them. None:
+            the preset's (on only in ``"full"``).
+        histograms: write histograms of per-head values and of weight singular values. None: the preset's
+            (off only in ``"light"``).
         figures_every_n_logs: on every k-th logging step, starting with the first, draw the figures and write
-            histograms of each weight's singular values (a full SVD of every weight); 0: never. The default,
-            every 10th (every 500 steps at the default cadence), writes as many images as TensorBoard shows:
-            it keeps 10 per tag unless started with ``--samples_per_plugin images=N``. The figures are kept
+            histograms of each weight's singular values (a full SVD of every weight); 0: never; None: the
+            preset's (0 in ``"light"``, else 10). Every 10th (every 500 steps at the default cadence)
+            writes as many images as TensorBoard shows: it keeps 10 per tag unless started with
+            ``--samples_per_plugin images=N``. The figures are kept
             and redrawn (``spectral_monitor.sinks.figures.RedrawnFigure``): on the demo model the first
             logging step, which draws each figure new, spends ~1 s in the monitor on a slow CPU core, and
             a later figure step redraws its four figures in ~0.1 s (their PNGs and the weights' full SVDs
@@ -138,6 +142,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             warning once per kind and going on without them.
         log_first_step: also measure step 0, the model before any update.
         curvature: options of the loss-Hessian probe (:class:`CurvatureOptions`); giving them turns it on.
+            None: the preset's (``CurvatureOptions()`` in ``"full"``, else off).
         jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
         ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
         probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
@@ -145,12 +150,14 @@ class SpectralMonitor(*CALLBACK_BASES):
             ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
             attention spectra, :mod:`spectral_monitor.metrics.heads`), ``head_diversity_min`` (the closest
             pair) and a text entry ``attention/redundant_heads`` listing each layer's closest head pairs
-            (one ``svdvals`` per sampled head); 0: never.
+            (one ``svdvals`` per sampled head); 0: never; None: the preset's (0 in ``"light"``, 4 in
+            ``"standard"``, 1 in ``"full"``).
         weight_spectra_every_n_logs: on every k-th logging step, starting with the first, a full SVD of every
             weight: ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
             exponent of σ², WeightWatcher's convention), ``alpha_ks_distance``, ``energy_rank_90`` and
             ``energy_rank_99`` (compressible rank), and ESD-against-Marchenko–Pastur figures
-            ``weights/figures/esd/<weight>``, with the "weights" family on; 0 (default): never.
+            ``weights/figures/esd/<weight>``, with the "weights" family on; 0: never; None: the preset's (10
+            in ``"full"``, else 0).
         preflight: at fit start, run :func:`spectral_monitor.toolbox.preflight.architecture_preflight` once:
             warnings through ``rank_zero_warn``, every finding in the text entry ``preflight``.
         preflight_context_length: context length of the preflight's logit-scale check (None: the model's
@@ -171,6 +178,11 @@ class SpectralMonitor(*CALLBACK_BASES):
             logging steps. True: the head is ``get_output_embeddings()`` of a Hugging Face model, else the
             last ``nn.Linear`` with as many outputs as the first ``nn.Embedding`` has rows; a string names
             the head module. False (default): off.
+        preset: what the arguments left at None default to (``spectral_monitor.core.options.PRESETS``):
+            ``"light"`` (attention and weight scalars: no tokens, histograms, figures or head diversity),
+            ``"standard"`` (the defaults above), or ``"full"`` (also per-head scalars, head diversity on every
+            logging step, weight spectra every 10th and the loss-Hessian probe). An argument given explicitly
+            overrides it.
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -180,14 +192,14 @@ class SpectralMonitor(*CALLBACK_BASES):
     def __init__(
         self,
         every_n_steps: int = 50,
-        families: Sequence[str] = FAMILIES,
+        families: Sequence[str] | None = None,
         include: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
         max_sequences: int = 2,
         memory_budget_mb: float = 256.0,
-        per_head: bool = False,
-        histograms: bool = True,
-        figures_every_n_logs: int = 10,
+        per_head: bool | None = None,
+        histograms: bool | None = None,
+        figures_every_n_logs: int | None = None,
         metric_method: str = "auto",
         attention_rank_sums: bool = True,
         strict: bool = False,
@@ -196,8 +208,8 @@ class SpectralMonitor(*CALLBACK_BASES):
         jacobian: JacobianOptions | None = None,
         ntk: NTKOptions | None = None,
         probe_data: ProbeDataOptions | None = None,
-        head_diversity_every_n_logs: int = 4,
-        weight_spectra_every_n_logs: int = 0,
+        head_diversity_every_n_logs: int | None = None,
+        weight_spectra_every_n_logs: int | None = None,
         preflight: bool = True,
         preflight_context_length: int | None = None,
         alerts: AlertConfig | None = None,
@@ -205,6 +217,7 @@ class SpectralMonitor(*CALLBACK_BASES):
         stop_on: Sequence[str] = (),
         token_mask: Callable[[Any], Tensor | None] | None = None,
         output_logits: bool | str = False,
+        preset: str = "standard",
     ) -> None:
         super().__init__()
         self.options = MonitorOptions(
@@ -234,6 +247,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             stop_on=stop_on,
             token_mask=token_mask,
             output_logits=output_logits,
+            preset=preset,
         )
         self._session = MonitorSession(self.options)
         self._alerting = self._session.alerting
