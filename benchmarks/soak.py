@@ -38,7 +38,7 @@ from torch import nn
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.core import FAMILIES
-from spectral_monitor.core.second_order import OPT_IN_FAMILIES, CurvatureOptions, JacobianOptions, NTKOptions
+from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 
 WARM_UP_FRACTION = 0.25
@@ -136,7 +136,7 @@ def run_soak(
         sampler = ResourceSampler(sample_every)
         monitor = SpectralMonitor(
             every_n_steps=every_n_steps,
-            families=[*FAMILIES, *OPT_IN_FAMILIES],
+            families=FAMILIES,
             curvature=CurvatureOptions(every_n_steps=every_n_steps, top_k=2, trace_products=6),
             jacobian=JacobianOptions(every_n_steps=every_n_steps),
             ntk=NTKOptions(every_n_steps=every_n_steps, examples=4),

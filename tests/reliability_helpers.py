@@ -78,24 +78,28 @@ FAMILY_CONFIGURATIONS = (
     ),
     FamilyConfiguration(
         "curvature",
-        {"families": ["curvature"], "curvature": CurvatureOptions(every_n_steps=1, max_products=8)},
+        {"families": [], "curvature": CurvatureOptions(every_n_steps=1, max_products=8)},
         ("spectral_monitor.core.second_order:SecondOrderProbes._measure_curvature",),
     ),
     FamilyConfiguration(
         "jacobian",
-        {"families": ["jacobian"], "jacobian": JacobianOptions(every_n_steps=1, max_iters=4)},
+        {"families": [], "jacobian": JacobianOptions(every_n_steps=1, max_iters=4)},
         ("spectral_monitor.core.second_order:SecondOrderProbes._measure_jacobian",),
     ),
     FamilyConfiguration(
         "ntk",
-        {"families": ["ntk"], "ntk": NTKOptions(every_n_steps=1, examples=4)},
+        {"families": [], "ntk": NTKOptions(every_n_steps=1, examples=4)},
         ("spectral_monitor.core.second_order:SecondOrderProbes._measure_ntk",),
     ),
 )
 """Every family the monitor has; a new family is one more line here."""
 
 ALL_FAMILIES = {
-    "families": [configuration.family for configuration in FAMILY_CONFIGURATIONS],
+    "families": [
+        family
+        for configuration in FAMILY_CONFIGURATIONS
+        for family in configuration.monitor_arguments["families"]
+    ],
     "metric_method": "krylov",
     **{
         name: value

@@ -223,7 +223,7 @@ class LearningRateJump(FullBatchRegression):
 def fit_regression(logdir: Path, model: pl.LightningModule, max_steps: int, every: int) -> list[AlertEvent]:
     seen: list[AlertEvent] = []
     monitor = SpectralMonitor(
-        families=["curvature"], curvature=CurvatureOptions(every_n_steps=every), on_alert=seen.append
+        families=[], curvature=CurvatureOptions(every_n_steps=every), on_alert=seen.append
     )
     trainer = pl.Trainer(
         max_steps=max_steps, max_epochs=-1, callbacks=[monitor], log_every_n_steps=1,

@@ -32,8 +32,8 @@ CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.ya
 BAD_VALUES = {
     "every_n_steps": ([0, -3, 2.5, True, "10"], "int >= 1"),
     "families": (
-        [["attention", "jacobians"], "attention", [], ["weights", 3]],
-        "['attention', 'tokens', 'weights', 'curvature', 'jacobian', 'ntk']",
+        [["attention", "jacobians"], "attention", [], ["weights", 3], ["attention", "curvature"]],
+        "['attention', 'tokens', 'weights']",
     ),
     "include": (["blocks.*", [3], [], [""]], "fnmatch patterns"),
     "exclude": (["blocks.*", [None], [3], [], [""]], "fnmatch patterns"),

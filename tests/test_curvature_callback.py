@@ -55,7 +55,7 @@ def teacher_data() -> DataLoader:
 
 @pytest.mark.slow
 def test_gradient_descent_sharpens_to_the_edge_of_stability_and_stays_there(tmp_path: Path) -> None:
-    monitor = SpectralMonitor(families=["curvature"], curvature=CurvatureOptions(every_n_steps=20))
+    monitor = SpectralMonitor(families=[], curvature=CurvatureOptions(every_n_steps=20))
     logger = TensorBoardLogger(save_dir=str(tmp_path), name="eos", version=0)
     fit(FullBatchRegression(), [monitor], logger, max_steps=400, data=teacher_data(), max_epochs=-1)
 
@@ -80,7 +80,7 @@ def test_a_rule_on_curvature_fires_and_stops_training_on_a_step_only_curvature_m
         name="sharp", conditions=[Condition("curvature/hessian_eigenvalue_1", ">=", 0.0)], start_step=1
     )
     monitor = SpectralMonitor(
-        families=["curvature"],
+        families=[],
         every_n_steps=4,  # logging steps 0, 3, ...; curvature at 0, 1, 3, ...
         curvature=CurvatureOptions(every_n_steps=2),
         alerts=AlertConfig(defaults=False, rules=[sharp]),

@@ -285,8 +285,7 @@ def second_order_monitor(**arguments: Any) -> SpectralMonitor:
         for name, value in configuration.monitor_arguments.items()
         if name != "families"
     }
-    families = [configuration.family for configuration in SECOND_ORDER_CONFIGURATIONS]
-    return SpectralMonitor(**{"families": families, "preflight": False, **options, **arguments})
+    return SpectralMonitor(**{"families": [], "preflight": False, **options, **arguments})
 
 
 def checkpointed_run(root: Path, monitor: SpectralMonitor, model: pl.LightningModule, **data: Any) -> Path:
@@ -405,12 +404,12 @@ def test_restored_curvature_vectors_start_the_first_event_only_on_parameters_lai
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    checkpoint = checkpointed_run(tmp_path, second_order_monitor(families=["curvature"]), TinyEncoder())
+    checkpoint = checkpointed_run(tmp_path, second_order_monitor(), TinyEncoder())
     saved = next(s for k, s in torch.load(checkpoint)["callbacks"].items() if "SpectralMonitor" in k)
     saved_top = saved["second_order"]["curvature_warm"]["model"]["top"]
 
     seen = curvature_warm_starts(monkeypatch)
-    resume(tmp_path, second_order_monitor(families=["curvature"]), resumed_model(), checkpoint)
+    resume(tmp_path, second_order_monitor(), resumed_model(), checkpoint)
 
     warm = seen[0]  # of the first event after the resume
     if warm_started:
@@ -462,9 +461,9 @@ def test_under_ddp_only_the_rank_that_checkpointed_keeps_its_probe_batch(
 ) -> None:
     # A checkpoint holds global rank 0's callback state; every rank reads it on resume. The other ranks'
     # probe batches were their own shards, so they take a new one rather than rank 0's.
-    checkpoint = checkpointed_run(tmp_path, second_order_monitor(families=["ntk"]), TinyEncoder())
+    checkpoint = checkpointed_run(tmp_path, second_order_monitor(), TinyEncoder())
     monkeypatch.setattr(curvature_monitor, "global_rank", lambda: rank)
-    resumed = second_order_monitor(families=["ntk"])
+    resumed = second_order_monitor()
     _, first_resumed_batch = resume(tmp_path, resumed, TinyEncoder(), checkpoint)
 
     (probe_batch,) = resumed.state_dict()["second_order"]["probe_batches"]

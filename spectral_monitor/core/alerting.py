@@ -71,8 +71,8 @@ def check_stop_on(stop_on: object, rules: Sequence[Rule], families: Sequence[str
         if not (all(measured) if rule.combine == "all" else any(measured)):
             raise ValueError(
                 f"stop_on names rule {name!r}, which reads {sorted(set(read))} and can never fire with the "
-                f"families measured ({list(families)}): turn its family on (families=[...] or its options) "
-                "or take the rule out of stop_on"
+                f"families measured ({list(families)}): turn its family on (families=[...], or an opt-in "
+                "probe's options) or take the rule out of stop_on"
             )
     return names
 

@@ -38,6 +38,9 @@ __all__ = ["ALL_FAMILIES", "FAMILIES", "MIN_MEMORY_BUDGET_MB", "PRESETS", "Monit
 FAMILIES = ("attention", "tokens", "weights")
 """What the monitor can observe: attention matrices, residual-stream tokens, weight matrices."""
 ALL_FAMILIES = (*FAMILIES, *OPT_IN_FAMILIES)
+"""Every family a monitor may measure: the opt-in ones are turned on by their options objects."""
+
+_OPTIONS_CLASSES = {"curvature": CurvatureOptions, "jacobian": JacobianOptions, "ntk": NTKOptions}
 
 MIN_MEMORY_BUDGET_MB = 2**-10
 """The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
@@ -82,8 +85,9 @@ class MonitorOptions:
     """The monitor's options (each one's meaning: :class:`~spectral_monitor.SpectralMonitor`'s arguments).
 
     Made valid or not at all: a value out of range raises a ValueError naming the argument. An argument
-    left at None takes the ``preset``'s value (:data:`PRESETS`); ``families`` ends up naming every family
-    measured: an opt-in family whose options object is given is added to it.
+    left at None takes the ``preset``'s value (:data:`PRESETS`). ``families`` names what to measure among
+    :data:`FAMILIES`; an opt-in family (:data:`OPT_IN_FAMILIES`) is turned on by its options object alone
+    (``curvature=CurvatureOptions()``), and ``families`` then ends up naming it too.
     ``stop_on`` is checked against the rules that run when a :class:`~spectral_monitor.core.MonitorSession`
     is made from the options.
     """
@@ -122,9 +126,18 @@ class MonitorOptions:
             if getattr(self, name) is None:
                 setattr(self, name, value() if isinstance(value, type) else value)
         check_int("every_n_steps", self.every_n_steps, smallest=1)
-        self.families = tuple(
-            dict.fromkeys(check_names("families", self.families, allowed=ALL_FAMILIES, non_empty=True))
+        named_opt_in = (
+            [name for name in self.families if name in OPT_IN_FAMILIES]
+            if isinstance(self.families, (list, tuple))
+            else []
         )
+        if named_opt_in:
+            name = named_opt_in[0]
+            raise ValueError(
+                f"families names the opt-in family {name!r}; families are drawn from {list(FAMILIES)}, and "
+                f"{name} is turned on by its options: {name}={_OPTIONS_CLASSES[name].__name__}(...)"
+            )
+        families = tuple(dict.fromkeys(check_names("families", self.families, allowed=FAMILIES)))
         self.include = check_patterns("include", self.include)
         self.exclude = check_patterns("exclude", self.exclude)
         check_int("max_sequences", self.max_sequences, smallest=1)
@@ -147,9 +160,12 @@ class MonitorOptions:
         check_bool("strict", self.strict)
         check_bool("log_first_step", self.log_first_step)
         given = {"curvature": self.curvature, "jacobian": self.jacobian, "ntk": self.ntk}
-        self.families += tuple(
-            name for name, value in given.items() if value is not None and name not in self.families
-        )
+        self.families = families + tuple(name for name, value in given.items() if value is not None)
+        if not self.families:
+            raise ValueError(
+                f"families must name at least one of {list(FAMILIES)} unless an opt-in probe's options are "
+                "given (curvature=, jacobian= or ntk=)"
+            )
         self.curvature = check_instance("curvature", self.curvature, CurvatureOptions)
         self.jacobian = check_instance("jacobian", self.jacobian, JacobianOptions)
         self.ntk = check_instance("ntk", self.ntk, NTKOptions)

@@ -92,9 +92,10 @@ class SpectralMonitor(*CALLBACK_BASES):
     Args:
         every_n_steps: measure when ``(step + 1) % every_n_steps == 0``, Lightning's own ``log_every_n_steps``
             rule, so with equal values both land on the same steps.
-        families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure, and of the opt-in
-            ``"curvature"``, ``"jacobian"``, ``"ntk"`` (each also turned on by passing its options). None:
-            the preset's (standard: attention, tokens, weights).
+        families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure (empty: none of them,
+            where an opt-in probe's options are given). None: the preset's (standard: all three). The
+            opt-in ``"curvature"``, ``"jacobian"`` and ``"ntk"`` are turned on by their options objects
+            alone (``curvature=CurvatureOptions()``); naming one here is refused.
         include: ``fnmatch`` patterns over qualified module names: an attention module, a block or a weight's
             module is measured if its name matches one (``"blocks.0*"``: the first block and everything in
             it). ``None``: everything.
