@@ -271,6 +271,7 @@ def peak_growth(heads: int, n: int, budget: int, rank_sums: bool) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set counters")
 def test_a_4096_token_call_stays_under_its_memory_budget() -> None:
     """Resident-set growth in a fresh process (tracemalloc does not see torch's CPU buffers). The budget is
