@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 VOCAB = 16
 WIDTH = 16
@@ -53,18 +54,21 @@ class TinyEncoder(pl.LightningModule):
         self.encoder = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
 
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         states = self.embedding(tokens)
         if self.batch_norm is not None:
             states = self.batch_norm(states.transpose(1, 2)).transpose(1, 2)
         return self.head(self.encoder(states))
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens, targets = batch
         loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
         self.log("train/loss", loss)
         return loss
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -85,12 +89,14 @@ class FullBatchRegression(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = (self.net(x) - y).square().mean()
         self.log("train/loss", loss)
         return loss
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=EOS_LEARNING_RATE)
 
