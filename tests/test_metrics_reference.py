@@ -572,6 +572,7 @@ def test_the_rank_one_residual_is_float32_accurate_either_side_of_where_a_second
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_the_sums_behind_the_rank_one_residual_stay_float32_accurate_on_long_rows() -> None:
     """At n = 2048 an attention sink puts most of ‖A‖_F² in one column: MKL's AVX2 path summed the flattened
     matrix's squares 1e-4 off, the residual (0.62, from ‖A‖_F² − n‖ā‖²) then 6e-5 off."""
@@ -583,6 +584,7 @@ def test_the_sums_behind_the_rank_one_residual_stay_float32_accurate_on_long_row
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mix", [0.02, 0.3])
 def test_padded_queries_leave_the_rank_one_residual_exact_by_either_way(mix: float) -> None:
     """Padded queries are zero rows that the mean row must not be subtracted from, in the second pass
