@@ -1,32 +1,40 @@
-"""Screenshots of a real TensorBoard for the docs: a demo run, TensorBoard on it, headless Chromium.
+"""Screenshots for the docs, taken with headless Chromium: a real TensorBoard and the built docs site.
 
-Runs ``spectral-monitor demo`` into a temporary folder, serves it with ``tensorboard --logdir`` on
-127.0.0.1, and saves the Scalars and Custom Scalars views as palette PNGs under ``docs/img/``. Needs
-Chromium (``apt-get install -y chromium``) and a free port; nothing leaves the machine.
+``tensorboard``: runs ``spectral-monitor demo`` into a temporary folder, serves it with
+``tensorboard --logdir`` on 127.0.0.1, and saves the Scalars and Custom Scalars views. ``docs``: builds
+this site with ``mkdocs build`` into a temporary folder, serves it on 127.0.0.1 and saves its getting
+started page. Both are saved as palette PNGs under ``docs/img/``. Needs Chromium
+(``apt-get install -y chromium``), the ``docs`` extra and free ports; nothing leaves the machine.
 
-    python docs/screenshots.py [--max-steps 300] [--chromium chromium]
+    python docs/screenshots.py [tensorboard] [docs] [--max-steps 300] [--chromium chromium]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from PIL import Image
 
-IMAGES = Path(__file__).resolve().parent / "img"
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "docs" / "img"
 VIEWS = {
     "tensorboard_custom_scalars.png": "#custom_scalars",
     "tensorboard_scalars.png": "#scalars&tagFilter=attention%2Fentropy%2F",
 }
+DOCS_PAGE = ("docs_site.png", "getting-started/")
 COLOURS = 128
-"""Palette size of the saved PNGs: TensorBoard's flat colours survive it and the files stay small."""
+"""Palette size of the saved PNGs: TensorBoard's and the site theme's flat colours survive it and the files
+stay small."""
 
 
 def free_port() -> int:
@@ -43,7 +51,20 @@ def wait_until_serving(url: str, timeout_s: float = 60.0) -> None:
                 return
         except OSError:
             time.sleep(0.5)
-    raise TimeoutError(f"TensorBoard did not answer at {url} within {timeout_s:.0f} s")
+    raise TimeoutError(f"nothing answered at {url} within {timeout_s:.0f} s")
+
+
+@contextmanager
+def serving(command: list[str], port: int) -> Iterator[str]:
+    """Runs ``command`` (a server on 127.0.0.1:``port``) until the block ends; yields its base URL."""
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}/"
+        wait_until_serving(base)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def screenshot(chromium: str, url: str, out: Path, profile: Path) -> None:
@@ -71,33 +92,54 @@ def screenshot(chromium: str, url: str, out: Path, profile: Path) -> None:
     Image.open(out).convert("RGB").quantize(COLOURS).save(out, optimize=True)
 
 
+def save(chromium: str, url: str, name: str, scratch: str) -> None:
+    """One screenshot of ``url`` in a fresh Chromium profile, saved as ``docs/img/<name>``."""
+    profile = Path(tempfile.mkdtemp(dir=scratch))
+    screenshot(chromium, url, IMAGES / name, profile)
+    print(f"{IMAGES / name}: {(IMAGES / name).stat().st_size // 1024} KiB")
+
+
+def tensorboard_views(chromium: str, max_steps: int, scratch: str) -> None:
+    logdir = Path(scratch) / "runs"
+    demo = [sys.executable, "-m", "spectral_monitor.cli", "demo", "--logdir", str(logdir)]
+    subprocess.run([*demo, "--max-steps", str(max_steps)], check=True)
+    port = free_port()
+    tensorboard = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1"]
+    with serving([*tensorboard, "--port", str(port)], port) as base:
+        for name, view in VIEWS.items():
+            save(chromium, base + view, name, scratch)
+
+
+def docs_site(chromium: str, scratch: str) -> None:
+    site = Path(scratch) / "site"
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"},
+    )
+    port = free_port()
+    server = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(site)]
+    with serving(server, port) as base:
+        name, page = DOCS_PAGE
+        save(chromium, base + page, name, scratch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "what", nargs="*", choices=["tensorboard", "docs"], help="which screenshots (default: both)"
+    )
     parser.add_argument("--max-steps", type=int, default=300, help="steps of the demo run")
     parser.add_argument("--chromium", default="chromium", help="the Chromium executable")
     arguments = parser.parse_args()
+    what = set(arguments.what or ["tensorboard", "docs"])
     IMAGES.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
-        logdir = Path(scratch) / "runs"
-        demo = [sys.executable, "-m", "spectral_monitor.cli", "demo", "--logdir", str(logdir)]
-        subprocess.run([*demo, "--max-steps", str(arguments.max_steps)], check=True)
-        port = free_port()
-        tensorboard = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1"]
-            + ["--port", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            base = f"http://127.0.0.1:{port}/"
-            wait_until_serving(base)
-            for name, view in VIEWS.items():
-                profile = Path(tempfile.mkdtemp(dir=scratch))
-                screenshot(arguments.chromium, base + view, IMAGES / name, profile)
-                print(f"{IMAGES / name}: {(IMAGES / name).stat().st_size // 1024} KiB")
-        finally:
-            tensorboard.terminate()
-            tensorboard.wait(timeout=30)
+        if "tensorboard" in what:
+            tensorboard_views(arguments.chromium, arguments.max_steps, scratch)
+        if "docs" in what:
+            docs_site(arguments.chromium, scratch)
 
 
 if __name__ == "__main__":

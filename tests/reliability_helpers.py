@@ -1,4 +1,4 @@
-"""What the reliability suites share: the probe families to try, tiny models, a deterministic fit, read-back.
+"""What the reliability suites share: the probe families to try, a deterministic fit, warnings collected.
 
 A family enters every reliability suite (non-perturbation, fault injection, resume) through one line of
 ``FAMILY_CONFIGURATIONS``: the monitor arguments that turn it on alone, and the functions a fault can be
@@ -16,19 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
-import torch.nn.functional as F
+from models import previous_token_batches
 from pytorch_lightning.loggers import TensorBoardLogger
-from tensorboard.backend.event_processing import event_accumulator
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
-
-VOCAB = 16
-WIDTH = 16
-HEADS = 2
-TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -113,56 +105,6 @@ ALL_FAMILIES = {
 FAMILY_IDS = [configuration.family for configuration in FAMILY_CONFIGURATIONS]
 
 
-class TinyEncoder(pl.LightningModule):
-    """Embedding, two ``nn.TransformerEncoderLayer`` blocks (LayerNorm inside), optional BatchNorm, a head.
-
-    ``norm="batch"`` adds a ``BatchNorm1d`` over the features after the embedding, so the running statistics
-    are part of what must not change; ``optimizer`` is ``"adamw"`` or ``"sgd"`` (with momentum). Initialised
-    from ``torch.manual_seed(seed)``, so two instances are the same model.
-    """
-
-    def __init__(
-        self,
-        dropout: float = 0.0,
-        batch_norm: bool = False,
-        optimizer: str = "adamw",
-        width: int = WIDTH,
-        seed: int = 0,
-    ) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.optimizer_name = optimizer
-        self.embedding = nn.Embedding(VOCAB, width)
-        self.batch_norm = nn.BatchNorm1d(width) if batch_norm else None
-        block = nn.TransformerEncoderLayer(
-            width, HEADS, dim_feedforward=32, dropout=dropout, batch_first=True
-        )
-        self.encoder = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(width, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        states = self.embedding(tokens)
-        if self.batch_norm is not None:
-            states = self.batch_norm(states.transpose(1, 2)).transpose(1, 2)
-        return self.head(self.encoder(states))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
-def previous_token_batches(batches: int = 8, batch_size: int = 4) -> DataLoader:
-    tokens = torch.randint(VOCAB, (batches * batch_size, TOKENS), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=batch_size)
-
-
 def trainer_for(logger: Any, callbacks: list, max_steps: int, **trainer_arguments: Any) -> pl.Trainer:
     arguments: dict[str, Any] = {
         "enable_progress_bar": False,
@@ -192,33 +134,6 @@ def fit(
 
 def tensorboard_logger(root: Path, name: str = "run", version: int = 0) -> TensorBoardLogger:
     return TensorBoardLogger(save_dir=str(root), name=name, version=version)
-
-
-def read_back(logdir: str | Path) -> event_accumulator.EventAccumulator:
-    """Every event of ``logdir``; an event whose step goes back is kept, so a duplicate step shows."""
-    everything = {kind: 0 for kind in event_accumulator.DEFAULT_SIZE_GUIDANCE}
-    accumulator = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance=everything, purge_orphaned_data=False
-    )
-    accumulator.Reload()
-    return accumulator
-
-
-def scalar_series(events: event_accumulator.EventAccumulator, prefix: str = "") -> dict[str, list]:
-    """``tag -> [(step, value), ...]`` of every scalar whose tag starts with ``prefix``."""
-    return {
-        tag: [(event.step, event.value) for event in events.Scalars(tag)]
-        for tag in events.Tags()["scalars"]
-        if tag.startswith(prefix)
-    }
-
-
-def hook_count(model: nn.Module) -> int:
-    """Forward hooks on ``model`` and globally, plus active torch-function modes."""
-    module_hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    module = nn.modules.module
-    global_hooks = len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
-    return module_hooks + global_hooks + torch._C._len_torch_function_stack()
 
 
 @dataclass

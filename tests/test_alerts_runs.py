@@ -13,10 +13,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from matplotlib.image import imread
+from models import EOS_LEARNING_RATE, FullBatchRegression, teacher_data
 from pytorch_lightning.cli import LightningCLI
 from tensorboard.backend.event_processing import event_accumulator
-from test_curvature_callback import LEARNING_RATE as EOS_LEARNING_RATE
-from test_curvature_callback import FullBatchRegression, teacher_data
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertEvent, default_rules

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from models import tiny_bert, tiny_gpt2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -366,40 +367,6 @@ def test_bfloat16_inputs_are_kept_as_is_and_probs_upcast():
     with torch.no_grad():
         q, k, _ = model.blocks[0].attn.project(*calls["blocks.0.attn"][0])
     torch.testing.assert_close(captured.probs(), hand_probs(q, k, 0.5, causal=True), atol=ATOL, rtol=0)
-
-
-def tiny_gpt2(dropout: float = 0.0):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=EMBED,
-        n_head=2,
-        vocab_size=50,
-        n_positions=32,
-        attn_implementation="sdpa",
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2Model(config)
-
-
-def tiny_bert():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=EMBED,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=50,
-        max_position_embeddings=32,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return transformers.BertModel(config)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no padding", "padding"])

@@ -14,19 +14,20 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-import torch.nn.functional as F
+from events import read_back as read_every_event
+from events import scalar_at, scalar_steps
+from models import HEADS, TinyEncoder, hook_count, previous_token_batches
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.catalog import CATALOG, metric_info
@@ -42,41 +43,12 @@ from spectral_monitor.probes import AttentionCapture, WeightProbe
 
 LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
 BLOCKS = ("encoder.layers.0", "encoder.layers.1")
-HEADS = 2
 LAYOUT_TAG = "custom_scalars__config__"
 
-
-class TinyEncoder(pl.LightningModule):
-    """Embedding, two ``nn.TransformerEncoderLayer`` blocks, a linear head: predicts the previous token."""
-
-    def __init__(self, dropout: float = 0.0, vocab: int = 16, width: int = 16) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, width)
-        block = nn.TransformerEncoderLayer(
-            width, HEADS, dim_feedforward=32, dropout=dropout, batch_first=True
-        )
-        self.encoder = nn.TransformerEncoder(block, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embedding(tokens)))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        loss = F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+read_back = partial(read_every_event, purge_orphaned_data=True)  # as TensorBoard's viewer reads a run
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def previous_token_batches() -> DataLoader:
-    tokens = torch.randint(16, (32, 8), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=4)
 
 
 def fit(
@@ -108,29 +80,6 @@ def fit(
 
 def tensorboard_logger(tmp_path: Path) -> TensorBoardLogger:
     return TensorBoardLogger(save_dir=str(tmp_path), name="run", version=0)
-
-
-def read_back(logdir: str) -> event_accumulator.EventAccumulator:
-    everything = {kind: 0 for kind in event_accumulator.DEFAULT_SIZE_GUIDANCE}
-    accumulator = event_accumulator.EventAccumulator(logdir, size_guidance=everything)
-    accumulator.Reload()
-    return accumulator
-
-
-def scalar_steps(events: event_accumulator.EventAccumulator, tag: str) -> list[int]:
-    return [event.step for event in events.Scalars(tag)]
-
-
-def scalar_at(events: event_accumulator.EventAccumulator, tag: str, step: int) -> float:
-    (value,) = [event.value for event in events.Scalars(tag) if event.step == step]
-    return value
-
-
-def hook_count(model: nn.Module) -> int:
-    module_hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    module = nn.modules.module
-    global_hooks = len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
-    return module_hooks + global_hooks + torch._C._len_torch_function_stack()
 
 
 def monitor_warnings(record: list[warnings.WarningMessage], text: str) -> list[str]:
@@ -370,7 +319,7 @@ class HookCountingEncoder(TinyEncoder):
     """Records, during each training forward, how many hooks and torch-function modes are active."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(seed=None)
         self.hooks_by_step: dict[int, int] = {}
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -399,7 +348,7 @@ def test_without_rank_sums_the_ranks_are_left_out_and_the_rest_is_written(tmp_pa
         head_diversity_every_n_logs=0,
     )
     logger = tensorboard_logger(tmp_path)
-    fit(TinyEncoder(), [monitor], logger, max_steps=2)
+    fit(TinyEncoder(seed=None), [monitor], logger, max_steps=2)
     tags = read_back(logger.log_dir).Tags()
     attention = {tag.split("/")[1] for tag in tags["scalars"] if tag.startswith("attention/")}
     assert {"entropy", "sigma2", "spectral_gap", "eigen_gap", "dobrushin"} <= attention
@@ -414,7 +363,13 @@ def test_a_non_tensorboard_logger_gets_the_scalars_and_one_warning(tmp_path: Pat
     logger = CSVLogger(save_dir=str(tmp_path), name="run", version=0)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(TinyEncoder(), [SpectralMonitor(every_n_steps=2)], logger, max_steps=4, log_every_n_steps=2)
+        fit(
+            TinyEncoder(seed=None),
+            [SpectralMonitor(every_n_steps=2)],
+            logger,
+            max_steps=4,
+            log_every_n_steps=2,
+        )
 
     (dropped,) = monitor_warnings(record, "keeps scalars only")
     assert "CSVLogger" in dropped and "histograms" in dropped and "figures" in dropped
@@ -430,7 +385,7 @@ def test_a_non_tensorboard_logger_gets_the_scalars_and_one_warning(tmp_path: Pat
 @pytest.mark.slow
 def test_a_trainer_without_a_logger_is_refused_at_setup() -> None:
     with pytest.raises(MisconfigurationException, match="needs a logger"):
-        fit(TinyEncoder(), [SpectralMonitor()], logger=False, max_steps=1)
+        fit(TinyEncoder(seed=None), [SpectralMonitor()], logger=False, max_steps=1)
 
 
 @pytest.mark.slow
@@ -438,7 +393,7 @@ def test_unmatched_patterns_warn_once_with_existing_module_names(tmp_path: Path)
     monitor = SpectralMonitor(every_n_steps=1, include=["encoder.layers.1*", "decoder.*"])
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(TinyEncoder(), [monitor], tensorboard_logger(tmp_path), max_steps=2, log_every_n_steps=1)
+        fit(TinyEncoder(seed=None), [monitor], tensorboard_logger(tmp_path), max_steps=2, log_every_n_steps=1)
 
     (unmatched,) = monitor_warnings(record, "match no module")
     assert "decoder.*" in unmatched and "encoder.layers.1" not in unmatched.split("look like")[0]
@@ -456,7 +411,7 @@ def test_a_tight_memory_budget_keeps_fewer_sequences_and_says_so_once(tmp_path: 
     logger = tensorboard_logger(tmp_path)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(TinyEncoder(), [monitor], logger, max_steps=3)
+        fit(TinyEncoder(seed=None), [monitor], logger, max_steps=3)
 
     # The capture's cut, and the working memory: 4 KiB holds no matrix's exact measurement.
     budget, working = sorted(
@@ -482,7 +437,7 @@ def test_a_failing_probe_is_reported_once_and_training_goes_on(
     logger = tensorboard_logger(tmp_path)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        trainer = fit(TinyEncoder(), [SpectralMonitor(every_n_steps=1)], logger, max_steps=4)
+        trainer = fit(TinyEncoder(seed=None), [SpectralMonitor(every_n_steps=1)], logger, max_steps=4)
 
     (failure,) = monitor_warnings(record, "probe broke")
     assert "arming the attention capture" in failure
@@ -496,11 +451,16 @@ def test_a_failing_probe_is_reported_once_and_training_goes_on(
 def test_strict_mode_raises_the_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     break_attention_capture(monkeypatch)
     with pytest.raises(RuntimeError, match="probe broke"):
-        fit(TinyEncoder(), [SpectralMonitor(every_n_steps=1, strict=True)], tensorboard_logger(tmp_path), 4)
+        fit(
+            TinyEncoder(seed=None),
+            [SpectralMonitor(every_n_steps=1, strict=True)],
+            tensorboard_logger(tmp_path),
+            4,
+        )
 
 
 def poisoned_encoder() -> TinyEncoder:
-    model = TinyEncoder()
+    model = TinyEncoder(seed=None)
     with torch.no_grad():
         model.embedding.weight[0] = math.nan  # every sequence holding token 0 turns to NaN
     return model
@@ -546,7 +506,7 @@ def test_a_resumed_run_keeps_the_cadence_and_the_warm_weight_vectors(
 ) -> None:
     first = SpectralMonitor(every_n_steps=2, figures_every_n_logs=2)
     # Width 48: the 48 x 48 attention projections take the warm-started path (smaller ones are exact).
-    trainer = fit(TinyEncoder(width=48), [first], tensorboard_logger(tmp_path), max_steps=4)
+    trainer = fit(TinyEncoder(width=48, seed=None), [first], tensorboard_logger(tmp_path), max_steps=4)
     saved = first.state_dict()
     assert (saved["last_logged_step"], saved["logging_steps_done"]) == (3, 3)  # steps 0, 1, 3
     saved_vectors = saved["weight_probe"]["right_vectors"]
@@ -564,7 +524,7 @@ def test_a_resumed_run_keeps_the_cadence_and_the_warm_weight_vectors(
     monkeypatch.setattr(WeightProbe, "load_state_dict", spy)
     logger = TensorBoardLogger(save_dir=str(tmp_path), name="run", version=1)
     second = SpectralMonitor(every_n_steps=2, figures_every_n_logs=2)
-    fit(TinyEncoder(width=48), [second], logger, max_steps=8, ckpt_path=str(checkpoint))
+    fit(TinyEncoder(width=48, seed=None), [second], logger, max_steps=8, ckpt_path=str(checkpoint))
 
     assert loaded_vectors.keys() == saved_vectors.keys()
     assert all(torch.equal(loaded_vectors[key], saved_vectors[key]) for key in saved_vectors)

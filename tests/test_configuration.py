@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from jsonargparse import ArgumentParser
+from models import TinyEncoder
 from pytorch_lightning.cli import LightningCLI
-from reliability_helpers import TinyEncoder, fit, monitor_reports, tensorboard_logger
+from reliability_helpers import fit, monitor_reports, tensorboard_logger
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertConfig, Condition, Rule, default_rules

@@ -105,6 +105,7 @@ def test_packed_query_key_value_parts_split_the_rows_in_thirds() -> None:
         ParameterSpace.of(model, ["nothing.*"])
 
 
+@pytest.mark.slow
 def test_top_k_and_the_most_negative_eigenvalue_match_eigvalsh() -> None:
     model, loss_fn, _ = tiny_transformer()
     space = ParameterSpace.of(model)
@@ -153,6 +154,7 @@ def test_an_indefinite_hessian_reports_the_largest_algebraic_not_the_largest_mag
     assert estimate.min_eigenvalue == pytest.approx(-5.0)
 
 
+@pytest.mark.slow
 def test_the_hutchpp_trace_lies_within_its_reported_error() -> None:
     model, loss_fn, _ = tiny_transformer()
     space = ParameterSpace.of(model)
@@ -174,6 +176,7 @@ def test_a_warm_start_on_the_same_hessian_costs_no_more_than_a_cold_one() -> Non
         measure_curvature(model, loss_fn, top_k=3, max_products=2)
 
 
+@pytest.mark.slow
 def test_warm_vectors_of_a_moved_hessian_give_the_cold_answer() -> None:
     model, loss_fn, _ = tiny_transformer()
     stale = measure_curvature(model, loss_fn, top_k=2, tol=1e-6, max_products=400).warm
@@ -264,6 +267,7 @@ def test_averaging_over_ranks_without_a_process_group_changes_nothing() -> None:
     assert torch.equal(plain.trace.mean, averaged.trace.mean)
 
 
+@pytest.mark.slow
 def test_adam_preconditioned_sharpness_matches_the_explicit_scaled_hessian() -> None:
     model, loss_fn, _ = tiny_transformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
@@ -333,6 +337,7 @@ def test_rmsprop_preconditioner_is_the_root_mean_square_plus_eps() -> None:
     assert edge.preconditioner.tolist() == pytest.approx([0.4, math.sqrt(0.5 - 0.36)], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_preconditioned_sharpness_is_measured_for_rmsprop_and_nan_before_its_first_step() -> None:
     model, loss_fn, _ = tiny_transformer()
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, eps=1e-4)

@@ -10,47 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import pytorch_lightning as pl
 import torch
+from models import EOS_LEARNING_RATE, FullBatchRegression, TinyEncoder, teacher_data
 from pytorch_lightning.loggers import TensorBoardLogger
-from test_callback import TinyEncoder, fit, read_back, scalar_steps
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from test_callback import fit, read_back, scalar_steps
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-LEARNING_RATE = 0.55  # 2/η ≈ 3.6, above the initial sharpness (≈ 2.3) of this network on this task
-
-
-class FullBatchRegression(pl.LightningModule):
-    """A 3-layer tanh network fitting a random teacher with MSE, trained by plain gradient descent."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = (self.net(x) - y).square().mean()
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LEARNING_RATE)
-
-
-def teacher_data() -> DataLoader:
-    torch.manual_seed(0)
-    x = torch.randn(64, 8)
-    teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    with torch.no_grad():
-        y = 3 * teacher(x)
-    return DataLoader(TensorDataset(x, y), batch_size=64)  # one batch: full-batch gradient descent
 
 
 @pytest.mark.slow
@@ -63,12 +32,12 @@ def test_gradient_descent_sharpens_to_the_edge_of_stability_and_stays_there(tmp_
     ratio = [event.value for event in events.Scalars("curvature/sharpness_ratio/model")]
     threshold = [event.value for event in events.Scalars("curvature/sharpness_threshold/model")]
     sharpness = [event.value for event in events.Scalars("curvature/sharpness/model")]
-    assert threshold == pytest.approx([2 / LEARNING_RATE] * len(ratio))
+    assert threshold == pytest.approx([2 / EOS_LEARNING_RATE] * len(ratio))
     assert len(ratio) == 21 and ratio[0] < 0.75  # well below the edge at initialisation
     assert max(ratio) > 0.95  # progressive sharpening reaches it
     late = ratio[len(ratio) // 2 :]
     assert all(0.8 <= value <= 1.3 for value in late), late  # and it hovers there
-    assert sharpness[-1] * LEARNING_RATE / 2 == pytest.approx(ratio[-1], rel=1e-5)
+    assert sharpness[-1] * EOS_LEARNING_RATE / 2 == pytest.approx(ratio[-1], rel=1e-5)
     assert scalar_steps(events, "curvature/overhead_ms/model")[:3] == [0, 19, 39]
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from reliability_helpers import read_back
+from events import read_back
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

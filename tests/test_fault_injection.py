@@ -25,19 +25,14 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from events import read_back, scalar_series
+from models import HEADS, VOCAB, WIDTH, TinyEncoder, hook_count
 from reliability_helpers import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
     FAMILY_IDS,
-    HEADS,
-    VOCAB,
-    WIDTH,
-    TinyEncoder,
     fit,
-    hook_count,
     monitor_reports,
-    read_back,
-    scalar_series,
     tensorboard_logger,
 )
 from tensorboard.compat.proto.event_pb2 import Event

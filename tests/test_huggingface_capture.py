@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from events import read_back, scalar_series
 from reference_metrics import attention_reference_batch
-from reliability_helpers import fit, monitor_reports, read_back, scalar_series, tensorboard_logger
+from reliability_helpers import fit, monitor_reports, tensorboard_logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

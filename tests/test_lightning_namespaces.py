@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
-from reliability_helpers import read_back
+from events import read_back
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

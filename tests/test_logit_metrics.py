@@ -113,6 +113,7 @@ def test_a_padded_query_with_huge_logits_does_not_count() -> None:
     assert float(blocked["max_logit"]) == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_a_key_that_may_not_be_attended_does_not_count_however_large_its_logit() -> None:
     q, k = qk(4)
     k[2] = 1e4 * q[0]

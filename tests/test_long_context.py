@@ -8,23 +8,19 @@ a real ``Trainer.fit`` at 4096 tokens whose attention is measured blockwise, und
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from resident_set import needs_resident_set_counters, run_probe
 from test_metrics_reference import KRYLOV_ERANK_RTOL, KRYLOV_TOLERANCE
 
 from spectral_monitor.metrics import KrylovState, attention_metrics, attention_metrics_from_qk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPOSITORY = Path(__file__).resolve().parents[1]
 D = 64
 
 
@@ -228,57 +224,31 @@ def test_bad_arguments_are_refused_by_name(arguments: dict, message: str) -> Non
 
 # -- memory -------------------------------------------------------------------------------------------------
 
-PEAK_PROBE = textwrap.dedent(
-    """
-    import ctypes, json, sys, torch
+PEAK_PROBE = """
     from spectral_monitor.metrics import attention_metrics_from_qk
 
-    def status(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-
-    torch.set_num_threads(1)
     heads, n, budget, rank_sums = (int(value) for value in sys.argv[1:5])
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, n, 64, generator=generator)
     k = torch.randn(1, heads, n, 64, generator=generator)
     attention_metrics_from_qk(q[..., :512, :], k[..., :512, :], causal=True)  # lazy initialisation
-    # Every buffer over 128 KiB mapped on allocation and unmapped on free, so the high-water mark of the
-    # resident set is the peak of what torch allocated (benchmarks/_common.py says why).
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024) and libc.mallopt(-1, 0)
-    libc.malloc_trim(0)
-    baseline = status("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")
+    map_large_buffers_alone()
+    baseline = reset_peak()
     result = attention_metrics_from_qk(q, k, causal=True, max_bytes=budget, include_rank_sums=bool(rank_sums))
     print(json.dumps({"peak": status("VmHWM") - baseline, "sigma1": result["sigma1"].flatten().tolist(),
                       "entropy": result["entropy"].flatten().tolist()}))
-    """
-)
+"""
 
 
-def peak_growth(heads: int, n: int, budget: int, rank_sums: bool) -> dict:
-    completed = subprocess.run(
-        [sys.executable, "-c", PEAK_PROBE, str(heads), str(n), str(budget), str(int(rank_sums))],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPOSITORY,
-        env={"PYTHONPATH": str(REPOSITORY), "PATH": "/usr/bin:/bin"},
-        timeout=600,
-    )
-    return json.loads(completed.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set counters")
+@pytest.mark.slow
+@needs_resident_set_counters
 def test_a_4096_token_call_stays_under_its_memory_budget() -> None:
     """Resident-set growth in a fresh process (tracemalloc does not see torch's CPU buffers). The budget is
     below one head's dense probabilities (64 MiB), so forming A whole would exceed it. Without the rank sums
     to keep it quick; the fit below measures the whole set."""
     heads, n, budget = 2, 4096, 48 * 2**20
     assert 4 * n * n > budget
-    measured = peak_growth(heads, n, budget, rank_sums=False)
+    measured = run_probe(PEAK_PROBE, heads, n, budget, 0)  # 0: without the rank sums
     assert 0 < measured["peak"] <= budget, f"peak {measured['peak'] / 2**20:.1f} MiB"
     assert all(value > 1 for value in measured["sigma1"])  # σ₁ ≥ 1 for row-stochastic A
     assert all(0.5 < value < 1 for value in measured["entropy"])
@@ -286,31 +256,20 @@ def test_a_4096_token_call_stays_under_its_memory_budget() -> None:
 
 # -- a real fit ----------------------------------------------------------------------------------------------
 
-FIT_PROBE = textwrap.dedent(
-    """
-    import ctypes, json, sys, warnings
-    import pytorch_lightning as pl, torch
+FIT_PROBE = """
+    import pytorch_lightning as pl
     from pytorch_lightning.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
     from spectral_monitor import SpectralMonitor
     from spectral_monitor.demo import DemoTransformer
 
-    def status(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-
-    torch.set_num_threads(1)
     logdir, n, budget_mb = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024) and libc.mallopt(-1, 0)
+    map_large_buffers_alone()
     peaks = []
     measure = SpectralMonitor._measure_attention
 
     def measured(self, progress):
-        libc.malloc_trim(0)
-        baseline = status("VmRSS")
-        open("/proc/self/clear_refs", "w").write("5")
+        baseline = reset_peak()
         measure(self, progress)
         peaks.append(status("VmHWM") - baseline)
 
@@ -329,27 +288,17 @@ FIT_PROBE = textwrap.dedent(
         warnings.simplefilter("ignore")
         trainer.fit(model, DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=1))
     print(json.dumps({"peaks": peaks}))
-    """
-)
+"""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set counters")
+@needs_resident_set_counters
 def test_a_fit_at_4096_tokens_measures_attention_blockwise_under_the_budget(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing import event_accumulator
 
     n, budget_mb = 4096, 64.0
     assert 2 * 4 * n * n > budget_mb * 2**20  # the layer's dense probabilities would not fit
-    completed = subprocess.run(
-        [sys.executable, "-c", FIT_PROBE, str(tmp_path), str(n), str(budget_mb)],
-        capture_output=True,
-        text=True,
-        cwd=REPOSITORY,
-        env={"PYTHONPATH": str(REPOSITORY), "PATH": "/usr/bin:/bin"},
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    (peak,) = json.loads(completed.stdout.strip().splitlines()[-1])["peaks"]
+    (peak,) = run_probe(FIT_PROBE, tmp_path, n, budget_mb)["peaks"]
     print(f"peak resident-set growth of the attention measurement: {peak / 2**20:.1f} MiB")
     assert 0 < peak <= budget_mb * 2**20, f"peak {peak / 2**20:.1f} MiB"
 

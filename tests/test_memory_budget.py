@@ -2,19 +2,13 @@
 
 Measured as the growth of the resident set of a fresh process over ``on_train_batch_end`` (the metrics, head
 diversity, figures and writing of a logging step), at n = 2048 where one attention matrix is 16 MiB in
-float32. glibc is told to map every buffer over 128 KiB on its own and to return it on free, so the
-high-water mark of the resident set is the peak of what was allocated, not of what the allocator kept.
+float32 (how: ``tests/resident_set.py``).
 """
 
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-
-REPOSITORY = Path(__file__).resolve().parents[1]
+from resident_set import needs_resident_set_counters, run_probe
 
 ALLOWANCE_MIB = 32
 """What a logging step adds besides the attention work the budget covers: the figures' canvases (made on
@@ -22,31 +16,20 @@ the first figure step and kept), PNG encoding, histograms, the records and the i
 allocations. Measured with this probe at n = 128, where the attention's share is under 1 MiB: 26.3–26.7 MiB
 on the first logging step, which makes the figures, and 8.6–8.9 MiB on later ones (3 runs, 2-core VM)."""
 
-STEP_PROBE = textwrap.dedent(
-    """
-    import ctypes, json, sys, warnings
-    import pytorch_lightning as pl, torch
+STEP_PROBE = """
+    import pytorch_lightning as pl
     from pytorch_lightning.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
     from spectral_monitor import SpectralMonitor
     from spectral_monitor.demo import DemoTransformer
 
-    def status(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-
-    torch.set_num_threads(1)
     logdir, n, budget_mb, steps = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024) and libc.mallopt(-1, 0)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    map_large_buffers_alone()
     peaks = []
     step_end = SpectralMonitor.on_train_batch_end
 
     def measured(self, *args):
-        libc.malloc_trim(0)
-        baseline = status("VmRSS")
-        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident set
+        baseline = reset_peak()
         step_end(self, *args)
         peaks.append(status("VmHWM") - baseline)
 
@@ -65,25 +48,11 @@ STEP_PROBE = textwrap.dedent(
         warnings.simplefilter("ignore")
         trainer.fit(model, DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=2))
     print(json.dumps({"peaks": peaks}))
-    """
-)
-
-
-def step_peaks(logdir: Path, n: int, budget_mb: float, steps: int) -> list[int]:
-    completed = subprocess.run(
-        [sys.executable, "-c", STEP_PROBE, str(logdir), str(n), str(budget_mb), str(steps)],
-        capture_output=True,
-        text=True,
-        cwd=REPOSITORY,
-        env={"PYTHONPATH": str(REPOSITORY), "PATH": "/usr/bin:/bin"},
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.strip().splitlines()[-1])["peaks"]
+"""
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set counters")
+@needs_resident_set_counters
 @pytest.mark.parametrize(("budget_mb", "steps"), [(64.0, 2), (256.0, 1)])
 def test_a_logging_step_at_2048_tokens_keeps_the_memory_budget_figures_included(
     tmp_path: Path, budget_mb: float, steps: int
@@ -95,7 +64,7 @@ def test_a_logging_step_at_2048_tokens_keeps_the_memory_budget_figures_included(
     from tensorboard.backend.event_processing import event_accumulator
 
     n = 2048
-    peaks = step_peaks(tmp_path, n, budget_mb, steps)
+    peaks = run_probe(STEP_PROBE, tmp_path, n, budget_mb, steps)["peaks"]
     print(f"peak growth per logging step at {budget_mb:g} MB: {[round(p / 2**20, 1) for p in peaks]} MiB")
     assert len(peaks) == steps
     for peak in peaks:

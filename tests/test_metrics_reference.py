@@ -165,6 +165,7 @@ def test_one_pass_members_summed_over_blocks_of_rows_match_the_reference(
     assert_metrics_match(measure(case, method="exact"), case.reference(), case.name, **FLOAT64_TOLERANCE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["softmax_heads", "padded_sequences", "padded_queries_cross"])
 def test_the_farthest_point_walk_over_blocks_of_rows_matches_the_walk_over_whole_matrices(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -553,6 +554,7 @@ def test_the_krylov_eigen_gap_of_sharpened_softmax_attention_is_within_0_02() ->
     np.testing.assert_allclose(actual["sigma2"], expected["sigma2"], rtol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mix", "by_difference"), [(0.02, [False, False]), (0.156, [True, False]), (0.3, [True, True])]
 )
@@ -570,6 +572,7 @@ def test_the_rank_one_residual_is_float32_accurate_either_side_of_where_a_second
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_the_sums_behind_the_rank_one_residual_stay_float32_accurate_on_long_rows() -> None:
     """At n = 2048 an attention sink puts most of ‖A‖_F² in one column: MKL's AVX2 path summed the flattened
     matrix's squares 1e-4 off, the residual (0.62, from ‖A‖_F² − n‖ā‖²) then 6e-5 off."""
@@ -581,6 +584,7 @@ def test_the_sums_behind_the_rank_one_residual_stay_float32_accurate_on_long_row
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mix", [0.02, 0.3])
 def test_padded_queries_leave_the_rank_one_residual_exact_by_either_way(mix: float) -> None:
     """Padded queries are zero rows that the mean row must not be subtracted from, in the second pass
@@ -630,6 +634,7 @@ def test_sigma2_next_to_an_attention_sink_is_resolved_to_its_own_accuracy(seed: 
     np.testing.assert_allclose(actual["sigma2"], expected["sigma2"], rtol=4e-4)
 
 
+@pytest.mark.slow
 def test_a_warm_start_from_the_last_steps_vectors_keeps_sigma2_accurate() -> None:
     """σ₁, σ₂ of the next step's attention (q and k moved by 1%) warm-started from this step's vectors: the
     stopping rule's estimate must not take the warm block's wide-looking Ritz gap at its word (at 3e-4 it

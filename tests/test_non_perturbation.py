@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from events import read_back, scalar_series
+from models import TinyEncoder
 from reliability_helpers import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
     FAMILY_IDS,
-    TinyEncoder,
     fit,
-    read_back,
-    scalar_series,
     tensorboard_logger,
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import tiny_bert, tiny_gpt2
 from torch import nn
 
 from spectral_monitor.probes import ResidualCapture, find_transformer_blocks
@@ -130,28 +131,8 @@ def test_name_patterns_choose_the_blocks_and_a_pattern_matching_nothing_is_an_er
 
 
 def test_hugging_face_blocks_are_found_and_equal_the_hidden_states():
-    transformers = pytest.importorskip("transformers")
-    gpt2 = transformers.GPT2Model(
-        transformers.GPT2Config(
-            n_layer=2,
-            n_embd=EMBED,
-            n_head=2,
-            vocab_size=50,
-            n_positions=32,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    ).eval()
-    bert = transformers.BertModel(
-        transformers.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=EMBED,
-            num_attention_heads=2,
-            intermediate_size=32,
-            vocab_size=50,
-            max_position_embeddings=32,
-        )
-    ).eval()
+    gpt2 = tiny_gpt2(dropout=0.1, seed=None).eval()
+    bert = tiny_bert(seed=None).eval()
     ids = torch.randint(0, 50, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
     assert find_transformer_blocks(bert) == ["encoder.layer.0", "encoder.layer.1"]
     capture = ResidualCapture(gpt2, max_sequences=2)

@@ -28,16 +28,14 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from events import read_back, scalar_series
+from models import TinyEncoder, previous_token_batches
 from pytorch_lightning.callbacks import ModelCheckpoint
 from reliability_helpers import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
-    TinyEncoder,
     fit,
     monitor_reports,
-    previous_token_batches,
-    read_back,
-    scalar_series,
     tensorboard_logger,
 )
 from torch.utils.data import DataLoader

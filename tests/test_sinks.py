@@ -11,15 +11,16 @@ import logging
 import os
 import re
 import threading
+from functools import partial
 from pathlib import Path
 
 import matplotlib
 import matplotlib.figure
 import numpy as np
 import pytest
+from events import read_back as read_every_event
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
-from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch.utils.tensorboard import SummaryWriter
 
@@ -67,11 +68,7 @@ def measurements() -> list[Measurement]:
     return records
 
 
-def read_back(logdir: Path) -> event_accumulator.EventAccumulator:
-    everything = {kind: 0 for kind in event_accumulator.DEFAULT_SIZE_GUIDANCE}
-    accumulator = event_accumulator.EventAccumulator(str(logdir), size_guidance=everything)
-    accumulator.Reload()
-    return accumulator
+read_back = partial(read_every_event, purge_orphaned_data=True)  # as TensorBoard's viewer reads a run
 
 
 @pytest.fixture
