@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectral_monitor.toolbox.length_scaling import LengthScaledAttention, LogitScaling, attention_logit_scale
+from spectral_monitor.toolbox.length_scaling import (
+    LengthScaledAttention,
+    LogitScaling,
+    QKNorm,
+    attention_logit_scale,
+)
 
 __all__ = ["IGNORE_INDEX", "Block", "DemoTransformer", "LengthScaledAttention", "attention_logit_scale"]
 
@@ -34,11 +39,12 @@ class Block(nn.Module):
         logit_scaling: LogitScaling,
         log_n_gamma: float | None,
         train_seq_len: int | None,
+        qk_norm: QKNorm = "none",
     ) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model)
         self.attention = LengthScaledAttention(
-            d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len
+            d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len, qk_norm
         )
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
@@ -74,6 +80,9 @@ class DemoTransformer(pl.LightningModule):
             :func:`attention_logit_scale`.
         log_n_gamma: γ of ``"log_n"`` (None: 1.0).
         train_seq_len: with ``"log_n"``, use the relative form γ·log n/log n_train.
+        qk_norm: ``"none"``, or normalise each head's q and k before their dot product with ``"layer"``
+            (LayerNorm) or ``"rms"`` (RMSNorm), learned gain initialised to 1: QK-norm, which keeps attention
+            logits bounded at learning rates where they would otherwise grow until the loss spikes.
         init_std: standard deviation of the weight matrices and embeddings at initialisation (GPT-2's 0.02
             by default; projections into the residual stream get init_std/√(2·n_layers)). Attention
             logits then have a standard deviation of about ``init_std² · d_model``, times γ·log n with
@@ -95,6 +104,7 @@ class DemoTransformer(pl.LightningModule):
         logit_scaling: LogitScaling = "standard",
         log_n_gamma: float | None = None,
         train_seq_len: int | None = None,
+        qk_norm: QKNorm = "none",
         init_std: float = 0.02,
         seed: int = 0,
     ) -> None:
@@ -121,7 +131,7 @@ class DemoTransformer(pl.LightningModule):
             self.token_embedding = nn.Embedding(vocab_size, d_model)
             self.position_embedding = nn.Embedding(seq_len, d_model)
             self.blocks = nn.ModuleList(
-                Block(d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len)
+                Block(d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len, qk_norm)
                 for _ in range(n_layers)
             )
             self.final_norm = nn.LayerNorm(d_model)
