@@ -265,7 +265,8 @@ CATALOG: tuple[MetricInfo, ...] = (
         "mean over real queries of the attention on the most-attended key column (the largest column mean of "
         "A over real queries, among attendable keys); uniform attention over m keys: 1/m",
         "→ 1: one key takes the mass of every query, an attention sink; normal in trained LMs, and such a "
-        "head is rank one by design: read spectral_gap, rank_one_residual and effective_rank beside it",
+        "head is rank one by design: read spectral_gap, rank_one_residual and effective_rank beside it "
+        "(`rank_collapse` leaves out heads with sink_mass >= 0.5)",
         "Xiao et al. 2023; Gu et al. 2024", "Rank collapse", _ATTENTION, per_head=True,
     ),
     MetricInfo(
