@@ -419,7 +419,8 @@ def _units_of(
 
 def _worst_head_view(rule: Rule, unit: _Unit, records: list[Measurement], layer: str) -> _Unit:
     """A layer's unit with ``<metric>_max`` for ``<=`` and ``<metric>_min`` for ``>=`` where those exist:
-    the worst head decides whether every head meets a condition."""
+    the worst head decides whether every head meets a condition; for a rule on any head
+    (:attr:`Rule.any_head`) the other way round, the head nearest to meeting it decides."""
     aggregates = {
         f"{record.family}/{record.metric}": record
         for record in records
@@ -428,7 +429,9 @@ def _worst_head_view(rule: Rule, unit: _Unit, records: list[Measurement], layer:
     view = _Unit(dict(unit.values), unit.exempt)
     for index, (family_metric, _) in unit.values.items():
         condition = rule.conditions[index]
-        suffix = {">=": "_min", "<=": "_max"}.get(condition.op)
+        suffix = ({">=": "_max", "<=": "_min"} if rule.any_head else {">=": "_min", "<=": "_max"}).get(
+            condition.op
+        )
         record = aggregates.get(family_metric + suffix) if suffix else None
         if record is None or condition.relative_to != "value" or not math.isfinite(record.value):
             continue

@@ -52,6 +52,8 @@ SCOPES = ("layer", "head")
 """``layer``: one alert per layer, when at least ``head_fraction`` of its heads meet the condition (records
 without heads count as one head). ``head``: one alert per head (per layer when the metric has no heads)."""
 SEVERITIES = ("info", "warning", "critical")
+ANY_HEAD_FRACTION = 0.01
+"""A ``head_fraction`` at or below this asks for any one head (of up to 100)."""
 MEDIAN_WINDOW = 8
 """Evaluations in the running median of ``relative_to="median"`` (older values are dropped)."""
 
@@ -203,6 +205,11 @@ class Rule:
         object.__setattr__(self, "exempt", exempt)
 
     @property
+    def any_head(self) -> bool:
+        """Whether one head of a layer suffices (``head_fraction`` <= :data:`ANY_HEAD_FRACTION`)."""
+        return self.head_fraction <= ANY_HEAD_FRACTION
+
+    @property
     def families(self) -> set[str]:
         return {condition.metric.split("/", 1)[0] for condition in self.conditions}
 
@@ -319,14 +326,18 @@ def rules_from_config(config: AlertConfig | None) -> list[Rule]:
 
 def default_rules() -> list[Rule]:
     """The default rules; each says why it reads what it reads and which runs set its levels."""
-    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, TOKEN_COLLAPSE, EDGE_OF_STABILITY,
-            JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
+    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, LOGIT_GROWTH, TOKEN_COLLAPSE,
+            EDGE_OF_STABILITY, JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
 
 
 def _heads_phrase(fraction: float) -> str:
     if fraction == 1:
         return "per layer, every head"
-    return "per layer, any head" if fraction <= 0.01 else f"per layer, ≥ {fraction:.0%} of its heads"
+    return (
+        "per layer, any head"
+        if fraction <= ANY_HEAD_FRACTION
+        else f"per layer, ≥ {fraction:.0%} of its heads"
+    )
 
 
 def _is_number(value: object) -> bool:
@@ -365,12 +376,13 @@ largest column mean of A over the real queries, the largest entry of ā for a ra
 collapsed when every other head is rank one, and a layer of sink heads only is not judged. Under a causal
 mask query i attends keys ≤ i only, so a causal head near rank one has ā on the first few keys: with most of
 it on one key it is a first-token sink and left out. The uniform attention of long_context_collapse.yaml has
-``sink_mass`` ≈ 1/512 + noise, far below 0.5. Skips step 0 and needs 2 evaluations in a row: an untrained bidirectional model with
-small initial logits looks exactly like this (long_context_collapse.yaml and its healthy twin alike have
-flat rows at step 0 until the logits grow). Calibrated on configs/long_context_collapse.yaml (rank-one
-residual 0.024–0.044 in every head, effective rank / n 0.003–0.004, steps 0–74), against
-configs/long_context_logn.yaml (rank-one residual >= 0.64, effective rank / n >= 0.18, steps 0–49) and
-configs/demo.yaml (causal: rank-one residual ≈ 0.77, effective rank / n ≈ 0.33)."""
+``sink_mass`` ≈ 1/512 + noise, far below 0.5. Skips step 0 and needs 2 evaluations in a row: an untrained
+bidirectional model with small initial logits looks exactly like this (long_context_collapse.yaml and its
+healthy twin alike have flat rows at step 0 until the logits grow). Calibrated on
+configs/long_context_collapse.yaml (rank-one residual 0.024–0.044 in every head, effective rank / n
+0.003–0.004, steps 0–74), against configs/long_context_logn.yaml (rank-one residual >= 0.64, effective
+rank / n >= 0.18, steps 0–49) and configs/demo.yaml (causal: rank-one residual ≈ 0.77, effective rank / n
+≈ 0.33)."""
 
 UNIFORM_ATTENTION = Rule(
     name="uniform_attention",
@@ -409,6 +421,29 @@ its own running median: the entropy collapse that precedes loss spikes (Zhai et 
 single heads with near-zero entropy (previous-token heads, sinks) are normal. In the healthy
 configs/demo.yaml (300 steps, every 25) every head stays >= 0.59 and never falls below 0.60 × its running
 median."""
+
+LOGIT_GROWTH = Rule(
+    name="logit_growth",
+    conditions=[Condition("attention/max_logit", ">=", 50.0, clear=30.0)],
+    head_fraction=ANY_HEAD_FRACTION,
+    patience=2,
+    remedy="QK-norm (LayerNorm or RMSNorm on each head's q and k before their dot product; qk_norm in the "
+    "demo), a lower learning rate or a longer warm-up, QK-Clip (rescale W_Q and W_K of a head whose largest "
+    "logit passes a cap), or logit soft-capping (c·tanh(logit/c))",
+)
+"""A head's largest attention logit at 50 or more, twice in a row: softmax is saturated far past need.
+
+Why 50 (logit units: scale·q·k + bias). A row whose top logit beats the other keys by a gap Δ gives them
+together at most (n − 1)·e^{−Δ} of its mass, so a row of n keys is one-hot once Δ ≈ log n + c. With
+c = 16.6 (e^{−c} is float32's resolution, 6e-8), Δ = log n + 16.6 is one-hot to float32 for every n up to
+e^{33} ≈ 2·10¹⁴ keys at Δ = 50: no real context length needs a logit this large, the softmax gradient of
+such rows vanishes (nothing pulls the logit back), and in bf16 a logit of 50 is stored to steps of 0.25,
+coarser than the differences that rank keys. The other keys' logits sit near 0 in the runs we measured, so
+the largest logit is the gap. Logits that large come from ‖W_Q‖‖W_K‖ growing without bound: the
+attention-logit growth behind the loss divergence of Dehghani et al. 2023 and Wortsman et al. 2023.
+Any head (QK-Clip acts per head too); patience 2 skips a single outlier batch; clears below 30.
+
+Calibrated on configs/logit_growth.yaml and its QK-norm twin (see docs/alerts.md)."""
 
 TOKEN_COLLAPSE = Rule(
     name="token_collapse",
