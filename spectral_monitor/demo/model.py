@@ -76,6 +76,8 @@ class DemoTransformer(pl.LightningModule):
         dropout: dropout on attention weights, attention output and MLP output.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay, applied to matrices and embeddings only.
+        warmup_steps: raise the learning rate linearly from lr/warmup_steps to lr over this many optimizer
+            steps, then hold it (0: constant from the first step).
         logit_scaling: ``"standard"`` (1/√d_k) or ``"log_n"`` (γ·log n/√d_k), see
             :func:`attention_logit_scale`.
         log_n_gamma: γ of ``"log_n"`` (None: 1.0).
@@ -101,6 +103,7 @@ class DemoTransformer(pl.LightningModule):
         dropout: float = 0.0,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
+        warmup_steps: int = 0,
         logit_scaling: LogitScaling = "standard",
         log_n_gamma: float | None = None,
         train_seq_len: int | None = None,
@@ -121,6 +124,8 @@ class DemoTransformer(pl.LightningModule):
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not init_std > 0:
             raise ValueError(f"init_std must be > 0, got {init_std!r}")
         self.save_hyperparameters()
@@ -172,13 +177,18 @@ class DemoTransformer(pl.LightningModule):
         self.log("train/accuracy", accuracy, prog_bar=True)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         matrices = [p for p in self.parameters() if p.dim() >= 2]
         vectors = [p for p in self.parameters() if p.dim() < 2]
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [
                 {"params": matrices, "weight_decay": self.hparams.weight_decay},
                 {"params": vectors, "weight_decay": 0.0},
             ],
             lr=self.hparams.lr,
         )
+        warmup = self.hparams.warmup_steps
+        if warmup == 0:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
