@@ -142,10 +142,10 @@ def main() -> None:
         logdir = arguments.logdir or Path(scratch)
         runs = [train(name, logdir, arguments.max_steps) for name in CONFIGS]
         for run in runs:
-            peak = max(run.max_logit.values())
             print(
                 f"{run.name}: logit_growth alert at step {run.alert_step}, loss spike at step "
-                f"{run.spike_step}, largest attention logit {peak:.1f}, final loss {run.loss[max(run.loss)]:.3f}"
+                f"{run.spike_step}, largest attention logit {max(run.max_logit.values()):.1f}, best loss "
+                f"{min(run.loss.values()):.3f}"
             )
         plot(runs, arguments.plot)
         print(f"wrote {arguments.plot}")

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectral_monitor.alerts import AlertConfig, AlertEngine, Condition, Rule, default_rules, rules_from_config
+from spectral_monitor.alerts import (
+    AlertConfig,
+    AlertEngine,
+    Condition,
+    Rule,
+    default_rules,
+    rules_from_config,
+)
 from spectral_monitor.alerts.rules import SINK_MASS
 from spectral_monitor.metrics import attention_metrics
 from spectral_monitor.records import Measurement
@@ -77,7 +84,8 @@ def test_a_layer_of_healthy_sink_heads_raises_no_rank_collapse(causal: bool) -> 
 
 
 def test_uniform_bidirectional_attention_still_fires() -> None:
-    assert float(attention_metrics(uniform_head()[None], method="exact")["sink_mass"][0]) == pytest.approx(1 / N)
+    sink_mass = attention_metrics(uniform_head()[None], method="exact")["sink_mass"]
+    assert float(sink_mass[0]) == pytest.approx(1 / N)
     assert fired_steps(RANK_COLLAPSE, [uniform_head()] * 4) == [2]
 
 

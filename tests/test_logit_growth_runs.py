@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ STEPS = 525
 def _pair_script():
     spec = importlib.util.spec_from_file_location("logit_growth_pair", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -1,5 +1,6 @@
-"""QK-norm in the demo model: off by default (same parameters, same outputs), and when on, the logits the
-monitor measures are those of the normalised q and k, checked against a float64 recomputation."""
+"""The demo model's options for instability experiments. QK-norm: off by default (same parameters, same
+outputs), and when on, the logits the monitor measures are those of the normalised q and k, checked against
+a float64 recomputation. Learning-rate warm-up: linear to ``lr``, then constant; none by default."""
 
 from __future__ import annotations
 
@@ -102,3 +103,25 @@ def test_the_captured_max_logit_is_that_of_the_normalised_q_and_k(qk_norm: str) 
                 raw_q[head], raw_k[head], scale=1 / math.sqrt(head_dim), causal=True
             )
             assert float(measured[sequence, head]) != pytest.approx(unnormalised, rel=1e-2)
+
+
+def _learning_rates(model: DemoTransformer, steps: int) -> list[float]:
+    configured = model.configure_optimizers()
+    if isinstance(configured, torch.optim.Optimizer):
+        return [group["lr"] for group in configured.param_groups[:1]] * steps
+    optimizer, schedule = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    assert configured["lr_scheduler"]["interval"] == "step"
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_warmup_raises_the_learning_rate_linearly_then_holds_it() -> None:
+    rates = _learning_rates(DemoTransformer(**SMALL, lr=0.1, warmup_steps=4), steps=6)
+    assert rates == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
+    assert _learning_rates(DemoTransformer(**SMALL, lr=0.1), steps=3) == [0.1] * 3
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
+        DemoTransformer(**SMALL, warmup_steps=-1)
