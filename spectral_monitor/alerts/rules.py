@@ -435,7 +435,7 @@ LOGIT_GROWTH = Rule(
 
 Why 50 (logit units: scale·q·k + bias). A row whose top logit beats the other keys by a gap Δ leaves them
 together at most (n − 1)·e^{−Δ} of its mass, so a row of n keys is one-hot once Δ ≈ log n + c. With
-c = 16.6 (e^{−c} is float32's resolution, 6e-8), a gap of 50 is one-hot to float32 for every n up to
+c = 16.6 (e^{−c} = 6e-8, float32's unit roundoff), a gap of 50 is one-hot to float32 for every n up to
 e^{33} ≈ 2·10¹⁴ keys: no context length needs a logit this large, the softmax gradient of such rows
 vanishes (nothing pulls the logit back), and in bf16 a logit of 50 is stored to steps of 0.25, coarser than
 the differences that rank keys. Softmax reads differences only; the level reads as a gap against the keys
