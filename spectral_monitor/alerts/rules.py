@@ -445,7 +445,7 @@ Any head (QK-Clip acts per head too); patience 2 passes over a single outlier ba
 
 Calibrated on configs/logit_growth.yaml (AdamW, no weight decay, lr warmed up to 0.1 over 500 steps, every
 10 steps): the largest logit reads 59 at step 79 and 73 at step 89, where the rule fires, 406 steps before
-the loss first rises 1 nat over its best (step 495; it diverges to chance from step 519). Its QK-norm twin
+the loss first rises 1 nat over its best (step 495; above it for good from step 521). Its QK-norm twin
 configs/logit_growth_qk_norm.yaml stays <= 19 over 600 steps and learns the task; the healthy
 configs/demo.yaml (300 steps, every 25) stays <= 17.4."""
 
