@@ -173,12 +173,14 @@ class MetricInfo:
 class Diagnosis:
     """A default alert rule read as a diagnosis: its conditions (the :class:`AlertThreshold` s of the
     catalogue naming ``rule``) combine with ``combine`` (``any``/``all``) and, on attention, must hold in
-    every head of a layer."""
+    every head of a layer, or in one head with ``any_head`` (then the head nearest to firing decides:
+    ``_max`` of a ``>=`` condition, ``_min`` of a ``<=`` one)."""
 
     rule: str
     title: str
     combine: str
     meaning: str
+    any_head: bool = False
 
 
 _ATTENTION = "attention module"
@@ -265,7 +267,8 @@ CATALOG: tuple[MetricInfo, ...] = (
         "mean over real queries of the attention on the most-attended key column (the largest column mean of "
         "A over real queries, among attendable keys); uniform attention over m keys: 1/m",
         "→ 1: one key takes the mass of every query, an attention sink; normal in trained LMs, and such a "
-        "head is rank one by design: read spectral_gap, rank_one_residual and effective_rank beside it",
+        "head is rank one by design: read spectral_gap, rank_one_residual and effective_rank beside it "
+        "(`rank_collapse` leaves out heads with sink_mass >= 0.5)",
         "Xiao et al. 2023; Gu et al. 2024", "Rank collapse", _ATTENTION, per_head=True,
     ),
     MetricInfo(
@@ -284,6 +287,7 @@ CATALOG: tuple[MetricInfo, ...] = (
         "(QK-Clip caps it per head)",
         "Dehghani et al. 2023; Wortsman et al. 2023; Kimi K2 (QK-Clip)", "Entropy", _ATTENTION,
         head_aggregates=("max",), per_head=True,
+        thresholds=(AlertThreshold("logit_growth", ">=", 50.0, 30.0),),
     ),
     MetricInfo(
         "attention", "max_logit_growth", "ratio > 0", "steady",
@@ -488,11 +492,18 @@ DIAGNOSES: tuple[Diagnosis, ...] = (
     Diagnosis("rank_collapse", "Rank collapse", "any", "every head of a layer rank one"),
     Diagnosis("uniform_attention", "Uniform attention", "all", "every head of a bidirectional layer uniform"),
     Diagnosis("entropy_collapse", "Entropy collapse", "any", "every head of a layer on one key per query"),
+    Diagnosis(
+        "logit_growth",
+        "Attention-logit growth",
+        "any",
+        "a head's largest logit far past softmax saturation",
+        any_head=True,
+    ),
     Diagnosis("token_collapse", "Token collapse", "any", "a block's tokens nearly identical"),
     Diagnosis("edge_of_stability", "Edge of stability", "any", "sharpness well past the optimizer's edge"),
     Diagnosis("jacobian_explosion", "Signal explosion", "any", "a block's Jacobian norm running away"),
     Diagnosis("weight_runaway", "Weight runaway", "any", "a weight's σ₁ running away"),
-    Diagnosis("non_finite", "Non-finite values", "any", "NaN or inf in what the monitor saw"),
+    Diagnosis("non_finite", "Non-finite values", "any", "NaN or inf in what the monitor saw", any_head=True),
 )
 """The default alert rules as diagnoses, in the order ``spectral-monitor report`` gives its verdicts."""
 
@@ -612,7 +623,8 @@ def metrics_markdown() -> str:
     lines += ["", "## Diagnoses", "", "What `spectral-monitor report` gives a verdict on, one per default "
               "alert rule: *collapsed* where the latest reading meets the threshold, *watch* where it is "
               "between the threshold and the clear level, *healthy* otherwise. On attention the worst head "
-              "decides (`_max` of a `<=` condition, `_min` of a `>=` one).", "",
+              "decides (`_max` of a `<=` condition, `_min` of a `>=` one); for a diagnosis of any head, the "
+              "head nearest to firing (`_max` of a `>=` condition).", "",
               "| diagnosis | rule | reads | conditions combine |", "|---|---|---|---|"]  # fmt: skip
     for entry in DIAGNOSES:
         _, reads = diagnosis(entry.rule)

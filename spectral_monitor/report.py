@@ -173,8 +173,8 @@ def layer_table(run: RunScalars) -> list[TableRow]:
 def verdicts(run: RunScalars) -> list[Verdict]:
     """A verdict per diagnosis of :data:`~spectral_monitor.catalog.DIAGNOSES`, from each layer's latest
     readings against the catalogue's thresholds (the worst head of attention: ``_max`` for a ``<=``
-    threshold, ``_min`` for ``>=``, where written; relative thresholds against the run's own first value,
-    running median or first layer)."""
+    threshold, ``_min`` for ``>=``, where written, the other way round for a diagnosis of any head; relative
+    thresholds against the run's own first value, running median or first layer)."""
     return [_verdict(run, entry) for entry in DIAGNOSES]
 
 
@@ -217,7 +217,7 @@ def _verdict(run: RunScalars, entry: Diagnosis) -> Verdict:
     _, reads = diagnosis(entry.rule)
     by_layer: dict[str, list[_Judged | None]] = {}
     for index, (info, threshold) in enumerate(reads):
-        for layer, judged in _judged_layers(run, info, threshold).items():
+        for layer, judged in _judged_layers(run, info, threshold, entry.any_head).items():
             by_layer.setdefault(layer, [None] * len(reads))[index] = judged
     decided = []
     for layer, judged in by_layer.items():
@@ -239,10 +239,13 @@ def _verdict(run: RunScalars, entry: Diagnosis) -> Verdict:
     return Verdict(entry, VERDICTS[worst.state], layer, worst.text, worst.step)
 
 
-def _judged_layers(run: RunScalars, info: MetricInfo, threshold: AlertThreshold) -> dict[str, _Judged]:
-    """Each layer's latest reading of ``info`` judged against ``threshold``."""
+def _judged_layers(
+    run: RunScalars, info: MetricInfo, threshold: AlertThreshold, any_head: bool
+) -> dict[str, _Judged]:
+    """Each layer's latest reading of ``info`` judged against ``threshold`` (its worst head, or with
+    ``any_head`` the head nearest to meeting it)."""
     name = info.full_name
-    aggregate = {">=": "min", "<=": "max"}.get(threshold.op)
+    aggregate = ({">=": "max", "<=": "min"} if any_head else {">=": "min", "<=": "max"}).get(threshold.op)
     if (
         threshold.relative_to == "value"
         and aggregate in info.head_aggregates

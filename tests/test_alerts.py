@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 from jsonargparse import ArgumentParser
@@ -68,6 +69,9 @@ CASES = {
     "rank_collapse": (HEALTHY_ATTENTION, attention(0.8, 0.5, 0.07, 0.3), attention(0.8, 0.5, 0.03, 0.3)),
     "uniform_attention": (HEALTHY_ATTENTION, attention(0.97, 0.97, 0.6, 0.3), attention(1.0, 0.99, 0.6, 0.3)),
     "entropy_collapse": (HEALTHY_ATTENTION, attention(0.08, 0.5, 0.6, 0.3), attention(0.02, 0.5, 0.6, 0.3)),
+    "logit_growth": tuple(
+        partial(heads, family="attention", metric="max_logit", value=v) for v in (8, 40, 60)
+    ),
     "token_collapse": (tokens(0.1), tokens(0.92), tokens(0.97)),
     "edge_of_stability": tuple(scalar("curvature", "sharpness_ratio")(v) for v in (1.0, 1.3, 1.7)),
     "jacobian_explosion": tuple(

@@ -74,7 +74,9 @@ def test_every_default_rule_condition_is_a_catalogue_threshold_and_no_other() ->
 
 
 def test_the_diagnoses_are_the_default_rules_with_their_combination() -> None:
-    assert [(d.rule, d.combine) for d in DIAGNOSES] == [(rule.name, rule.combine) for rule in default_rules()]
+    assert [(d.rule, d.combine, d.any_head) for d in DIAGNOSES] == [
+        (rule.name, rule.combine, rule.any_head) for rule in default_rules()
+    ]
     entry, reads = diagnosis("rank_collapse")
     assert entry.title == "Rank collapse"
     assert [info.full_name for info, _ in reads] == [
@@ -84,7 +86,9 @@ def test_the_diagnoses_are_the_default_rules_with_their_combination() -> None:
 
 
 def test_head_aggregates_keep_the_worst_head_of_every_threshold_on_attention() -> None:
-    # A layer-wide rule holds in every head when its worst head holds: _max for <=, _min for >=.
+    # A layer-wide rule holds in every head when its worst head holds: _max for <=, _min for >=; a rule on
+    # any head holds when the head nearest to it does: _max for >=.
+    any_head = {entry.rule for entry in DIAGNOSES if entry.any_head}
     for info in CATALOG:
         for threshold in info.thresholds:
             if (
@@ -92,7 +96,10 @@ def test_head_aggregates_keep_the_worst_head_of_every_threshold_on_attention() -
                 and threshold.op != "nonfinite"
                 and threshold.relative_to == "value"
             ):
-                assert {">=": "min", "<=": "max"}[threshold.op] in info.head_aggregates, info.full_name
+                worst = (
+                    {">=": "max", "<=": "min"} if threshold.rule in any_head else {">=": "min", "<=": "max"}
+                )
+                assert worst[threshold.op] in info.head_aggregates, info.full_name
 
 
 def test_the_budget_of_attention_scalars_per_layer_fits_12_heads_in_30_tags() -> None:

@@ -128,6 +128,7 @@ class _Unit:
     """What one head (or a layer without heads) read for each condition of a rule."""
 
     values: dict[int, tuple[str, float]] = field(default_factory=dict)  # condition index -> (metric, value)
+    exempt: bool = False  # met one of the rule's ``exempt`` conditions: left out of the judgement
 
 
 class AlertEngine:
@@ -192,6 +193,7 @@ class AlertEngine:
                 for family_metric, group in by_metric.items()
                 if self.conditions_reading(rule, family_metric)
                 or self.conditions_reading(rule, family_metric.removesuffix("_min").removesuffix("_max"))
+                or any(exemption.matches(family_metric) for exemption in rule.exempt)
                 for record in group
             ]
             units_of = _units_of(rule, read, relative, self.conditions_reading)
@@ -252,7 +254,9 @@ class AlertEngine:
     ) -> list[AlertEvent]:
         verdicts = [_verdict(rule, unit) for unit in units]
         evaluated = [
-            (unit, verdict) for unit, verdict in zip(units, verdicts, strict=True) if verdict is not None
+            (unit, verdict)
+            for unit, verdict in zip(units, verdicts, strict=True)
+            if verdict is not None and not unit.exempt
         ]
         if not evaluated:
             return []
@@ -387,6 +391,8 @@ def _units_of(
         if not rule.applies_to(record.layer) or (record.head is not None and not rule.read_heads):
             continue
         family_metric = f"{record.family}/{record.metric}"
+        if any(e.matches(family_metric) and e.holds(record.value) for e in rule.exempt):
+            by_layer.setdefault(record.layer, {}).setdefault(record.head, _Unit()).exempt = True
         for index in conditions_reading(rule, family_metric):
             condition = rule.conditions[index]
             value = record.value
@@ -413,16 +419,19 @@ def _units_of(
 
 def _worst_head_view(rule: Rule, unit: _Unit, records: list[Measurement], layer: str) -> _Unit:
     """A layer's unit with ``<metric>_max`` for ``<=`` and ``<metric>_min`` for ``>=`` where those exist:
-    the worst head decides whether every head meets a condition."""
+    the worst head decides whether every head meets a condition; for a rule on any head
+    (:attr:`Rule.any_head`) the other way round, the head nearest to meeting it decides."""
     aggregates = {
         f"{record.family}/{record.metric}": record
         for record in records
         if record.layer == layer and record.head is None
     }
-    view = _Unit(dict(unit.values))
+    view = _Unit(dict(unit.values), unit.exempt)
     for index, (family_metric, _) in unit.values.items():
         condition = rule.conditions[index]
-        suffix = {">=": "_min", "<=": "_max"}.get(condition.op)
+        suffix = ({">=": "_max", "<=": "_min"} if rule.any_head else {">=": "_min", "<=": "_max"}).get(
+            condition.op
+        )
         record = aggregates.get(family_metric + suffix) if suffix else None
         if record is None or condition.relative_to != "value" or not math.isfinite(record.value):
             continue

@@ -52,6 +52,8 @@ SCOPES = ("layer", "head")
 """``layer``: one alert per layer, when at least ``head_fraction`` of its heads meet the condition (records
 without heads count as one head). ``head``: one alert per head (per layer when the metric has no heads)."""
 SEVERITIES = ("info", "warning", "critical")
+ANY_HEAD_FRACTION = 0.01
+"""A ``head_fraction`` at or below this asks for any one head (of up to 100)."""
 MEDIAN_WINDOW = 8
 """Evaluations in the running median of ``relative_to="median"`` (older values are dropped)."""
 
@@ -144,6 +146,10 @@ class Rule:
         layers: ``fnmatch`` patterns of the layers the rule applies to; ``None``: all.
         read_heads: read per-head records where they exist; False: the layer's own records only (a whole
             weight's norm rather than its heads' rows).
+        exempt: conditions (on the values themselves, ``relative_to="value"``) that leave a head out of the
+            judgement: a head meeting any of them neither meets the rule nor counts among the heads
+            evaluated, and a layer whose every head is exempt is not judged (an open alert stays open).
+            ``rank_collapse`` leaves out attention-sink heads this way.
     """
 
     name: str
@@ -157,6 +163,7 @@ class Rule:
     remedy: str = ""
     layers: list[str] | None = None
     read_heads: bool = True
+    exempt: list[Condition] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -184,6 +191,23 @@ class Rule:
         check_bool(f"read_heads of rule {self.name}", self.read_heads)
         if self.layers is not None:
             check_names(f"layers of rule {self.name}", self.layers, what="layer patterns (or None)")
+        exempt = self.exempt
+        if isinstance(exempt, (Condition, Mapping)) or not isinstance(exempt, Sequence):
+            raise ValueError(f"exempt of rule {self.name} must be a list of conditions, got {exempt!r}")
+        exempt = [Condition(**c) if isinstance(c, dict) else c for c in exempt]
+        for condition in exempt:
+            plain = isinstance(condition, Condition) and condition.relative_to == "value"
+            if not plain or condition.op == "nonfinite":
+                raise ValueError(
+                    f"exempt of rule {self.name} must hold conditions comparing a value with a threshold "
+                    f"(op '>=' or '<=', relative_to 'value'), got {condition!r}"
+                )
+        object.__setattr__(self, "exempt", exempt)
+
+    @property
+    def any_head(self) -> bool:
+        """Whether one head of a layer suffices (``head_fraction`` <= :data:`ANY_HEAD_FRACTION`)."""
+        return self.head_fraction <= ANY_HEAD_FRACTION
 
     @property
     def families(self) -> set[str]:
@@ -198,30 +222,36 @@ class Rule:
             where = "per head"
         else:
             where = _heads_phrase(self.head_fraction) if self.read_heads else "per layer"
+        if self.exempt:
+            where += "; heads with " + " or ".join(c.describe() for c in self.exempt) + " left out"
         return f"{joined} ({where}; {self.patience} evaluation{'s' if self.patience > 1 else ''} in a row)"
 
     def tuned(self, changes: dict[str, Any]) -> Rule:
-        """A copy with ``changes``: fields of this class, or ``family/metric`` of a condition -> its new
-        threshold (its clear level moves with it, keeping its distance)."""
-        fields = {f.name for f in dataclasses.fields(self)} - {"name", "conditions"}
-        conditions = list(self.conditions)
+        """A copy with ``changes``: fields of this class, or ``family/metric`` of a condition (or of an
+        ``exempt`` condition) -> its new threshold (its clear level moves with it, keeping its distance)."""
+        fields = {f.name for f in dataclasses.fields(self)} - {"name", "conditions", "exempt"}
+        conditions, exempt = list(self.conditions), list(self.exempt)
         plain = {}
         for key, value in changes.items():
             if key in fields:
                 plain[key] = value
                 continue
-            index = next((i for i, c in enumerate(conditions) if c.metric == key), None)
-            if index is None:
+            matching = (
+                (group, i) for group in (conditions, exempt) for i, c in enumerate(group) if c.metric == key
+            )
+            found = next(matching, None)
+            if found is None:
                 raise ValueError(
                     f"alerts.tune[{self.name!r}] key {key!r} is neither a rule field ({sorted(fields)}) nor "
-                    f"a condition metric of the rule ({[c.metric for c in conditions]})"
+                    f"a condition metric of the rule ({[c.metric for c in conditions + exempt]})"
                 )
             if not _is_number(value):
                 raise ValueError(f"alerts.tune[{self.name!r}][{key!r}] must be a number, got {value!r}")
-            old = conditions[index]
+            group, index = found
+            old = group[index]
             clear = None if old.clear is None else old.clear + (value - old.threshold)
-            conditions[index] = dataclasses.replace(old, threshold=float(value), clear=clear)
-        return dataclasses.replace(self, conditions=conditions, **plain)
+            group[index] = dataclasses.replace(old, threshold=float(value), clear=clear)
+        return dataclasses.replace(self, conditions=conditions, exempt=exempt, **plain)
 
 
 @dataclass
@@ -265,7 +295,7 @@ class AlertConfig:
         if not all(isinstance(rule, Rule) for rule in own):
             raise ValueError(f"rules must be a list of Rule, got {self.rules!r}")
         for rule in own:
-            for condition in rule.conditions:
+            for condition in (*rule.conditions, *rule.exempt):
                 check_metric_pattern(f"rules: the metric of rule {rule.name!r}", condition.metric)
         self.rules = own
 
@@ -296,14 +326,18 @@ def rules_from_config(config: AlertConfig | None) -> list[Rule]:
 
 def default_rules() -> list[Rule]:
     """The default rules; each says why it reads what it reads and which runs set its levels."""
-    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, TOKEN_COLLAPSE, EDGE_OF_STABILITY,
-            JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
+    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, LOGIT_GROWTH, TOKEN_COLLAPSE,
+            EDGE_OF_STABILITY, JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
 
 
 def _heads_phrase(fraction: float) -> str:
     if fraction == 1:
         return "per layer, every head"
-    return "per layer, any head" if fraction <= 0.01 else f"per layer, ≥ {fraction:.0%} of its heads"
+    return (
+        "per layer, any head"
+        if fraction <= ANY_HEAD_FRACTION
+        else f"per layer, ≥ {fraction:.0%} of its heads"
+    )
 
 
 def _is_number(value: object) -> bool:
@@ -315,6 +349,9 @@ LONG_CONTEXT_REMEDY = (
     "initialise W_Q and W_K larger: rows this flat over n keys give every query the same average"
 )
 
+SINK_MASS = 0.5
+"""``sink_mass`` from which a rank-one head is an attention sink (most of its mass on one key column)."""
+
 RANK_COLLAPSE = Rule(
     name="rank_collapse",
     conditions=[
@@ -324,16 +361,28 @@ RANK_COLLAPSE = Rule(
     patience=2,
     start_step=1,
     remedy=LONG_CONTEXT_REMEDY,
+    exempt=[Condition("attention/sink_mass", ">=", SINK_MASS)],
 )
-"""Every head of a layer rank one: all queries attend the same way (Dong et al. 2021).
+"""Every head of a layer rank one: all queries attend the same way (Dong et al. 2021), attention-sink heads
+left out.
 
 Per layer, not per head: an attention-sink head or a fixed positional head is rank one by design in healthy
-models. Skips step 0 and needs 2 evaluations in a row: an untrained bidirectional model with
-small initial logits looks exactly like this (long_context_collapse.yaml and its healthy twin alike have
-flat rows at step 0 until the logits grow). Calibrated on configs/long_context_collapse.yaml (rank-one
-residual 0.024–0.044 in every head, effective rank / n 0.003–0.004, steps 0–74), against
-configs/long_context_logn.yaml (rank-one residual >= 0.64, effective rank / n >= 0.18, steps 0–49) and
-configs/demo.yaml (causal: rank-one residual ≈ 0.77, effective rank / n ≈ 0.33)."""
+models. A rank-one A = 1āᵀ gives every query the same mix ā of the values. When ā is spread over many keys
+(uniform over n keys: its largest entry 1/n) the head averages the context away: that is the collapse. When
+ā sits on one key the head copies that key's value into every position, the no-op an attention sink
+implements in trained LMs (Xiao et al. 2023; Gu et al. 2024): rank one, not collapsed. ``sink_mass`` is the
+largest column mean of A over the real queries, the largest entry of ā for a rank-one head, so a head with
+``sink_mass`` >= 0.5 (most of every query's mass on one key) is left out of the judgement: the layer is
+collapsed when every other head is rank one, and a layer of sink heads only is not judged. Under a causal
+mask query i attends keys ≤ i only, so a causal head near rank one has ā on the first few keys: with most of
+it on one key it is a first-token sink and left out. The uniform attention of long_context_collapse.yaml has
+``sink_mass`` ≈ 1/512 + noise, far below 0.5. Skips step 0 and needs 2 evaluations in a row: an untrained
+bidirectional model with small initial logits looks exactly like this (long_context_collapse.yaml and its
+healthy twin alike have flat rows at step 0 until the logits grow). Calibrated on
+configs/long_context_collapse.yaml (rank-one residual 0.024–0.044 in every head, effective rank / n
+0.003–0.004, steps 0–74), against configs/long_context_logn.yaml (rank-one residual >= 0.64, effective
+rank / n >= 0.18, steps 0–49) and configs/demo.yaml (causal: rank-one residual ≈ 0.77, effective rank / n
+≈ 0.33)."""
 
 UNIFORM_ATTENTION = Rule(
     name="uniform_attention",
@@ -372,6 +421,33 @@ its own running median: the entropy collapse that precedes loss spikes (Zhai et 
 single heads with near-zero entropy (previous-token heads, sinks) are normal. In the healthy
 configs/demo.yaml (300 steps, every 25) every head stays >= 0.59 and never falls below 0.60 × its running
 median."""
+
+LOGIT_GROWTH = Rule(
+    name="logit_growth",
+    conditions=[Condition("attention/max_logit", ">=", 50.0, clear=30.0)],
+    head_fraction=ANY_HEAD_FRACTION,
+    patience=2,
+    remedy="QK-norm (LayerNorm or RMSNorm on each head's q and k before their dot product; qk_norm in the "
+    "demo), a lower learning rate or a longer warm-up, QK-Clip (rescale W_Q and W_K of a head whose largest "
+    "logit passes a cap), or logit soft-capping (c·tanh(logit/c))",
+)
+"""A head's largest attention logit at 50 or more, twice in a row: softmax saturated far past any need.
+
+Why 50 (logit units: scale·q·k + bias). A row whose top logit beats the other keys by a gap Δ leaves them
+together at most (n − 1)·e^{−Δ} of its mass, so a row of n keys is one-hot once Δ ≈ log n + c. With
+c = 16.6 (e^{−c} = 6e-8, float32's unit roundoff), a gap of 50 is one-hot to float32 for every n up to
+e^{33} ≈ 2·10¹⁴ keys: no context length needs a logit this large, the softmax gradient of such rows
+vanishes (nothing pulls the logit back), and in bf16 a logit of 50 is stored to steps of 0.25, coarser than
+the differences that rank keys. Softmax reads differences only; the level reads as a gap against the keys
+whose logits sit near 0 or below. Logits that large come from ‖W_Q‖‖W_K‖ growing without bound: the
+attention-logit growth behind the loss divergence of Dehghani et al. 2023 and Wortsman et al. 2023.
+Any head (QK-Clip acts per head too); patience 2 passes over a single outlier batch; clears below 30.
+
+Calibrated on configs/logit_growth.yaml (AdamW, no weight decay, lr warmed up to 0.1 over 500 steps, every
+10 steps): the largest logit reads 59 at step 79 and 73 at step 89, where the rule fires, 406 steps before
+the loss first rises 1 nat over its best (step 495; above it for good from step 521). Its QK-norm twin
+configs/logit_growth_qk_norm.yaml stays <= 19 over 600 steps and learns the task; the healthy
+configs/demo.yaml (300 steps, every 25) stays <= 17.4."""
 
 TOKEN_COLLAPSE = Rule(
     name="token_collapse",

@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spectral_monitor.toolbox.length_scaling import LengthScaledAttention, LogitScaling, attention_logit_scale
+from spectral_monitor.toolbox.length_scaling import (
+    LengthScaledAttention,
+    LogitScaling,
+    QKNorm,
+    attention_logit_scale,
+)
 
 __all__ = ["IGNORE_INDEX", "Block", "DemoTransformer", "LengthScaledAttention", "attention_logit_scale"]
 
@@ -34,11 +39,12 @@ class Block(nn.Module):
         logit_scaling: LogitScaling,
         log_n_gamma: float | None,
         train_seq_len: int | None,
+        qk_norm: QKNorm = "none",
     ) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model)
         self.attention = LengthScaledAttention(
-            d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len
+            d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len, qk_norm
         )
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
@@ -70,10 +76,15 @@ class DemoTransformer(pl.LightningModule):
         dropout: dropout on attention weights, attention output and MLP output.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay, applied to matrices and embeddings only.
+        warmup_steps: raise the learning rate linearly from lr/warmup_steps to lr over this many optimizer
+            steps, then hold it (0: constant from the first step).
         logit_scaling: ``"standard"`` (1/√d_k) or ``"log_n"`` (γ·log n/√d_k), see
             :func:`attention_logit_scale`.
         log_n_gamma: γ of ``"log_n"`` (None: 1.0).
         train_seq_len: with ``"log_n"``, use the relative form γ·log n/log n_train.
+        qk_norm: ``"none"``, or normalise each head's q and k before their dot product with ``"layer"``
+            (LayerNorm) or ``"rms"`` (RMSNorm), learned gain initialised to 1: QK-norm, which keeps attention
+            logits bounded at learning rates where they would otherwise grow until the loss spikes.
         init_std: standard deviation of the weight matrices and embeddings at initialisation (GPT-2's 0.02
             by default; projections into the residual stream get init_std/√(2·n_layers)). Attention
             logits then have a standard deviation of about ``init_std² · d_model``, times γ·log n with
@@ -92,9 +103,11 @@ class DemoTransformer(pl.LightningModule):
         dropout: float = 0.0,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
+        warmup_steps: int = 0,
         logit_scaling: LogitScaling = "standard",
         log_n_gamma: float | None = None,
         train_seq_len: int | None = None,
+        qk_norm: QKNorm = "none",
         init_std: float = 0.02,
         seed: int = 0,
     ) -> None:
@@ -111,6 +124,8 @@ class DemoTransformer(pl.LightningModule):
             raise ValueError(f"lr must be > 0, got {lr!r}")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if not init_std > 0:
             raise ValueError(f"init_std must be > 0, got {init_std!r}")
         self.save_hyperparameters()
@@ -121,7 +136,7 @@ class DemoTransformer(pl.LightningModule):
             self.token_embedding = nn.Embedding(vocab_size, d_model)
             self.position_embedding = nn.Embedding(seq_len, d_model)
             self.blocks = nn.ModuleList(
-                Block(d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len)
+                Block(d_model, n_heads, causal, dropout, logit_scaling, log_n_gamma, train_seq_len, qk_norm)
                 for _ in range(n_layers)
             )
             self.final_norm = nn.LayerNorm(d_model)
@@ -162,13 +177,18 @@ class DemoTransformer(pl.LightningModule):
         self.log("train/accuracy", accuracy, prog_bar=True)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         matrices = [p for p in self.parameters() if p.dim() >= 2]
         vectors = [p for p in self.parameters() if p.dim() < 2]
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [
                 {"params": matrices, "weight_decay": self.hparams.weight_decay},
                 {"params": vectors, "weight_decay": 0.0},
             ],
             lr=self.hparams.lr,
         )
+        warmup = self.hparams.warmup_steps
+        if warmup == 0:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -5,6 +5,11 @@ The numbers come from :mod:`spectral_monitor.metrics` (one definition of each); 
 ``nn.Module`` and run forwards, but not Lightning.
 """
 
-from spectral_monitor.toolbox.length_scaling import LengthScaledAttention, LogitScaling, attention_logit_scale
+from spectral_monitor.toolbox.length_scaling import (
+    LengthScaledAttention,
+    LogitScaling,
+    QKNorm,
+    attention_logit_scale,
+)
 
-__all__ = ["LengthScaledAttention", "LogitScaling", "attention_logit_scale"]
+__all__ = ["LengthScaledAttention", "LogitScaling", "QKNorm", "attention_logit_scale"]

@@ -10,6 +10,12 @@ critical one (not (log n)^1.5 or (log n)^2, which over-sharpen as n grows).
 The relative form γ·log n / log n_train equals γ at the training length, so a model trained with the standard
 scale (γ = 1) keeps its logits there and only sharpens them on longer contexts.
 
+QK-norm (``qk_norm="layer"`` or ``"rms"``) normalises each head's q and k over the head width, with a learned
+gain, before their dot product (Dehghani et al. 2023, "Scaling vision transformers to 22 billion parameters";
+Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training instabilities"). A logit is
+then bounded by the norms' learned gains (and LayerNorm's biases) times the scale, however large W_Q and W_K
+grow, which removes the attention-logit growth behind loss spikes at high learning rates.
+
 Every call goes through ``torch.nn.functional.scaled_dot_product_attention`` with the scale passed explicitly,
 so whatever captures the kernel's inputs (:class:`spectral_monitor.probes.AttentionCapture` does) sees exactly
 the scale that was used. The demo model (:mod:`spectral_monitor.demo.model`) is built from this module.
@@ -24,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LogitScaling", "LengthScaledAttention", "attention_logit_scale"]
+__all__ = ["LogitScaling", "LengthScaledAttention", "QKNorm", "attention_logit_scale"]
 
 LogitScaling = Literal["standard", "log_n"]
+QKNorm = Literal["none", "layer", "rms"]
+"""Normalisation of each head's q and k before the logits: none, LayerNorm, or RMSNorm (learned gain each)."""
 
 
 def _check_logit_scaling(logit_scaling: str, log_n_gamma: float | None, train_seq_len: int | None) -> None:
@@ -77,7 +85,9 @@ def attention_logit_scale(
 class LengthScaledAttention(nn.Module):
     """Multi-head self-attention through SDPA, with the logit scale of :func:`attention_logit_scale`.
 
-    With ``logit_scaling="standard"`` it is ordinary scaled dot-product attention.
+    With ``logit_scaling="standard"`` and ``qk_norm="none"`` it is ordinary scaled dot-product attention.
+    ``qk_norm`` (one of :data:`QKNorm`) normalises q and k per head over the head width before SDPA, so the
+    q and k the kernel receives, and any capture of its inputs sees, are the normalised ones.
     """
 
     def __init__(
@@ -89,6 +99,7 @@ class LengthScaledAttention(nn.Module):
         logit_scaling: LogitScaling = "standard",
         log_n_gamma: float | None = None,
         train_seq_len: int | None = None,
+        qk_norm: QKNorm = "none",
     ) -> None:
         super().__init__()
         if n_heads < 1 or d_model % n_heads != 0:
@@ -96,6 +107,8 @@ class LengthScaledAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         _check_logit_scaling(logit_scaling, log_n_gamma, train_seq_len)
+        if qk_norm not in get_args(QKNorm):
+            raise ValueError(f"qk_norm must be one of {get_args(QKNorm)}, got {qk_norm!r}")
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.causal = causal
@@ -105,12 +118,14 @@ class LengthScaledAttention(nn.Module):
         self.train_seq_len = train_seq_len
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.output = nn.Linear(d_model, d_model)
+        self.q_norm, self.k_norm = (_head_norm(qk_norm, self.head_dim) for _ in range(2))
         self.output_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, n, d_model = x.shape
         # (batch, n, 3·d) -> three (batch, heads, n, head_dim)
         q, k, v = self.qkv(x).view(batch, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.q_norm(q), self.k_norm(k)
         scale = attention_logit_scale(
             self.head_dim, n, self.logit_scaling, self.log_n_gamma, self.train_seq_len
         )
@@ -124,3 +139,12 @@ class LengthScaledAttention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(batch, n, d_model)
         return self.output_dropout(self.output(y))
+
+
+def _head_norm(qk_norm: QKNorm, head_dim: int) -> nn.Module:
+    """The normalisation of one of q, k over the last (head width) axis; shared by the heads."""
+    if qk_norm == "layer":
+        return nn.LayerNorm(head_dim)
+    if qk_norm == "rms":
+        return nn.RMSNorm(head_dim)
+    return nn.Identity()
