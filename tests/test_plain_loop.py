@@ -260,3 +260,35 @@ def test_steps_that_go_back_nest_or_come_after_close_are_refused(tmp_path: Path)
     monitor.close()
     with pytest.raises(RuntimeError, match="after Monitor.close"), monitor.step(5, batch=batch):
         pass
+
+
+def test_a_ddp_wrapped_model_is_measured_through_its_module_and_rank_0_writes(tmp_path: Path) -> None:
+    """A one-rank gloo group: ``writes=None`` writes on its rank 0, and the tags and values are those of the
+    unwrapped model (no ``module.`` prefix)."""
+    batches = demo_batches()[:2]
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(DemoTransformer(**MODEL))
+        with Monitor(wrapped, tmp_path / "ddp", every_n_steps=1, preset="light") as monitor:
+            assert monitor.writes
+            for step, (tokens, targets) in enumerate(batches):
+                with monitor.step(step, batch=(tokens, targets)):
+                    logits = wrapped(tokens)
+                F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX).backward()
+    finally:
+        torch.distributed.destroy_process_group()
+    model = DemoTransformer(**MODEL)
+    with Monitor(model, tmp_path / "plain", every_n_steps=1, preset="light") as monitor:
+        for step, batch in enumerate(batches):
+            with monitor.step(step, batch=batch):
+                demo_loss(model, batch).backward()
+
+    ddp, plain = monitor_events(tmp_path / "ddp"), monitor_events(tmp_path / "plain")
+    assert sorted(ddp.Tags()["scalars"]) == sorted(plain.Tags()["scalars"])
+    assert ENTROPY in plain.Tags()["scalars"]
+    for tag in plain.Tags()["scalars"]:
+        assert [(e.step, e.value) for e in ddp.Scalars(tag)] == [
+            (e.step, e.value) for e in plain.Scalars(tag)
+        ]

@@ -113,7 +113,6 @@ class Monitor:
                 f"Monitor; its options are model, logdir, every_n_steps, optimizer, loss_fn, writes and "
                 f"{', '.join(_OPTION_NAMES)}"
             )
-        check_int("every_n_steps", every_n_steps, smallest=1)
         self.options = MonitorOptions(every_n_steps=every_n_steps, **options)
         _check_a_loss_for_the_second_order_probes(self.options, loss_fn, options)
         self.optimizer = optimizer
@@ -164,12 +163,11 @@ class Monitor:
         self._previous_step = step
         self._in_step = True
         try:
-            logging = self._session.begin_step(step, batch, optimizer=self.optimizer)
-            try:
-                yield logging
-            except BaseException:
-                self._session.abandon()
-                raise
+            yield self._session.begin_step(step, batch, optimizer=self.optimizer)
+        except BaseException:
+            self._session.abandon()
+            raise
+        else:
             self._session.end_forward()
             self._session.end_step()
         finally:
