@@ -1,6 +1,7 @@
 """spectral-monitor: watch the spectra of a transformer's attention, residual stream and weights as it trains.
 
-Add :class:`SpectralMonitor` to a Lightning ``Trainer``; drive a :class:`MonitorSession` from any other
+Add :class:`SpectralMonitor` to a Lightning ``Trainer``; wrap the forward of a plain PyTorch loop in
+:class:`Monitor`'s ``with monitor.step(step, batch=batch):``; drive a :class:`MonitorSession` from any other
 training loop; or call the metric functions (:mod:`spectral_monitor.metrics`) and probes
 (:mod:`spectral_monitor.probes`) directly, without a training framework. Everything a user configures is
 importable from here: ``from spectral_monitor import SpectralMonitor, AlertConfig, CurvatureOptions``.
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         NTKOptions,
         ProbeDataOptions,
     )
+    from spectral_monitor.integrations.loop import Monitor
     from spectral_monitor.lightning import SpectralMonitor
     from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
     from spectral_monitor.records import Distribution, Measurement
@@ -37,6 +39,7 @@ _HOMES = {
     "Distribution": "spectral_monitor.records",
     "JacobianOptions": "spectral_monitor.core.second_order",
     "Measurement": "spectral_monitor.records",
+    "Monitor": "spectral_monitor.integrations.loop",
     "MonitorOptions": "spectral_monitor.core",
     "MonitorSession": "spectral_monitor.core",
     "NTKOptions": "spectral_monitor.core.second_order",
@@ -57,6 +60,7 @@ __all__ = [
     "Distribution",
     "JacobianOptions",
     "Measurement",
+    "Monitor",
     "MonitorOptions",
     "MonitorSession",
     "NTKOptions",

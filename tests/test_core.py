@@ -27,8 +27,9 @@ VOCAB, WIDTH, HEADS, TOKENS = 16, 8, 2, 6
 
 
 def test_the_core_and_the_flat_api_import_with_lightning_blocked() -> None:
-    """``pytorch_lightning`` and ``lightning`` unimportable: the core and every options class of the flat
-    API still import, and nothing of Lightning or of the Lightning layer is loaded."""
+    """``pytorch_lightning`` and ``lightning`` unimportable: the core, the plain-loop ``Monitor`` and every
+    options class of the flat API still import, and nothing of Lightning or of the Lightning layer is
+    loaded."""
     script = textwrap.dedent(
         """
         import sys
@@ -36,8 +37,8 @@ def test_the_core_and_the_flat_api_import_with_lightning_blocked() -> None:
             sys.modules[name] = None  # `import` of either, or of a submodule, raises ImportError
         import spectral_monitor.core.session
         from spectral_monitor import (
-            AlertConfig, CurvatureOptions, JacobianOptions, Measurement, MonitorOptions, MonitorSession,
-            NTKOptions, ProbeDataOptions,
+            AlertConfig, CurvatureOptions, JacobianOptions, Measurement, Monitor, MonitorOptions,
+            MonitorSession, NTKOptions, ProbeDataOptions,
         )
         loaded = [
             name for name in sys.modules

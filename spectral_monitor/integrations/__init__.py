@@ -1,0 +1,1 @@
+"""Integrations of the monitor with training loops other than Lightning's."""

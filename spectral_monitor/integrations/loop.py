@@ -1,0 +1,258 @@
+"""The monitor in a plain PyTorch training loop: :class:`Monitor`, a ``with`` block around each forward.
+
+::
+
+    monitor = Monitor(model, logdir="runs/exp1", every_n_steps=50, optimizer=optimizer)
+    for step, batch in enumerate(loader):
+        with monitor.step(step, batch=batch):
+            loss = loss_of(model, batch)  # the forward, observed on logging steps
+        loss.backward()  # unobserved: the captures were disarmed when the block exited
+        optimizer.step()
+        optimizer.zero_grad()
+        if monitor.should_stop:
+            break
+    monitor.close()
+
+It is an adapter over the framework-free :class:`~spectral_monitor.core.MonitorSession`, as the Lightning
+callback is: entering the block is ``begin_step`` (the weights measured, the captures armed), leaving it is
+``end_forward`` then ``end_step`` (the captures disarmed, the metrics computed from what the forward
+recorded, the alerts judged, the records written). Nothing here imports a training framework.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.tensorboard import SummaryWriter
+
+from spectral_monitor.core import MonitorOptions, MonitorSession
+from spectral_monitor.core.second_order import OPT_IN_FAMILIES
+from spectral_monitor.distributed import global_rank
+from spectral_monitor.sinks import TensorBoardSink
+from spectral_monitor.validation import check_bool, check_callable, check_int
+
+__all__ = ["Monitor"]
+
+_OPTION_NAMES = tuple(name for name in MonitorOptions.__dataclass_fields__ if name != "every_n_steps")
+
+
+class Monitor:
+    """Measures a model's attention, residual-stream and weight spectra in a plain PyTorch training loop
+    and writes them, with the alerts, to a TensorBoard run directory.
+
+    Wrap each step's forward in ``with monitor.step(step, batch=batch):``. On a logging step, entering the
+    block measures the weights (the parameters this forward uses) and arms the captures; the forward runs
+    untouched while they copy the first ``max_sequences`` sequences; leaving the block disarms them, so the
+    backward after it runs unobserved, and computes the step's metrics, judges the alerts and writes the
+    records at once. That needs nothing the backward or the optimizer step produce: the metrics are
+    functions of the forward's recordings and of the weights measured on entry, so they are the numbers the
+    Lightning callback writes for the same batch (it computes them after the optimizer step, from the same
+    recordings), and :attr:`should_stop` is known before the optimizer step. Off a logging step the block
+    costs a comparison: nothing is installed on the model.
+
+    If the block raises, the step is dropped (captures disarmed, recordings discarded, nothing written)
+    and the exception propagates as raised. A failure inside the monitor itself is reported once as a
+    warning and training goes on, unless ``strict=True``.
+
+    Also a context manager: ``with Monitor(...) as monitor:`` closes it at the end.
+
+    Args:
+        model: the module whose forward the block calls and whose parts are measured. A
+            ``DistributedDataParallel`` or ``FullyShardedDataParallel`` wrapper is measured through the
+            module it wraps (tags carry no ``module.`` prefix), and its sharded weights gathered for their
+            measurement.
+        logdir: the run directory the monitor writes its own event file into: a path, or a
+            ``torch.utils.tensorboard.SummaryWriter`` (or the directory of one) whose run the records
+            join, so TensorBoard shows the loop's own scalars and the monitor's as one run. The writer
+            itself is not written through, and stays the caller's to close.
+        every_n_steps: measure when ``(step + 1) % every_n_steps == 0`` (and at the first step, with
+            ``log_first_step``).
+        optimizer: the training optimizer; the curvature probe reads its learning rate (and Adam's
+            state) for the edge of stability. Not needed otherwise.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``, for the second-order probes (``curvature=``,
+            ``jacobian=``, ``ntk=``, or ``preset="full"``), which are refused without it (or
+            ``ProbeDataOptions(loss_fn=...)``): a plain loop's loss is not known to the monitor.
+        writes: whether this process writes, warns and calls ``on_alert``. None: rank 0 of
+            ``torch.distributed`` when a process group is initialised, else True. Every rank must enter
+            every ``step`` block, on the same steps: some measurements are collectives.
+        **options: any other option of the monitor, by keyword: ``preset``, ``families``, ``stop_on``,
+            ``alerts``, ``curvature``, ... (:class:`~spectral_monitor.core.MonitorOptions`; each one's
+            meaning is documented on :class:`~spectral_monitor.SpectralMonitor`).
+
+    Raises:
+        ValueError: if an argument is out of range or unknown (the message names it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        logdir: str | os.PathLike[str] | SummaryWriter,
+        *,
+        every_n_steps: int = 50,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+        writes: bool | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r}")
+        self.logdir = _run_directory(logdir)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be None or a torch.optim.Optimizer, got {optimizer!r}")
+        self.loss_fn = check_callable("loss_fn", loss_fn, "a function loss_fn(model, batch) -> scalar loss")
+        self.writes = global_rank() == 0 if writes is None else check_bool("writes", writes)
+        unknown = sorted(set(options) - set(_OPTION_NAMES))
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} of "
+                f"Monitor; its options are model, logdir, every_n_steps, optimizer, loss_fn, writes and "
+                f"{', '.join(_OPTION_NAMES)}"
+            )
+        self.options = MonitorOptions(every_n_steps=every_n_steps, **options)
+        _check_a_loss_for_the_second_order_probes(self.options, loss_fn, options)
+        self.optimizer = optimizer
+        self.model = model
+        self._measured = _wrapped_module(model)
+        self._session = MonitorSession(self.options)
+        self._started = False
+        self._closed = False
+        self._in_step = False
+        self._previous_step: int | None = None
+        self._stopping = False
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether a ``stop_on`` rule has fired (on any rank): the loop should end after this step."""
+        return self._stopping
+
+    @contextmanager
+    def step(self, step: int, *, batch: Any = None) -> Iterator[bool]:
+        """The block around the forward of training step ``step`` on ``batch``; yields whether it is a
+        logging step.
+
+        Args:
+            step: the loop's own step, on the axis of its other TensorBoard scalars (a
+                ``SummaryWriter.add_scalar(..., global_step=step)`` of the same batch lands beside the
+                monitor's); an int >= 0, never smaller than the step before. A step repeated is a further
+                micro-batch of one optimizer step (gradient accumulation), measured once, at its first.
+            batch: the batch the forward takes. The ``token_mask`` option reads it; the second-order probes
+                compute their loss on it (``loss_fn(model, batch)``) and need it. Else it may be left out.
+
+        Raises:
+            RuntimeError: if the monitor is closed or a ``step`` block is already open.
+            ValueError: if ``step`` is not an int >= 0 or goes back, or ``batch`` is missing where the
+                second-order probes need it.
+        """
+        self._check_step(step, batch)
+        if not self._started:
+            self._session.start(
+                self._measured,
+                [TensorBoardSink(self.logdir)] if self.writes else [],
+                writes=self.writes,
+                training_root=self.model,
+                default_loss=self.loss_fn,
+                request_stop=self._stop,
+                step=step,
+            )
+            self._started = True
+        self._previous_step = step
+        self._in_step = True
+        try:
+            yield self._session.begin_step(step, batch, optimizer=self.optimizer)
+        except BaseException:
+            self._session.abandon()
+            raise
+        else:
+            self._session.end_forward()
+            self._session.end_step()
+        finally:
+            self._in_step = False
+
+    def close(self) -> None:
+        """End the run: the event file closed, and one warning listing what failed, if anything did. A
+        second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self._session.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's state for the loop's checkpoint (warm iterative vectors, alert streams, cadence
+        counters), so a resumed run measures, judges and writes as this one would have gone on doing."""
+        return self._session.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output, before the first ``step`` of the resumed run."""
+        self._session.load_state_dict(state_dict)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _check_step(self, step: object, batch: Any) -> None:
+        if self._closed:
+            raise RuntimeError("Monitor.step was called after Monitor.close")
+        if self._in_step:
+            raise RuntimeError("Monitor.step blocks cannot nest: a step block is already open")
+        check_int("step", step, smallest=0)
+        if self._previous_step is not None and step < self._previous_step:
+            raise ValueError(
+                f"step must not go back: got {step} after {self._previous_step} (repeat a step for the "
+                "micro-batches of one optimizer step)"
+            )
+        if batch is None and any(family in self.options.families for family in OPT_IN_FAMILIES):
+            raise ValueError(
+                "batch must be given to Monitor.step: the second-order probes compute a loss on it"
+            )
+
+
+def _run_directory(logdir: object) -> str:
+    """The run directory named by ``logdir``: a path, or a ``SummaryWriter``'s own."""
+    if isinstance(logdir, SummaryWriter):
+        return os.fspath(logdir.get_logdir())
+    if isinstance(logdir, (str, os.PathLike)) and os.fspath(logdir):
+        return os.fspath(logdir)
+    raise ValueError(
+        "logdir must be a run directory (a non-empty str or path) or a "
+        f"torch.utils.tensorboard.SummaryWriter, got {logdir!r}"
+    )
+
+
+def _check_a_loss_for_the_second_order_probes(
+    options: MonitorOptions, loss_fn: Callable[..., Tensor] | None, given: dict[str, Any]
+) -> None:
+    """A ValueError naming the option that turned a second-order probe on, and ``loss_fn``, when no loss is
+    given for it."""
+    turned_on = [family for family in OPT_IN_FAMILIES if family in options.families]
+    if not turned_on or loss_fn is not None or options.probe_data.loss_fn is not None:
+        return
+    family = turned_on[0]
+    if given.get(family) is not None:
+        cause = f"{family}="
+    else:
+        cause = f"preset={options.preset!r}, which sets {family}="
+    raise ValueError(
+        f"{cause} turns on the {family} probe, which needs a loss: pass loss_fn=lambda model, batch: <scalar "
+        f"loss> (or probe_data=ProbeDataOptions(loss_fn=...)), or leave {family} off"
+    )
+
+
+def _wrapped_module(model: nn.Module) -> nn.Module:
+    """The module a DDP or FSDP wrapper holds, whose names are the model's own; else ``model``."""
+    wrappers = [torch.nn.parallel.DistributedDataParallel]
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers.append(FullyShardedDataParallel)
+    return model.module if isinstance(model, tuple(wrappers)) else model
