@@ -292,7 +292,7 @@ FIT_PROBE = textwrap.dedent(
     import pytorch_lightning as pl, torch
     from pytorch_lightning.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
-    from spectral_monitor import SpectralMonitor
+    from spectral_monitor import MonitorSession, SpectralMonitor
     from spectral_monitor.demo import DemoTransformer
 
     def status(field):
@@ -305,7 +305,7 @@ FIT_PROBE = textwrap.dedent(
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 128 * 1024) and libc.mallopt(-1, 0)
     peaks = []
-    measure = SpectralMonitor._measure_attention
+    measure = MonitorSession._measure_attention
 
     def measured(self, progress):
         libc.malloc_trim(0)
@@ -314,7 +314,7 @@ FIT_PROBE = textwrap.dedent(
         measure(self, progress)
         peaks.append(status("VmHWM") - baseline)
 
-    SpectralMonitor._measure_attention = measured
+    MonitorSession._measure_attention = measured
     # Peaked attention (init_std 0.3): near-uniform causal attention (the default init) needs all twelve
     # quadrature rounds for its effective rank, about 100 s per head at this n on a loaded core.
     model = DemoTransformer(vocab_size=16, d_model=32, n_layers=1, n_heads=2, seq_len=n, causal=True,
