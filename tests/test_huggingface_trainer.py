@@ -21,7 +21,7 @@ from reliability_helpers import fit, hook_count, read_back, scalar_series, tenso
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from spectral_monitor import AlertConfig, MonitorSession, Rule, SpectralMonitor  # noqa: E402
+from spectral_monitor import AlertConfig, CurvatureOptions, MonitorSession, Rule, SpectralMonitor  # noqa: E402
 from spectral_monitor.alerts import Condition  # noqa: E402
 from spectral_monitor.integrations.huggingface import (  # noqa: E402
     SpectralMonitorCallback,
@@ -186,12 +186,17 @@ def test_the_run_directory_is_the_explicit_one_then_logging_dir_then_the_environ
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
     args = SimpleNamespace(output_dir=str(tmp_path), report_to=["tensorboard"])
     this_process = f"{socket.gethostname()}.{os.getpid()}"
-    older, newer, other = tmp_path / "runs" / "a", tmp_path / "runs" / "b", tmp_path / "runs" / "c"
-    for directory, owner in ((older, this_process), (newer, this_process), (other, f"{this_process}9")):
+    older, newer, other, ours = (tmp_path / "runs" / name for name in "abcd")
+    for directory, name in (
+        (older, f"1.{this_process}.0"),
+        (newer, f"1.{this_process}.0"),
+        (other, f"1.{this_process}9.0"),  # another process's
+        (ours, f"1.{this_process}.1.spectral_monitor"),  # the monitor's own
+    ):
         directory.mkdir(parents=True)
-        (directory / f"events.out.tfevents.1.{owner}.0").write_bytes(b"")
+        (directory / f"events.out.tfevents.{name}").write_bytes(b"")
         time.sleep(0.01)  # modification times in that order
-    assert tensorboard_run_directory(args) == str(newer)  # another process's file is newer, not ours
+    assert tensorboard_run_directory(args) == str(newer)
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "env"))
     assert tensorboard_run_directory(args) == str(tmp_path / "env")
     args.logging_dir = str(tmp_path / "v4")
@@ -200,7 +205,7 @@ def test_the_run_directory_is_the_explicit_one_then_logging_dir_then_the_environ
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
     made = tensorboard_run_directory(SimpleNamespace(output_dir=str(tmp_path), report_to=[]))
     assert Path(made).parent == tmp_path / "runs" and socket.gethostname() in Path(made).name
-    assert made not in {str(older), str(newer), str(other)}
+    assert made not in {str(older), str(newer), str(other), str(ours)}
 
 
 def test_unknown_arguments_and_a_bad_log_dir_are_refused_by_name() -> None:
@@ -271,3 +276,37 @@ def test_gradient_accumulation_measures_each_optimizer_step_once_on_its_first_mi
     series = monitor_scalars(monitor.run_directory)
     assert [step for step, _ in series["attention/entropy/transformer.h.1.attn"]] == [1, 2, 3]
     assert hook_count(model) == 0
+
+
+@pytest.mark.slow
+def test_a_failing_monitor_leaves_training_going_with_one_warning_and_strict_raises_it(
+    tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(MonitorSession, "begin_step", broken)
+    model = tiny_gpt2()
+    arguments = training_arguments(tmp_path, max_steps=2, logging_steps=1, report_to=[])
+    with pytest.warns(RuntimeWarning, match="probe exploded") as warned:
+        trainer = hf_train(model, arguments, SpectralMonitorCallback(every_n_steps=1), count=2 * BATCH)
+    assert trainer.state.global_step == 2
+    assert sum("probe exploded" in str(warning.message) for warning in warned) == 1
+    assert hook_count(model) == 0
+    with pytest.raises(RuntimeError, match="probe exploded"):
+        hf_train(tiny_gpt2(), arguments, SpectralMonitorCallback(strict=True), count=2 * BATCH)
+
+
+@pytest.mark.slow
+def test_the_second_order_probes_take_the_models_own_loss_in_the_trainer(
+    tmp_path: Path, one_thread: None
+) -> None:
+    monitor = SpectralMonitorCallback(
+        families=[], preflight=False, curvature=CurvatureOptions(every_n_steps=2, max_products=16)
+    )
+    hf_train(
+        tiny_gpt2(), training_arguments(tmp_path, max_steps=3, logging_steps=2), monitor, count=3 * BATCH
+    )
+    (sharpness,) = scalar_series(read_back(monitor.run_directory), "curvature/sharpness/").values()
+    assert [step for step, _ in sharpness] == [1, 2]  # batches 0 and 1 of (index + 1) % 2 == 0, and 0
+    assert all(value > 0 for _, value in sharpness)

@@ -103,22 +103,23 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     ) -> None:
         if model is None:
             raise ValueError("SpectralMonitorCallback needs the Trainer's model, and on_train_begin got none")
-        writes = state.is_world_process_zero
-        sinks = []
-        if writes:
-            self.run_directory = tensorboard_run_directory(args, self.log_dir)
-            sinks = [TensorBoardSink(self.run_directory)]
         self._stop_requested = False
-        self._session.start(
-            model,
-            sinks,
-            writes=writes,
-            default_loss=model_output_loss,
-            request_stop=self._ask_to_stop,
-            disarm_after_forward=True,
-            step=state.global_step,
-            step_offset=_HF_STEP_OFFSET,
-        )
+        writes = state.is_world_process_zero
+        with self._guarded("starting the monitor"):  # unstarted, each step's start fails and is skipped
+            sinks = []
+            if writes:
+                self.run_directory = tensorboard_run_directory(args, self.log_dir)
+                sinks = [TensorBoardSink(self.run_directory)]
+            self._session.start(
+                model,
+                sinks,
+                writes=writes,
+                default_loss=model_output_loss,
+                request_stop=self._ask_to_stop,
+                disarm_after_forward=True,
+                step=state.global_step,
+                step_offset=_HF_STEP_OFFSET,
+            )
 
     def on_step_begin(
         self,
@@ -160,14 +161,6 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     ) -> None:
         self._remove_arming_hook()
         self._session.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The monitor's state for a resumed run (:meth:`MonitorSession.state_dict`)."""
-        return self._session.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, before or during a run."""
-        self._session.load_state_dict(state_dict)
 
     def _begin_step(
         self,
@@ -237,7 +230,8 @@ def tensorboard_run_directory(args: transformers.TrainingArguments, log_dir: str
     3. the environment variable ``TENSORBOARD_LOGGING_DIR`` (``transformers`` 5.x's ``TensorBoardCallback``
        writes there when it is set);
     4. with ``"tensorboard"`` in ``args.report_to``, the directory of the newest event file this process
-       wrote under ``args.output_dir/runs``: the file name carries the host and the process id, and the
+       wrote under ``args.output_dir/runs``, the monitor's own files left out: the file name carries the
+       host and the process id, and the
        ``TensorBoardCallback`` (a default callback, whose ``on_train_begin`` runs before the user's) has just
        made its writer there (``runs/<Mon DD_HH-MM-SS>_<host>``);
     5. a new ``args.output_dir/runs/<Mon DD_HH-MM-SS>_<host>``, the name ``TensorBoardCallback`` would use.
@@ -253,6 +247,7 @@ def tensorboard_run_directory(args: transformers.TrainingArguments, log_dir: str
     if "tensorboard" in (args.report_to or []):
         pattern = f"events.out.tfevents.*.{glob.escape(socket.gethostname())}.{os.getpid()}.*"
         written = glob.glob(os.path.join(glob.escape(args.output_dir), "runs", "**", pattern), recursive=True)
+        written = [path for path in written if not path.endswith(".spectral_monitor")]  # the monitor's own
         if written:
             return os.path.dirname(max(written, key=lambda path: os.stat(path).st_mtime_ns))
     from transformers.integrations.integration_utils import default_logdir
