@@ -91,6 +91,7 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         self._session = MonitorSession(self.options)
         self._arming_hook: torch.utils.hooks.RemovableHandle | None = None
         self._stop_requested = False
+        self._writes = True  # whether this process warns: the world process zero only
         self._failed: set[str] = set()
 
     def on_train_begin(
@@ -101,10 +102,8 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        if model is None:
-            raise ValueError("SpectralMonitorCallback needs the Trainer's model, and on_train_begin got none")
         self._stop_requested = False
-        writes = state.is_world_process_zero
+        self._writes = writes = state.is_world_process_zero
         with self._guarded("starting the monitor"):  # unstarted, each step's start fails and is skipped
             sinks = []
             if writes:
@@ -131,8 +130,6 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         **kwargs: Any,
     ) -> None:
         self._remove_arming_hook()
-        if model is None:
-            return
         step = state.global_step + _HF_STEP_OFFSET
         with self._guarded("installing the monitor's forward pre-hook"):
             self._arming_hook = model.register_forward_pre_hook(
@@ -185,15 +182,15 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
 
     @contextmanager
     def _guarded(self, what: str) -> Iterator[None]:
-        """Runs the callback's own part of a step; a failure is raised when strict, else warned of once and
-        the step goes on unmeasured."""
+        """Runs the callback's own part of a step; a failure is raised when strict, else warned of once (by
+        the world process zero) and the step goes on unmeasured."""
         try:
             yield
         except Exception as error:
             self._session.abandon()
             if self.options.strict:
                 raise
-            if what not in self._failed:
+            if self._writes and what not in self._failed:
                 self._failed.add(what)
                 warnings.warn(
                     f"SpectralMonitorCallback: {what} failed with {error!r}; training goes on without it. "
