@@ -164,6 +164,8 @@ def test_the_trainer_run_holds_the_lightning_callbacks_tags_and_values_on_its_ow
     assert [step for step, _ in hf["weights/spectral_norm/transformer.h.1.attn.q"]] == trainer_loss_steps
     for tag, series in hf.items():
         assert {step for step, _ in series} <= set(trainer_loss_steps), tag
+    (_, first), *_, (_, last) = hf["weights/spectral_norm/transformer.h.1.attn.q"]
+    assert first != pytest.approx(last, abs=1e-3)  # training moved the weights: each step is its own
 
     lightning = WrappedGPT2(twin)
     data = torch.utils.data.DataLoader(padded_examples(6 * BATCH), batch_size=BATCH)
