@@ -15,7 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from spectral_monitor import AlertConfig, Measurement, MonitorOptions, MonitorSession, Rule
+from spectral_monitor import (
+    AlertConfig,
+    CurvatureOptions,
+    Measurement,
+    MonitorOptions,
+    MonitorSession,
+    ProbeDataOptions,
+    Rule,
+)
 from spectral_monitor.alerts import Condition
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.sinks import Capability, Sink
@@ -197,3 +205,34 @@ def test_each_preset_sets_what_it_documents_and_an_explicit_argument_overrides_i
 
 def test_the_default_preset_is_the_standard_one() -> None:
     assert MonitorOptions() == MonitorOptions(preset="standard")
+
+
+def test_a_step_offset_keeps_the_cadences_on_the_batch_index_and_files_under_the_callers_steps() -> None:
+    """A framework that files a batch's scalars after its update (Hugging Face's ``global_step``) passes
+    steps one ahead of the batch index; the logging and second-order cadences still count the index."""
+    torch.manual_seed(0)
+    model = TinyAttention()
+    tokens = torch.randint(VOCAB, (2, TOKENS), generator=torch.Generator().manual_seed(1))
+    session = MonitorSession(
+        MonitorOptions(
+            every_n_steps=2,
+            families=["attention"],
+            preflight=False,
+            strict=True,
+            curvature=CurvatureOptions(every_n_steps=3, max_products=8, tol=0.1),
+            probe_data=ProbeDataOptions(loss_fn=lambda module, batch: module(batch).logsumexp(-1).mean()),
+        )
+    )
+    sink = RecordingSink()
+    session.start(model, [sink], disarm_after_forward=True, step_offset=1)
+    logging_steps = []
+    for step in range(1, 7):  # batches 0 to 5
+        if session.begin_step(step, tokens):
+            logging_steps.append(step)
+        model(tokens)
+        session.end_step()
+    session.close()
+
+    assert logging_steps == [1, 2, 4, 6]  # batches 0, 1, 3, 5: (index + 1) % 2 == 0, and index 0
+    assert sorted({r.step for r in sink.records if r.family == "attention"}) == logging_steps
+    assert sorted({r.step for r in sink.records if r.family == "curvature"}) == [1, 3, 6]  # batches 0, 2, 5

@@ -345,6 +345,8 @@ class SecondOrderProbes:
     refused here with a ValueError naming DDP (the probes themselves run on the module given to
     :meth:`measure_due`). ``default_loss(module, batch)``: the loss when ``ProbeDataOptions.loss_fn`` is not
     given (None: ``loss_fn`` is required). ``warn``: how a one-time warning reaches the user.
+    ``step_offset``: how far the steps given to :meth:`measure_due` run ahead of the optimizer steps taken
+    before their batch, which the cadences count (``MonitorSession.start``'s).
     """
 
     def __init__(
@@ -358,6 +360,7 @@ class SecondOrderProbes:
         failures_of: Callable[[str], Any],
         warn: Callable[[str], None] = warnings.warn,
         default_loss: LossFn | None = None,
+        step_offset: int = 0,
     ) -> None:
         self.families = [family for family in OPT_IN_FAMILIES if family in families]
         check_unsharded(model, f"SpectralMonitor's {'/'.join(self.families)} probes")
@@ -365,6 +368,7 @@ class SecondOrderProbes:
         self._failures_of = failures_of
         self._warn = warn
         self._default_loss = default_loss
+        self._step_offset = step_offset
         self._device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
         self._batches: list[Any] = []
         self._curvature_warm: dict[str, CurvatureWarmStart] = {}
@@ -393,7 +397,7 @@ class SecondOrderProbes:
         self._last_step = step
         if self.data.probe_batch == "averaged" and len(self._batches) < self.data.probe_batches:
             self._batches.append(_copy(batch))
-        due = [family for family in self.families if self._cadence(family).due(step)]
+        due = [family for family in self.families if self._cadence(family).due(step - self._step_offset)]
         if not due:
             return event
         if self.data.probe_batch == "fixed" and not self._batches:

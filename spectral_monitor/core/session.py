@@ -7,7 +7,9 @@ probes (``spectral_monitor.probes``) around the training forward, turns what the
 the sinks (``spectral_monitor.sinks``) it was given. Between logging steps nothing is installed on the model.
 
 Per step s (the step axis is the caller's: the step under which the training framework files its own
-scalars of the same batch):
+scalars of the same batch; the cadences count the optimizer steps taken before the batch, which is s where
+the framework files a batch's scalars before its update (Lightning) and s - 1 where it files them after
+(Hugging Face's ``global_step``): ``start(step_offset=1)``):
 
 - :meth:`MonitorSession.begin_step` before the forward: the opt-in second-order probes run on their own
   cadence; on a logging step the weights are measured (the parameters this step's forward uses), then the
@@ -164,6 +166,7 @@ class MonitorSession:
         self._model: nn.Module | None = None
         self._request_stop: Callable[[], None] = _no_stop
         self._disarm_after_forward = False
+        self._step_offset = 0
         self._training_root: nn.Module | None = None
         self._forward_return_hook: torch.utils.hooks.RemovableHandle | None = None
         self._attention_capture: AttentionCapture | None = None
@@ -194,6 +197,7 @@ class MonitorSession:
         request_stop: Callable[[], None] | None = None,
         disarm_after_forward: bool = False,
         step: int = 0,
+        step_offset: int = 0,
     ) -> None:
         """Begin a run: find what to measure on ``model`` and run the architecture preflight.
 
@@ -211,6 +215,11 @@ class MonitorSession:
             disarm_after_forward: end each logging step's captures when ``model``'s forward returns (a
                 one-shot forward hook), for a loop that cannot call :meth:`end_forward` before the backward.
             step: the step the run starts at (the preflight's text is filed under it).
+            step_offset: how far the caller's steps run ahead of the optimizer steps taken before their
+                batch, which the cadences count: 0 where a framework files a batch's scalars before its
+                update (Lightning), 1 where it files them after it (Hugging Face's ``global_step``). With
+                either, ``every_n_steps`` equal to the framework's logging interval measures the batches
+                whose scalars the framework logs, on the same steps.
         """
         options = self.options
         self._model = model
@@ -218,6 +227,7 @@ class MonitorSession:
         self._reports.writes = writes
         self._request_stop = request_stop or _no_stop
         self._disarm_after_forward = disarm_after_forward
+        self._step_offset = step_offset
         self.alerting.stopping = False
         training_root = model if training_root is None else training_root
         self._warn_about_unmatched_patterns(model)
@@ -260,6 +270,7 @@ class MonitorSession:
                 self._reports.failures_of,
                 warn=self._reports.warn,
                 default_loss=default_loss,
+                step_offset=step_offset,
             )
         for key, part in self._stateful_parts().items():
             if part is not None and key in self._parked_states:
@@ -481,7 +492,7 @@ class MonitorSession:
     def _is_logging_step(self, step: int) -> bool:
         if step == self._last_logged_step:  # later micro-batches of an accumulated step
             return False
-        return self._logging_cadence.due(step)
+        return self._logging_cadence.due(step - self._step_offset)
 
     def _kept(self, capability: Capability) -> bool:
         return _kept_by(self._sinks, capability)

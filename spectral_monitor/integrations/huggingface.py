@@ -1,0 +1,252 @@
+"""The Hugging Face ``transformers.Trainer`` callback: :class:`SpectralMonitorCallback`, an adapter of the
+Trainer's events to the framework-free :class:`~spectral_monitor.core.MonitorSession`.
+
+Importing this module imports ``transformers``; nothing else in the library does.
+
+The Trainer has no event between a step's forward and its backward, and ``on_step_begin`` gets no batch, so
+a logging step is armed from inside the forward:
+
+- ``on_train_begin``: the run directory found (:func:`tensorboard_run_directory`), the session started with
+  a TensorBoard sink there (world process zero only) and captures that end when the model's forward returns;
+- ``on_step_begin`` (once per optimizer step): a one-shot forward pre-hook on the model; the first forward
+  of the step (the first micro-batch under gradient accumulation) removes it and calls ``begin_step`` with
+  that forward's inputs as the batch, so the backward, the later micro-batches and any activation
+  recomputation run unobserved;
+- ``on_step_end`` (after the optimizer step): ``end_step`` (metrics, alerts, records written); a
+  ``stop_on`` rule that fired sets ``control.should_training_stop``;
+- ``on_train_end``: ``close``.
+
+The step axis is the Trainer's ``global_step``, which it advances before logging a step's scalars: the
+records of the batch that starts at ``global_step == g`` are filed under g + 1, beside the Trainer's own
+scalars of that batch, while the cadence counts g as the Lightning callback counts its batches (measured
+when ``(g + 1) % every_n_steps == 0``, and g = 0 with ``log_first_step``). With ``every_n_steps`` equal to
+``TrainingArguments.logging_steps`` the monitor's records and the Trainer's ``train/loss`` land on the same
+steps.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor, nn
+
+from spectral_monitor.core import MonitorOptions, MonitorSession
+from spectral_monitor.sinks import TensorBoardSink
+
+__all__ = ["SpectralMonitorCallback", "model_output_loss", "tensorboard_run_directory"]
+
+_HF_STEP_OFFSET = 1
+"""The Trainer files a batch's scalars under ``global_step`` after its update: one past the batch's index."""
+
+
+class SpectralMonitorCallback(transformers.TrainerCallback):
+    """Measures attention, residual-stream and weight spectra in a ``transformers.Trainer`` and writes them
+    into the Trainer's TensorBoard run, beside its own scalars::
+
+        trainer = Trainer(model, args, train_dataset=data, callbacks=[SpectralMonitorCallback()])
+
+    It writes the tags, figures, alerts and layout of :class:`~spectral_monitor.SpectralMonitor` (see there),
+    on the Trainer's ``global_step`` (see the module's docstring for the step axis). Every process measures;
+    the world process zero alone writes, warns and calls ``on_alert``. A ``stop_on`` rule that fires sets
+    ``control.should_training_stop``: the Trainer stops after that step. Failures inside the monitor are
+    reported once and training goes on, unless ``strict``.
+
+    The opt-in second-order probes (``curvature=``, ``jacobian=``, ``ntk=``) take their loss from
+    :func:`model_output_loss` (``model(**batch).loss``) unless ``ProbeDataOptions(loss_fn=...)`` is given.
+
+    Args:
+        log_dir: the run directory the monitor's event file goes into. None: the Trainer's TensorBoard run,
+            found as :func:`tensorboard_run_directory` says.
+        **options: the arguments of :class:`~spectral_monitor.SpectralMonitor`, by keyword
+            (``every_n_steps=10``, ``preset="light"``, ``stop_on=["rank_collapse"]``, ...), with the same
+            meaning and defaults.
+
+    Raises:
+        ValueError: if an option is out of range (the message names it).
+        TypeError: if an argument is not one of the options.
+    """
+
+    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        unknown = sorted(set(options) - set(MonitorOptions.__dataclass_fields__))
+        if unknown:
+            raise TypeError(
+                f"SpectralMonitorCallback got unknown arguments {', '.join(unknown)}: it takes log_dir and "
+                f"the options of SpectralMonitor ({', '.join(MonitorOptions.__dataclass_fields__)})"
+            )
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ValueError(f"log_dir must be a directory path or None, got {type(log_dir).__name__}")
+        self.options = MonitorOptions(**options)
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.run_directory: str | None = None
+        """Where the monitor's event file of the current or last run went (world process zero)."""
+        self._session = MonitorSession(self.options)
+        self._arming_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._stop_requested = False
+        self._writes = True  # whether this process warns: the world process zero only
+        self._failed: set[str] = set()
+
+    def on_train_begin(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._stop_requested = False
+        self._writes = writes = state.is_world_process_zero
+        with self._guarded("starting the monitor"):  # unstarted, each step's start fails and is skipped
+            sinks = []
+            if writes:
+                self.run_directory = tensorboard_run_directory(args, self.log_dir)
+                sinks = [TensorBoardSink(self.run_directory)]
+            self._session.start(
+                model,
+                sinks,
+                writes=writes,
+                default_loss=model_output_loss,
+                request_stop=self._ask_to_stop,
+                disarm_after_forward=True,
+                step=state.global_step,
+                step_offset=_HF_STEP_OFFSET,
+            )
+
+    def on_step_begin(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._remove_arming_hook()
+        step = state.global_step + _HF_STEP_OFFSET
+        with self._guarded("installing the monitor's forward pre-hook"):
+            self._arming_hook = model.register_forward_pre_hook(
+                partial(self._begin_step, step, optimizer), with_kwargs=True
+            )
+
+    def on_step_end(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        **kwargs: Any,
+    ) -> transformers.TrainerControl:
+        self._remove_arming_hook()  # a step whose forward did not go through the model
+        self._session.end_step()
+        if self._stop_requested:
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self._remove_arming_hook()
+        self._session.close()
+
+    def _begin_step(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer | None,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self._remove_arming_hook()  # one forward a step: later micro-batches run unobserved
+        batch = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+        with self._guarded("starting a step of the monitor"):
+            self._session.begin_step(step, batch, optimizer=optimizer)
+
+    def _remove_arming_hook(self) -> None:
+        if self._arming_hook is not None:
+            self._arming_hook.remove()
+            self._arming_hook = None
+
+    def _ask_to_stop(self) -> None:
+        self._stop_requested = True
+
+    @contextmanager
+    def _guarded(self, what: str) -> Iterator[None]:
+        """Runs the callback's own part of a step; a failure is raised when strict, else warned of once (by
+        the world process zero) and the step goes on unmeasured."""
+        try:
+            yield
+        except Exception as error:
+            self._session.abandon()
+            if self.options.strict:
+                raise
+            if self._writes and what not in self._failed:
+                self._failed.add(what)
+                warnings.warn(
+                    f"SpectralMonitorCallback: {what} failed with {error!r}; training goes on without it. "
+                    "Later failures of this kind are not reported (strict=True raises them).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def model_output_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The second-order probes' default loss in a Trainer: ``model(**batch).loss`` for a batch that is a
+    mapping of the model's keyword arguments (the Trainer's ``num_items_in_batch`` left out, so the loss is
+    the batch's mean whatever the gradient accumulation)."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"the second-order probes' default loss is model(**batch).loss, but the batch is a "
+            f"{type(batch).__name__}, not a mapping: pass ProbeDataOptions(loss_fn=...)"
+        )
+    output = model(**{name: value for name, value in batch.items() if name != "num_items_in_batch"})
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, Tensor) or loss.ndim != 0:
+        raise ValueError(
+            "model(**batch) returned no scalar loss for the second-order probes (does the batch hold "
+            "labels?): pass ProbeDataOptions(loss_fn=...)"
+        )
+    return loss
+
+
+def tensorboard_run_directory(args: transformers.TrainingArguments, log_dir: str | None = None) -> str:
+    """The run directory of the Trainer's TensorBoard scalars, where the monitor writes, the first of:
+
+    1. ``log_dir``, when given;
+    2. ``args.logging_dir``, where ``TrainingArguments`` has one (``transformers`` 4.x);
+    3. the environment variable ``TENSORBOARD_LOGGING_DIR`` (``transformers`` 5.x's ``TensorBoardCallback``
+       writes there when it is set);
+    4. with ``"tensorboard"`` in ``args.report_to``, the directory of the newest event file this process
+       wrote under ``args.output_dir/runs``, the monitor's own files left out: the file name carries the
+       host and the process id, and the
+       ``TensorBoardCallback`` (a default callback, whose ``on_train_begin`` runs before the user's) has just
+       made its writer there (``runs/<Mon DD_HH-MM-SS>_<host>``);
+    5. a new ``args.output_dir/runs/<Mon DD_HH-MM-SS>_<host>``, the name ``TensorBoardCallback`` would use.
+    """
+    if log_dir is not None:
+        return log_dir
+    logging_dir = getattr(args, "logging_dir", None)
+    if logging_dir:
+        return os.fspath(logging_dir)
+    from_environment = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    if from_environment:
+        return os.path.expanduser(from_environment)
+    if "tensorboard" in (args.report_to or []):
+        pattern = f"events.out.tfevents.*.{glob.escape(socket.gethostname())}.{os.getpid()}.*"
+        written = glob.glob(os.path.join(glob.escape(args.output_dir), "runs", "**", pattern), recursive=True)
+        written = [path for path in written if not path.endswith(".spectral_monitor")]  # the monitor's own
+        if written:
+            return os.path.dirname(max(written, key=lambda path: os.stat(path).st_mtime_ns))
+    from transformers.integrations.integration_utils import default_logdir
+
+    return os.path.join(args.output_dir, default_logdir())
