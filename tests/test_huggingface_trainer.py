@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from reliability_helpers import fit, hook_count, read_back, scalar_series, tensorboard_logger
+from events import read_back, scalar_series
+from models import hook_count
+from reliability_helpers import fit, tensorboard_logger
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
