@@ -1,8 +1,9 @@
 """The monitor without a training framework: :class:`MonitorSession` runs one training run's logging steps
 (arm the probes around a forward → measure → records → alerts → sinks) for any integration.
 
-Nothing under this package imports Lightning or another training framework; the integrations
-(:mod:`spectral_monitor.lightning`, and any other) adapt their hooks to the session's calls.
+Nothing under this package imports Lightning or another training framework; the adapters
+(:mod:`spectral_monitor.lightning`, :mod:`spectral_monitor.integrations`) turn a training loop's events into
+:class:`MonitorSession` calls.
 """
 
 from spectral_monitor.core.options import ALL_FAMILIES, FAMILIES, MonitorOptions

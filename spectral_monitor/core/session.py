@@ -394,6 +394,18 @@ class MonitorSession:
         self._logging_steps_done += 1
         return stopping
 
+    @contextmanager
+    def failures_of(self, what: str) -> Iterator[None]:
+        """Runs an integration's own part of a step (installing a hook, starting a run): a failure drops the
+        step in progress and is raised when ``strict``, else reported once, like the session's own, and
+        listed in the end-of-run report."""
+        with self._reports.failures_of(what):
+            try:
+                yield
+            except Exception:
+                self.abandon()
+                raise
+
     def abandon(self) -> None:
         """Drop the step in progress, if any: captures disarmed, recordings discarded, nothing written."""
         self._remove_forward_return_hook()

@@ -29,9 +29,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
-import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -91,8 +89,6 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         self._session = MonitorSession(self.options)
         self._arming_hook: torch.utils.hooks.RemovableHandle | None = None
         self._stop_requested = False
-        self._writes = True  # whether this process warns: the world process zero only
-        self._failed: set[str] = set()
 
     def on_train_begin(
         self,
@@ -103,8 +99,9 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         **kwargs: Any,
     ) -> None:
         self._stop_requested = False
-        self._writes = writes = state.is_world_process_zero
-        with self._guarded("starting the monitor"):  # unstarted, each step's start fails and is skipped
+        writes = state.is_world_process_zero
+        # A session that did not start fails each step's start, which is then skipped.
+        with self._session.failures_of("starting the monitor"):
             sinks = []
             if writes:
                 self.run_directory = tensorboard_run_directory(args, self.log_dir)
@@ -131,7 +128,7 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     ) -> None:
         self._remove_arming_hook()
         step = state.global_step + _HF_STEP_OFFSET
-        with self._guarded("installing the monitor's forward pre-hook"):
+        with self._session.failures_of("installing the monitor's forward pre-hook"):
             self._arming_hook = model.register_forward_pre_hook(
                 partial(self._begin_step, step, optimizer), with_kwargs=True
             )
@@ -169,7 +166,7 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     ) -> None:
         self._remove_arming_hook()  # one forward a step: later micro-batches run unobserved
         batch = kwargs if kwargs else (args[0] if len(args) == 1 else args)
-        with self._guarded("starting a step of the monitor"):
+        with self._session.failures_of("starting a step of the monitor"):
             self._session.begin_step(step, batch, optimizer=optimizer)
 
     def _remove_arming_hook(self) -> None:
@@ -179,25 +176,6 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
 
     def _ask_to_stop(self) -> None:
         self._stop_requested = True
-
-    @contextmanager
-    def _guarded(self, what: str) -> Iterator[None]:
-        """Runs the callback's own part of a step; a failure is raised when strict, else warned of once (by
-        the world process zero) and the step goes on unmeasured."""
-        try:
-            yield
-        except Exception as error:
-            self._session.abandon()
-            if self.options.strict:
-                raise
-            if self._writes and what not in self._failed:
-                self._failed.add(what)
-                warnings.warn(
-                    f"SpectralMonitorCallback: {what} failed with {error!r}; training goes on without it. "
-                    "Later failures of this kind are not reported (strict=True raises them).",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
 
 
 def model_output_loss(model: nn.Module, batch: Any) -> Tensor:
