@@ -120,7 +120,7 @@ class SpectralMonitor(*CALLBACK_BASES):
             with a 64 MB budget and 148.7 MiB with 256 MB (``tests/test_memory_budget.py``).
         per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
             each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
-            12-head model writes 24 attention scalars per layer rather than 167; the alert rules read
+            12-head model writes 27 attention scalars per layer rather than 195; the alert rules read
             every head either way, and the attention histograms and layer × head images show them. None:
             the preset's (on only in ``"full"``).
         histograms: write histograms of per-head values and of weight singular values. None: the preset's
