@@ -281,6 +281,34 @@ def test_rank_one_attention_has_one_singular_value_and_identical_rows() -> None:
     assert math.isnan(metrics["eigen_gap"]) and math.isnan(metrics["self_attention"])
 
 
+@pytest.mark.parametrize("mass", [0.96, 0.97, 0.98, 0.99])
+def test_square_rank_one_attention_on_one_key_has_eigen_gap_one(mass: float) -> None:
+    # Every query sends `mass` to key 0 and spreads the rest: A = 1 rᵀ, eigenvalues 1 and n - 1 zeros.
+    # LAPACK's QR iteration fails to converge on some of these matrices on some CPUs.
+    n = 64
+    row = np.full(n, (1 - mass) / (n - 1))
+    row[0] = mass
+    metrics = closed_form(rank_one_attention(row, n))
+    assert metrics["eigen_gap"] == pytest.approx(1.0, abs=1e-12)
+    assert metrics["self_attention"] == pytest.approx((mass + (n - 1) * row[1]) / n, abs=1e-15)
+
+
+def test_eigenvalues_that_lapack_cannot_find_are_found_after_a_similarity(monkeypatch) -> None:
+    rng = np.random.default_rng(4)
+    matrices = torch.from_numpy(row_softmax(query_key_logits(rng, (3, 12, 12), d=4)))
+    expected = torch.linalg.eigvals(matrices).abs().sort(dim=1).values
+    eigvals = torch.linalg.eigvals
+
+    def fails_on_batches(matrix: torch.Tensor) -> torch.Tensor:
+        if matrix.dim() > 2:
+            raise torch.linalg.LinAlgError("failed to converge")
+        return eigvals(matrix)
+
+    monkeypatch.setattr(torch.linalg, "eigvals", fails_on_batches)
+    found = attention_module._eigenvalues(matrices).abs().sort(dim=1).values
+    torch.testing.assert_close(found, expected, rtol=0, atol=1e-13)
+
+
 @pytest.mark.parametrize(("a", "b"), [(0.9, 0.3), (0.2, 0.6), (0.5, 0.5), (1.0, 0.0)])
 def test_two_by_two_eigen_gap_is_one_minus_the_dobrushin_coefficient(a: float, b: float) -> None:
     # [[a, 1-a], [b, 1-b]] has eigenvalues 1 and a - b, and its rows differ by |a - b| in each entry.

@@ -590,8 +590,35 @@ def _exact_eigen_gap(matrices: Tensor, causal: bool) -> Tensor:
         return torch.full((batch,), float("nan"), dtype=matrices.dtype, device=matrices.device)
     if n == 1:
         return torch.ones(batch, dtype=matrices.dtype, device=matrices.device)
-    moduli = torch.linalg.eigvals(matrices).abs().sort(dim=1, descending=True).values
+    moduli = _eigenvalues(matrices).abs().sort(dim=1, descending=True).values
     return 1 - moduli[:, 1].to(matrices.dtype)
+
+
+def _eigenvalues(matrices: Tensor) -> Tensor:
+    """The eigenvalues of each square matrix (B, n, n); NaN for one whose eigenvalues cannot be found.
+
+    LAPACK's shifted QR iteration can stop without converging on matrices of exact structure (every row the
+    same, as in attention that sends all of its mass to one key). Then each matrix is solved after a random
+    orthogonal similarity, which keeps its eigenvalues, moves them by a few units of roundoff of its norm,
+    and breaks the structure the iteration stalled on. The rotation comes from a
+    generator of its own, so no RNG stream of the caller moves.
+    """
+    try:
+        return torch.linalg.eigvals(matrices)
+    except torch.linalg.LinAlgError:
+        pass
+    generator = torch.Generator(device=matrices.device).manual_seed(0)
+    eigenvalues = []
+    for matrix in matrices:
+        rotation = torch.linalg.qr(
+            torch.randn(matrix.shape, generator=generator, dtype=matrix.dtype, device=matrix.device)
+        ).Q
+        try:
+            eigenvalues.append(torch.linalg.eigvals(rotation @ matrix @ rotation.mT))
+        except torch.linalg.LinAlgError:
+            complex_dtype = torch.complex128 if matrix.dtype == torch.float64 else torch.complex64
+            eigenvalues.append(torch.full(matrix.shape[:1], complex("nan"), dtype=complex_dtype))
+    return torch.stack(eigenvalues)
 
 
 def krylov_spectral_metrics(
