@@ -12,6 +12,7 @@ from spectral_monitor.probes.attention import (
     AttentionRecording,
     AttentionSample,
     CapturedAttention,
+    LogitSoftcap,
     SkippedCapture,
     register_attention_extractor,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "AttentionWeights",
     "AttentionWeightsReader",
     "CapturedAttention",
+    "LogitSoftcap",
     "ResidualCapture",
     "ResidualRecording",
     "ResidualSample",
