@@ -322,3 +322,60 @@ def test_the_second_order_probes_take_the_models_own_loss_in_the_trainer(
     (sharpness,) = scalar_series(read_back(monitor.run_directory), "curvature/sharpness/").values()
     assert [step for step, _ in sharpness] == [1, 2]  # batches 0 and 1 of (index + 1) % 2 == 0, and 0
     assert all(value > 0 for _, value in sharpness)
+
+
+class ReferenceForwards(transformers.TrainerCallback):
+    """Runs, at every step's start, the forwards a user's callback may run before the training forward:
+    one in eval mode (an ``evaluate()``) and one in training mode without gradients (a reference model's
+    forward), on a batch of its own."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        model.eval()
+        model(**self.batch)
+        model.train()
+        with torch.no_grad():
+            model(**self.batch)
+
+
+@pytest.mark.slow
+def test_forwards_run_before_the_training_forward_in_eval_mode_or_without_gradients_are_not_measured(
+    tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    began: list[torch.Tensor] = []
+    begin_step = MonitorSession.begin_step
+
+    def recorded(session: MonitorSession, step: int, batch: Any, **kwargs: Any) -> bool:
+        began.append(batch["input_ids"].clone())
+        return begin_step(session, step, batch, **kwargs)
+
+    monkeypatch.setattr(MonitorSession, "begin_step", recorded)
+    options = {"every_n_steps": 1, "families": ["attention", "tokens"], "preflight": False}
+    examples = padded_examples(4 * BATCH)
+    other = torch.utils.data.default_collate(padded_examples(5 * BATCH)[4 * BATCH :])
+    other["input_ids"] = other["input_ids"].flip(1)
+    runs = {}
+    for name, extra in (("plain", []), ("with_reference_forwards", [ReferenceForwards(other)])):
+        began.clear()
+        model = tiny_gpt2()
+        monitor = SpectralMonitorCallback(**options)
+        trainer = transformers.Trainer(
+            model=model,
+            args=training_arguments(tmp_path / name, max_steps=3, logging_steps=1),
+            train_dataset=examples,
+            callbacks=[monitor, *extra],
+            optimizers=(adamw(model), None),
+        )
+        trainer.train()
+        for update, ids in enumerate(began):  # the training micro-batch, every step
+            assert torch.equal(ids, torch.stack([e["input_ids"] for e in examples[update * BATCH :][:BATCH]]))
+        assert len(began) == 3
+        runs[name] = monitor_scalars(monitor.run_directory)
+        assert hook_count(model) == 0
+
+    assert runs["plain"]["attention/entropy/transformer.h.1.attn"]
+    assert sorted(runs["plain"]) == sorted(runs["with_reference_forwards"])
+    for tag, series in runs["plain"].items():
+        assert series == runs["with_reference_forwards"][tag], tag

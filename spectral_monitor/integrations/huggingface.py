@@ -8,10 +8,12 @@ a logging step is armed from inside the forward:
 
 - ``on_train_begin``: the run directory found (:func:`tensorboard_run_directory`), the session started with
   a TensorBoard sink there (world process zero only) and captures that end when the model's forward returns;
-- ``on_step_begin`` (once per optimizer step): a one-shot forward pre-hook on the model; the first forward
-  of the step (the first micro-batch under gradient accumulation) removes it and calls ``begin_step`` with
-  that forward's inputs as the batch, so the backward, the later micro-batches and any activation
-  recomputation run unobserved;
+- ``on_step_begin`` (once per optimizer step): a one-shot forward pre-hook on the model; the first training
+  forward of the step (the first micro-batch under gradient accumulation: the model in training mode,
+  gradients enabled) removes it and calls ``begin_step`` with that forward's inputs as the batch, so the
+  backward, the later micro-batches and any activation recomputation run unobserved. A forward in eval mode
+  or without gradients before it (an ``evaluate()`` or a reference forward of another callback) passes
+  unobserved and leaves the hook waiting;
 - ``on_step_end`` (after the optimizer step): ``end_step`` (metrics, alerts, records written); a
   ``stop_on`` rule that fired sets ``control.should_training_stop``;
 - ``on_train_end``: ``close``.
@@ -164,6 +166,8 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # not the training forward: an evaluation or reference forward run before it
         self._remove_arming_hook()  # one forward a step: later micro-batches run unobserved
         batch = kwargs if kwargs else (args[0] if len(args) == 1 else args)
         with self._session.failures_of("starting a step of the monitor"):
