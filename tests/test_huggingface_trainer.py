@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -379,3 +380,86 @@ def test_forwards_run_before_the_training_forward_in_eval_mode_or_without_gradie
     assert sorted(runs["plain"]) == sorted(runs["with_reference_forwards"])
     for tag, series in runs["plain"].items():
         assert series == runs["with_reference_forwards"][tag], tag
+
+
+def resumable_monitor() -> SpectralMonitorCallback:
+    """Logs every step; a rule that holds on every layer fires after four evaluations in a row, so when it
+    fires after a resume tells whether the alert history came back with the checkpoint."""
+    always = Rule("always", [Condition("attention/entropy", ">=", 0.0)], patience=4)
+    return SpectralMonitorCallback(
+        every_n_steps=1,
+        families=["attention", "weights"],
+        preflight=False,
+        figures_every_n_logs=0,
+        alerts=AlertConfig(defaults=False, rules=[always]),
+    )
+
+
+def checkpointed_training(output_dir: Path, **overrides: Any) -> dict[str, Any]:
+    return {"max_steps": 6, "logging_steps": 1, "save_strategy": "steps", "save_steps": 3, **overrides}
+
+
+@pytest.mark.slow
+def test_the_monitors_state_is_saved_with_each_checkpoint_and_a_resumed_run_goes_on_as_the_whole_one(
+    tmp_path: Path, one_thread: None
+) -> None:
+    whole = resumable_monitor()
+    arguments = training_arguments(tmp_path / "whole", **checkpointed_training(tmp_path / "whole"))
+    hf_train(tiny_gpt2(), arguments, whole, count=6 * BATCH)
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert sorted(path.name for path in checkpoint.glob("spectral_monitor*")) == ["spectral_monitor.pt"]
+    assert torch.load(checkpoint / "spectral_monitor.pt", weights_only=True)["logging_steps_done"] == 3
+    expected = monitor_scalars(whole.run_directory)
+    fired = expected["alerts/fired/always"]
+    assert min(step for step, count in fired if count) == 4  # at the fourth evaluation
+
+    # Resumed from a folder elsewhere (named in the arguments too), and from the output directory's own.
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copytree(checkpoint, copied / "checkpoint-3")
+    for name, resume_from, extra in (
+        ("elsewhere", str(checkpoint), {"resume_from_checkpoint": str(checkpoint)}),
+        ("own", True, {}),
+    ):
+        output_dir = copied if name == "own" else tmp_path / name
+        resumed = resumable_monitor()
+        model = tiny_gpt2()
+        trainer = transformers.Trainer(
+            model=model,
+            args=training_arguments(output_dir, **checkpointed_training(output_dir, **extra)),
+            train_dataset=padded_examples(6 * BATCH),
+            callbacks=[resumed],
+            optimizers=(adamw(model), None),
+        )
+        trainer.train(resume_from_checkpoint=resume_from)
+        got = monitor_scalars(resumed.run_directory)
+        assert sorted(got) == sorted(expected), name
+        for tag, series in expected.items():
+            assert got[tag] == [(step, value) for step, value in series if step > 3], (name, tag)
+        state, whole_state = resumed.state_dict(), whole.state_dict()
+        assert state["logging_steps_done"] == whole_state["logging_steps_done"] == 6
+        assert state["alerts"]["history"] == whole_state["alerts"]["history"]
+        for key, vector in whole_state["weight_probe"]["right_vectors"].items():
+            assert torch.equal(state["weight_probe"]["right_vectors"][key], vector), (name, key)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_whose_checkpoint_lacks_the_monitors_state_warns_once_and_starts_it_anew(
+    tmp_path: Path, one_thread: None
+) -> None:
+    arguments = training_arguments(tmp_path, **checkpointed_training(tmp_path, max_steps=3))
+    hf_train(tiny_gpt2(), arguments, resumable_monitor(), count=6 * BATCH)
+    (tmp_path / "checkpoint-3" / "spectral_monitor.pt").unlink()
+    model = tiny_gpt2()
+    trainer = transformers.Trainer(
+        model=model,
+        args=training_arguments(tmp_path, **checkpointed_training(tmp_path)),
+        train_dataset=padded_examples(6 * BATCH),
+        callbacks=[resumed := resumable_monitor()],
+        optimizers=(adamw(model), None),
+    )
+    with pytest.warns(RuntimeWarning, match="resumed at step 3, but no spectral_monitor.pt") as warned:
+        trainer.train(resume_from_checkpoint=True)
+    assert sum("spectral_monitor.pt" in str(warning.message) for warning in warned) == 1
+    assert resumed.state_dict()["logging_steps_done"] == 3  # steps 4 to 6 only
+    assert not any(count for _, count in monitor_scalars(resumed.run_directory)["alerts/fired/always"])
