@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -631,3 +632,21 @@ def test_the_monitors_warning_for_unseen_attention_names_the_extractor_to_regist
     (report,) = reports.messages
     assert "no attention-kernel call" in report
     assert "spectral_monitor.probes.register_attention_extractor(HandWrittenAttention, extractor)" in report
+
+
+def test_the_plain_loop_monitor_logs_gemma2s_softcapped_attention_below_the_cap(tmp_path: Path) -> None:
+    from spectral_monitor import Monitor
+
+    torch.manual_seed(0)
+    model = gemma2().train()
+    inputs = batch("right")
+    monitor = Monitor(model, tmp_path, every_n_steps=1, figures_every_n_logs=0, preflight=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported as not captured
+        with monitor, monitor.step(0, batch=inputs):
+            model(**inputs)
+    series = scalar_series(read_back(tmp_path), "attention/")
+    for layer in ("model.layers.0.self_attn", "model.layers.1.self_attn"):
+        ((_, entropy),) = series[f"attention/entropy/{layer}"]
+        ((_, max_logit),) = series[f"attention/max_logit_max/{layer}"]
+        assert 0 < entropy < 1 and 0 < max_logit < GEMMA2_CAP
