@@ -307,8 +307,8 @@ def test_an_unknown_fused_layout_is_named_in_one_warning_whose_registration_fixe
     probe.measure(0)
     probe.measure(1)
     (message,) = warned
-    assert "FusedAttention (0)" in message and "'Wqkv'" in message
-    assert "register_qkv_layout(FusedAttention, QKVLayout('Wqkv', \"concatenated\"))" in message
+    assert 'FusedAttention (0) fuses q, k and v in "Wqkv"' in message
+    assert 'register_qkv_layout(FusedAttention, QKVLayout("Wqkv", "concatenated"))' in message
     assert not probe.attention_weights()
 
     with register_qkv_layout(FusedAttention, QKVLayout("Wqkv", "interleaved")):

@@ -410,7 +410,7 @@ class WeightProbe:
         self.per_head = per_head
         self.attention_readers = dict(attention_readers or {})
         self._warn = warn or _runtime_warning
-        self._warned_module_types: set[str] = set()
+        self._fused_layouts_checked = False  # once, at the first measurement: the model's modules stay
         self._generator = default_generator(torch.device("cpu"))
         # Each weight's top singular vector on its smaller side; saved as "right_vectors" (its old name).
         self._warm_vectors: dict[str, Tensor] = {}
@@ -506,7 +506,8 @@ class WeightProbe:
             weights = self._read_attention(name, module)
             if weights is not None:
                 sites[name] = weights
-        if filtered:
+        if filtered and not self._fused_layouts_checked:
+            self._fused_layouts_checked = True
             self._warn_about_unsplit_projections(modules, sites)
         replaced = {_qualified(name, child) for name, weights in sites.items() for child in weights.replaces}
 
@@ -579,9 +580,10 @@ class WeightProbe:
         self, modules: Mapping[str, nn.Module], sites: Mapping[str, Any]
     ) -> None:
         """One warning per module type whose fused q/k/v projection no layout splits, naming the fix."""
+        warned: set[str] = set()
         for name, module in modules.items():
             kind = type(module).__name__
-            if name in sites or kind in self._warned_module_types:
+            if name in sites or kind in warned:
                 continue
             fused = next(
                 (
@@ -594,12 +596,12 @@ class WeightProbe:
             )
             if fused is None:
                 continue
-            self._warned_module_types.add(kind)
-            fix = f'register_qkv_layout({kind}, QKVLayout({fused!r}, "concatenated"))'
+            warned.add(kind)
+            fix = f'register_qkv_layout({kind}, QKVLayout("{fused}", "concatenated"))'
             self._warn(
-                f"SpectralMonitor: {kind} ({_layer_name(name)}) fuses q, k and v in {fused!r} in a layout "
+                f'SpectralMonitor: {kind} ({_layer_name(name)}) fuses q, k and v in "{fused}" in a layout '
                 f"the weight probe does not know: no per-head weight metrics (qk_spectral_norm) for it, and "
-                f"{fused!r} is measured whole. Register the layout once, before training: "
+                f'"{fused}" is measured whole. Register the layout once, before training: '
                 f'spectral_monitor.probes.{fix} ("interleaved" where each head\'s q, k, v rows follow each '
                 "other)."
             )
