@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import transformers
 from torch import Tensor, nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spectral_monitor.core import MonitorOptions, MonitorSession
 from spectral_monitor.sinks import TensorBoardSink
@@ -245,8 +246,6 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
 
 def _checkpoint_folder(output_dir: str, step: int) -> str:
     """Where the Trainer writes the checkpoint of ``step``: ``output_dir/checkpoint-<step>``."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
     return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
