@@ -9,8 +9,10 @@ weights) through the capture's kernel path. Training with the eager capture arme
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +21,24 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.nn.functional as F
 from events import read_back, scalar_series
 from reference_metrics import attention_reference_batch
 from reliability_helpers import fit, monitor_reports, tensorboard_logger
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.metrics import attention_metrics
-from spectral_monitor.probes import AttentionCapture, AttentionRecording, huggingface
+from spectral_monitor.probes import (
+    AttentionCapture,
+    AttentionInputs,
+    AttentionRecording,
+    CapturedAttention,
+    LogitSoftcap,
+    huggingface,
+)
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 
 transformers = pytest.importorskip("transformers")
@@ -328,23 +339,172 @@ def test_disarm_restores_the_modeling_files_attention_function_and_other_models_
     assert not recording.captured and not recording.skipped
 
 
-def test_eager_attention_with_soft_capping_is_reported_not_measured() -> None:
+def gemma2() -> nn.Module:
+    """Gemma 2 with its default ``attn_logit_softcapping`` (50), eager attention (it supports no other
+    captured one), a sliding-window layer and a global one; weights large enough that the cap changes the
+    probabilities."""
     config = transformers.Gemma2Config(
         hidden_size=32,
         intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        sliding_window=4,
+        vocab_size=VOCAB,
+        initializer_range=1.0,
+        pad_token_id=0,
+    )
+    return transformers.Gemma2ForCausalLM(config).eval()
+
+
+GEMMA2_CAP = 50.0
+
+
+class Float64Softmax(TorchFunctionMode):
+    """Keeps a softmax of float64 logits in float64 where the modeling file asks for float32: Gemma 2's
+    eager softmax upcasts to float32, where its float64 mask minimum becomes -inf and the fully masked rows
+    of left padding turn NaN (and spread through the values to the real rows)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.softmax and args[0].dtype == torch.float64:
+            kwargs.pop("dtype", None)
+        return func(*args, **kwargs)
+
+
+def gemma2_float64_attentions(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad(), Float64Softmax():
+        return list(reference(**inputs, output_attentions=True).attentions)
+
+
+def float64_softcapped_max_logits(capture: CapturedAttention) -> torch.Tensor:
+    """(S, H) largest cap · tanh(scale · q·k / cap) + mask over real queries and attendable keys, in
+    float64, from the captured q and k: the logits after the cap, as the softmax sees them."""
+    logits = (capture.q.double() @ capture.k.double().transpose(-1, -2)) * capture.scale
+    logits = GEMMA2_CAP * torch.tanh(logits / GEMMA2_CAP)
+    if capture.mask is not None:
+        logits = logits + capture.mask.double()
+    if capture.causal:
+        later = torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1)
+        logits = logits.masked_fill(later, -math.inf)
+    if capture.key_mask is not None:
+        logits = logits.masked_fill(~capture.key_mask[:, None, None, :], -math.inf)
+    if capture.query_mask is not None:
+        logits = logits.masked_fill(~capture.query_mask[:, None, :, None], -math.inf)
+    return logits.amax(dim=(-1, -2))
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_gemma2_softcapped_attention_is_captured_as_the_model_uses_it(padding: str) -> None:
+    torch.manual_seed(0)
+    model = gemma2()
+    assert model.config._attn_implementation == "eager"
+    assert model.config.attn_logit_softcapping == GEMMA2_CAP
+    inputs = batch(padding)
+    recording = captured(model, inputs)
+    references = gemma2_float64_attentions(model, inputs)
+
+    assert [capture.layer for capture in recording.captured] == [
+        "model.layers.0.self_attn",
+        "model.layers.1.self_attn",
+    ]
+    assert not recording.skipped
+    real = real_tokens(inputs)
+    metrics = logged_metrics(recording)
+    for layer, (capture, sample, reference) in enumerate(
+        zip(recording.captured, recording.samples(), references, strict=True)
+    ):
+        for sequence in range(BATCH):
+            rows = real[sequence]
+            error = (sample.probs[sequence][:, rows].double() - reference[sequence][:, rows]).abs().max()
+            assert error < TOLERANCE, (capture.layer, sequence, float(error))
+        expected = attention_reference_batch(
+            reference.numpy(),
+            key_mask=real.numpy()[:, None, :],
+            query_mask=real.numpy()[:, None, :],
+            causal=True,
+        )
+        for metric, value in expected.items():
+            assert close_or_both_nan(metrics[layer][metric], value), (layer, metric)
+        max_logit = float64_softcapped_max_logits(capture)
+        assert torch.allclose(sample.max_logit.double(), max_logit, rtol=TOLERANCE, atol=TOLERANCE)
+        assert float(sample.max_logit.max()) < GEMMA2_CAP
+        # The blockwise path forms its logits on its own: it applies the cap too.
+        blockwise = capture.blockwise_metrics(method="exact")
+        for metric, value in metrics[layer].items():
+            if metric in blockwise:
+                assert close_or_both_nan(blockwise[metric], value.numpy()), (layer, metric)
+        assert torch.allclose(blockwise["max_logit"].double(), max_logit, rtol=TOLERANCE, atol=TOLERANCE)
+
+        # The cap matters here: without it the probabilities are far from the model's.
+        uncapped = dataclasses.replace(capture, logit_transform=None).probs()
+        assert float((uncapped.double() - reference).nan_to_num().abs().max()) > 0.1
+
+
+def test_eager_attention_with_sinks_is_reported_not_measured() -> None:
+    config = transformers.GptOssConfig(
+        hidden_size=32,
+        intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
         vocab_size=VOCAB,
-        attn_logit_softcapping=5.0,
+        layer_types=["full_attention"],
         attn_implementation="eager",
     )
-    model = transformers.Gemma2ForCausalLM(config).eval()
+    model = transformers.GptOssForCausalLM(config).eval()
     recording = captured(model, batch("none"))
     assert not recording.captured
     (skipped,) = recording.skipped
-    assert skipped.layer == "model.layers.0.self_attn" and "softcap" in skipped.reason
+    assert skipped.layer == "model.layers.0.self_attn" and "s_aux" in skipped.reason
+
+
+def test_an_extractor_expresses_softcapping_with_a_logit_transform() -> None:
+    torch.manual_seed(0)
+    attention = SoftcappedHandWrittenAttention(cap=2.0)
+    x = torch.randn(2, 6, 8) * 3
+    with AttentionCapture(
+        attention,
+        extractors={SoftcappedHandWrittenAttention: SoftcappedHandWrittenAttention.extract},
+        max_sequences=2,
+        strict=True,
+    ).armed() as recording:
+        attention(x)
+    (sample,) = recording.samples()
+    with torch.no_grad():
+        expected = attention.probabilities(x.double())
+    assert torch.allclose(sample.probs[:, 0].double(), expected, atol=1e-6)
+    assert float(sample.max_logit.max()) < 2.0
+
+
+class SoftcappedHandWrittenAttention(nn.Module):
+    """One head whose logits are softcapped before the softmax, written by hand."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+        self.project = nn.Linear(8, 24)
+
+    def probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, _ = F.linear(x, self.project.weight.to(x.dtype), self.project.bias.to(x.dtype)).chunk(3, dim=-1)
+        logits = self.cap * torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(8) / self.cap)
+        return torch.softmax(logits, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.probabilities(x) @ self.project(x).chunk(3, dim=-1)[2]
+
+    @staticmethod
+    def extract(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> AttentionInputs:
+        q, k, _ = module.project(args[0]).chunk(3, dim=-1)
+        return AttentionInputs(q=q, k=k, logit_transform=LogitSoftcap(module.cap))
 
 
 class HandWrittenAttention(nn.Module):
@@ -472,3 +632,21 @@ def test_the_monitors_warning_for_unseen_attention_names_the_extractor_to_regist
     (report,) = reports.messages
     assert "no attention-kernel call" in report
     assert "spectral_monitor.probes.register_attention_extractor(HandWrittenAttention, extractor)" in report
+
+
+def test_the_plain_loop_monitor_logs_gemma2s_softcapped_attention_below_the_cap(tmp_path: Path) -> None:
+    from spectral_monitor import Monitor
+
+    torch.manual_seed(0)
+    model = gemma2().train()
+    inputs = batch("right")
+    monitor = Monitor(model, tmp_path, every_n_steps=1, figures_every_n_logs=0, preflight=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported as not captured
+        with monitor, monitor.step(0, batch=inputs):
+            model(**inputs)
+    series = scalar_series(read_back(tmp_path), "attention/")
+    for layer in ("model.layers.0.self_attn", "model.layers.1.self_attn"):
+        ((_, entropy),) = series[f"attention/entropy/{layer}"]
+        ((_, max_logit),) = series[f"attention/max_logit_max/{layer}"]
+        assert 0 < entropy < 1 and 0 < max_logit < GEMMA2_CAP

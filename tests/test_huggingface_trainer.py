@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -322,3 +323,143 @@ def test_the_second_order_probes_take_the_models_own_loss_in_the_trainer(
     (sharpness,) = scalar_series(read_back(monitor.run_directory), "curvature/sharpness/").values()
     assert [step for step, _ in sharpness] == [1, 2]  # batches 0 and 1 of (index + 1) % 2 == 0, and 0
     assert all(value > 0 for _, value in sharpness)
+
+
+class ReferenceForwards(transformers.TrainerCallback):
+    """Runs, at every step's start, the forwards a user's callback may run before the training forward:
+    one in eval mode (an ``evaluate()``) and one in training mode without gradients (a reference model's
+    forward), on a batch of its own."""
+
+    def __init__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.batch = batch
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        model.eval()
+        model(**self.batch)
+        model.train()
+        with torch.no_grad():
+            model(**self.batch)
+
+
+@pytest.mark.slow
+def test_forwards_run_before_the_training_forward_in_eval_mode_or_without_gradients_are_not_measured(
+    tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    began: list[torch.Tensor] = []
+    begin_step = MonitorSession.begin_step
+
+    def recorded(session: MonitorSession, step: int, batch: Any, **kwargs: Any) -> bool:
+        began.append(batch["input_ids"].clone())
+        return begin_step(session, step, batch, **kwargs)
+
+    monkeypatch.setattr(MonitorSession, "begin_step", recorded)
+    options = {"every_n_steps": 1, "families": ["attention", "tokens"], "preflight": False}
+    examples = padded_examples(4 * BATCH)
+    other = torch.utils.data.default_collate(padded_examples(5 * BATCH)[4 * BATCH :])
+    other["input_ids"] = other["input_ids"].flip(1)
+    runs = {}
+    for name, extra in (("plain", []), ("with_reference_forwards", [ReferenceForwards(other)])):
+        began.clear()
+        model = tiny_gpt2()
+        monitor = SpectralMonitorCallback(**options)
+        trainer = transformers.Trainer(
+            model=model,
+            args=training_arguments(tmp_path / name, max_steps=3, logging_steps=1),
+            train_dataset=examples,
+            callbacks=[monitor, *extra],
+            optimizers=(adamw(model), None),
+        )
+        trainer.train()
+        for update, ids in enumerate(began):  # the training micro-batch, every step
+            assert torch.equal(ids, torch.stack([e["input_ids"] for e in examples[update * BATCH :][:BATCH]]))
+        assert len(began) == 3
+        runs[name] = monitor_scalars(monitor.run_directory)
+        assert hook_count(model) == 0
+
+    assert runs["plain"]["attention/entropy/transformer.h.1.attn"]
+    assert sorted(runs["plain"]) == sorted(runs["with_reference_forwards"])
+    for tag, series in runs["plain"].items():
+        assert series == runs["with_reference_forwards"][tag], tag
+
+
+def resumable_monitor() -> SpectralMonitorCallback:
+    """Logs every step; a rule that holds on every layer fires after four evaluations in a row, so when it
+    fires after a resume tells whether the alert history came back with the checkpoint."""
+    always = Rule("always", [Condition("attention/entropy", ">=", 0.0)], patience=4)
+    return SpectralMonitorCallback(
+        every_n_steps=1,
+        families=["attention", "weights"],
+        preflight=False,
+        figures_every_n_logs=0,
+        alerts=AlertConfig(defaults=False, rules=[always]),
+    )
+
+
+def checkpointed_training(output_dir: Path, **overrides: Any) -> dict[str, Any]:
+    return {"max_steps": 6, "logging_steps": 1, "save_strategy": "steps", "save_steps": 3, **overrides}
+
+
+@pytest.mark.slow
+def test_the_monitors_state_is_saved_with_each_checkpoint_and_a_resumed_run_goes_on_as_the_whole_one(
+    tmp_path: Path, one_thread: None
+) -> None:
+    whole = resumable_monitor()
+    arguments = training_arguments(tmp_path / "whole", **checkpointed_training(tmp_path / "whole"))
+    hf_train(tiny_gpt2(), arguments, whole, count=6 * BATCH)
+    checkpoint = tmp_path / "whole" / "checkpoint-3"
+    assert sorted(path.name for path in checkpoint.glob("spectral_monitor*")) == ["spectral_monitor.pt"]
+    assert torch.load(checkpoint / "spectral_monitor.pt", weights_only=True)["logging_steps_done"] == 3
+    expected = monitor_scalars(whole.run_directory)
+    fired = expected["alerts/fired/always"]
+    assert min(step for step, count in fired if count) == 4  # at the fourth evaluation
+
+    # Resumed from a folder elsewhere (named in the arguments too), and from the output directory's own.
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    shutil.copytree(checkpoint, copied / "checkpoint-3")
+    for name, resume_from, extra in (
+        ("elsewhere", str(checkpoint), {"resume_from_checkpoint": str(checkpoint)}),
+        ("own", True, {}),
+    ):
+        output_dir = copied if name == "own" else tmp_path / name
+        resumed = resumable_monitor()
+        model = tiny_gpt2()
+        trainer = transformers.Trainer(
+            model=model,
+            args=training_arguments(output_dir, **checkpointed_training(output_dir, **extra)),
+            train_dataset=padded_examples(6 * BATCH),
+            callbacks=[resumed],
+            optimizers=(adamw(model), None),
+        )
+        trainer.train(resume_from_checkpoint=resume_from)
+        got = monitor_scalars(resumed.run_directory)
+        assert sorted(got) == sorted(expected), name
+        for tag, series in expected.items():
+            assert got[tag] == [(step, value) for step, value in series if step > 3], (name, tag)
+        state, whole_state = resumed.state_dict(), whole.state_dict()
+        assert state["logging_steps_done"] == whole_state["logging_steps_done"] == 6
+        assert state["alerts"]["history"] == whole_state["alerts"]["history"]
+        for key, vector in whole_state["weight_probe"]["right_vectors"].items():
+            assert torch.equal(state["weight_probe"]["right_vectors"][key], vector), (name, key)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_whose_checkpoint_lacks_the_monitors_state_warns_once_and_starts_it_anew(
+    tmp_path: Path, one_thread: None
+) -> None:
+    arguments = training_arguments(tmp_path, **checkpointed_training(tmp_path, max_steps=3))
+    hf_train(tiny_gpt2(), arguments, resumable_monitor(), count=6 * BATCH)
+    (tmp_path / "checkpoint-3" / "spectral_monitor.pt").unlink()
+    model = tiny_gpt2()
+    trainer = transformers.Trainer(
+        model=model,
+        args=training_arguments(tmp_path, **checkpointed_training(tmp_path)),
+        train_dataset=padded_examples(6 * BATCH),
+        callbacks=[resumed := resumable_monitor()],
+        optimizers=(adamw(model), None),
+    )
+    with pytest.warns(RuntimeWarning, match="resumed at step 3, but no spectral_monitor.pt") as warned:
+        trainer.train(resume_from_checkpoint=True)
+    assert sum("spectral_monitor.pt" in str(warning.message) for warning in warned) == 1
+    assert resumed.state_dict()["logging_steps_done"] == 3  # steps 4 to 6 only
+    assert not any(count for _, count in monitor_scalars(resumed.run_directory)["alerts/fired/always"])

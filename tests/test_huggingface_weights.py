@@ -196,3 +196,144 @@ def test_the_bert_split_gives_the_heads_the_model_computes() -> None:
         4,
     )
     torch.testing.assert_close(attentions[0], expected)  # the same heads, in the same order
+
+
+def gpt_neox() -> nn.Module:
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        attention_bias=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.GPTNeoXForCausalLM(config)
+
+
+def phi3() -> nn.Module:
+    config = transformers.Phi3Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return transformers.Phi3ForCausalLM(config)
+
+
+FUSED = {
+    "gpt_neox": (gpt_neox, "gpt_neox.layers.0.attention", "query_key_value", 4, 4),
+    "phi3": (phi3, "model.layers.0.self_attn", "qkv_proj", 4, 2),
+}
+
+
+def heads_the_module_computes(attention: nn.Module, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's W_Q^h (H, d_k, in) and each query head's W_K^g (H, d_k, in), in float64, from the module's
+    own forward: the identity as input, rotary embedding at angle 0 (cos 1, sin 0), so row i of a head's q is
+    column i of its W_Q^h. The kernel's k has the grouped key heads repeated per query head."""
+    from spectral_monitor.probes import AttentionCapture
+
+    identity = torch.eye(hidden, dtype=torch.float64)[None]
+    width = attention.head_size if hasattr(attention, "head_size") else attention.head_dim
+    cos = torch.ones(1, hidden, width, dtype=torch.float64)
+    sin = torch.zeros(1, hidden, width, dtype=torch.float64)
+    with torch.no_grad(), AttentionCapture(attention, strict=True).armed() as recording:
+        attention(hidden_states=identity, position_embeddings=(cos, sin), attention_mask=None)
+    (captured,) = recording.captured
+    return captured.q[0].transpose(1, 2), captured.k[0].transpose(1, 2)
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_fused_qkv_splits_into_the_heads_the_module_computes_and_each_head_is_measured(family: str) -> None:
+    build, name, fused, heads, key_heads = FUSED[family]
+    torch.manual_seed(0)
+    model = build().eval().double()
+    attention = model.get_submodule(name)
+    query_heads, key_per_query_head = heads_the_module_computes(attention, 32)
+
+    probe = WeightProbe(model, per_head=True)
+    matrices = dict(probe.named_matrices())
+    width = query_heads.shape[1]
+    assert f"{name}.{fused}" not in matrices  # measured split, not also whole
+    assert matrices[f"{name}.q"].shape == (heads * width, 32)
+    assert matrices[f"{name}.k"].shape == matrices[f"{name}.v"].shape == (key_heads * width, 32)
+    group = heads // key_heads
+    for head in range(heads):
+        torch.testing.assert_close(
+            matrices[f"{name}.q"][head * width : (head + 1) * width], query_heads[head]
+        )
+        key_head = head // group
+        torch.testing.assert_close(
+            matrices[f"{name}.k"][key_head * width : (key_head + 1) * width], key_per_query_head[head]
+        )
+
+    records = {record.tag: record.value for record in probe.measure(0)}
+    expected = [largest_singular_value(query_heads[h].T @ key_per_query_head[h]) for h in range(heads)]
+    for head in range(heads):
+        assert records[f"weights/qk_spectral_norm/{name}/head_{head}"] == pytest.approx(
+            expected[head], rel=1e-6
+        )
+        assert records[f"weights/spectral_norm/{name}.q/head_{head}"] == pytest.approx(
+            largest_singular_value(query_heads[head]), rel=1e-6
+        )
+    assert f"weights/spectral_norm/{name}.k/head_{key_heads - 1}" in records
+    assert f"weights/spectral_norm/{name}.k/head_{key_heads}" not in records
+    assert records[f"weights/qk_spectral_norm_max/{name}"] == pytest.approx(max(expected), rel=1e-6)
+
+
+class FusedAttention(nn.Module):
+    """Attention with a fused projection in a layout of its own (a per-head interleaved ``Wqkv``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads = 2
+        self.Wqkv = nn.Linear(8, 24, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.Wqkv(x).view(*x.shape[:-1], self.n_heads, 3, 4).unbind(-2)
+        return torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / 2, dim=-1).sum()
+
+
+def test_an_unknown_fused_layout_is_named_in_one_warning_whose_registration_fixes_it() -> None:
+    from spectral_monitor.probes import QKVLayout, register_qkv_layout
+
+    model = nn.Sequential(FusedAttention(), FusedAttention())
+    warned: list[str] = []
+    probe = WeightProbe(model, warn=warned.append)
+    probe.measure(0)
+    probe.measure(1)
+    (message,) = warned
+    assert 'FusedAttention (0) fuses q, k and v in "Wqkv"' in message
+    assert 'register_qkv_layout(FusedAttention, QKVLayout("Wqkv", "concatenated"))' in message
+    assert not probe.attention_weights()
+
+    with register_qkv_layout(FusedAttention, QKVLayout("Wqkv", "interleaved")):
+        warned.clear()
+        probe = WeightProbe(model, warn=warned.append)
+        records = {record.tag: record.value for record in probe.measure(0)}
+        assert not warned
+        assert (
+            "weights/qk_spectral_norm/0/head_1" in records and "weights/spectral_norm/0.Wqkv" not in records
+        )
+        (name, weights), _ = probe.attention_weights()
+        rows = model[0].Wqkv.weight.detach().view(2, 3, 4, 8)
+        torch.testing.assert_close(weights.query, rows[:, 0].reshape(8, 8))
+        torch.testing.assert_close(weights.key, rows[:, 1].reshape(8, 8))
+    assert not WeightProbe(model, warn=warned.append).attention_weights()  # unregistered on exit
+
+
+def test_a_qkv_layout_refuses_what_it_cannot_mean() -> None:
+    from spectral_monitor.probes import QKVLayout, register_qkv_layout
+
+    with pytest.raises(ValueError, match="layout must be one of"):
+        QKVLayout("qkv", "packed")
+    with pytest.raises(ValueError, match="projection"):
+        QKVLayout("", "interleaved")
+    with pytest.raises(ValueError, match="num_heads"):
+        QKVLayout("qkv", "interleaved", num_heads=0)
+    with pytest.raises(ValueError, match="target"):
+        register_qkv_layout(3, QKVLayout("qkv", "interleaved"))

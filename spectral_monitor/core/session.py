@@ -256,7 +256,11 @@ class MonitorSession:
                 self._output_capture = OutputLogitCapture(model, head, options.max_sequences)
         if "weights" in options.families:
             self._weight_probe = WeightProbe(
-                model, include=options.include, exclude=options.exclude, per_head=options.per_head
+                model,
+                include=options.include,
+                exclude=options.exclude,
+                per_head=options.per_head,
+                warn=self._reports.warn,
             )
         self._training_root = training_root
         if any(family in options.families for family in OPT_IN_FAMILIES):

@@ -8,13 +8,26 @@ a logging step is armed from inside the forward:
 
 - ``on_train_begin``: the run directory found (:func:`tensorboard_run_directory`), the session started with
   a TensorBoard sink there (world process zero only) and captures that end when the model's forward returns;
-- ``on_step_begin`` (once per optimizer step): a one-shot forward pre-hook on the model; the first forward
-  of the step (the first micro-batch under gradient accumulation) removes it and calls ``begin_step`` with
-  that forward's inputs as the batch, so the backward, the later micro-batches and any activation
-  recomputation run unobserved;
+- ``on_step_begin`` (once per optimizer step): a one-shot forward pre-hook on the model; the first training
+  forward of the step (the first micro-batch under gradient accumulation: the model in training mode,
+  gradients enabled) removes it and calls ``begin_step`` with that forward's inputs as the batch, so the
+  backward, the later micro-batches and any activation recomputation run unobserved. A forward in eval mode
+  or without gradients before it (an ``evaluate()`` or a reference forward of another callback) passes
+  unobserved and leaves the hook waiting;
 - ``on_step_end`` (after the optimizer step): ``end_step`` (metrics, alerts, records written); a
   ``stop_on`` rule that fired sets ``control.should_training_stop``;
+- ``on_save`` (after the Trainer wrote a checkpoint folder): the session's state (warm vectors, alert
+  history, logging-step count) written into it as ``STATE_FILE_NAME``, by the processes that save
+  checkpoints (``args.should_save``: the world process zero);
 - ``on_train_end``: ``close``.
+
+Resuming (``trainer.train(resume_from_checkpoint=...)``): the Trainer's ``ExportableState`` keeps JSON only,
+and a callback is not told which folder the run resumed from, so ``on_train_begin`` of a run that starts at
+``global_step`` g > 0 reads the state file of ``args.resume_from_checkpoint`` when that names a folder, else
+of ``args.output_dir/checkpoint-<g>`` (where ``resume_from_checkpoint=True`` and a path to the output
+directory's own checkpoint resume from), on every process, through the session's ``load_state_dict``.
+A resumed run whose checkpoint has no state file starts the monitor anew, with one warning (world process
+zero).
 
 The step axis is the Trainer's ``global_step``, which it advances before logging a step's scalars: the
 records of the batch that starts at ``global_step == g`` are filed under g + 1, beside the Trainer's own
@@ -29,6 +42,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import warnings
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -36,14 +50,17 @@ from typing import Any
 import torch
 import transformers
 from torch import Tensor, nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spectral_monitor.core import MonitorOptions, MonitorSession
 from spectral_monitor.sinks import TensorBoardSink
 
-__all__ = ["SpectralMonitorCallback", "model_output_loss", "tensorboard_run_directory"]
+__all__ = ["STATE_FILE_NAME", "SpectralMonitorCallback", "model_output_loss", "tensorboard_run_directory"]
 
 _HF_STEP_OFFSET = 1
 """The Trainer files a batch's scalars under ``global_step`` after its update: one past the batch's index."""
+STATE_FILE_NAME = "spectral_monitor.pt"
+"""The monitor's state in a Trainer checkpoint folder (``torch.save`` of the session's ``state_dict``)."""
 
 
 class SpectralMonitorCallback(transformers.TrainerCallback):
@@ -57,6 +74,9 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     the world process zero alone writes, warns and calls ``on_alert``. A ``stop_on`` rule that fires sets
     ``control.should_training_stop``: the Trainer stops after that step. Failures inside the monitor are
     reported once and training goes on, unless ``strict``.
+
+    Its state (warm vectors, alert history, the logging-step count) is saved into every checkpoint folder
+    the Trainer writes and restored when training resumes from one (see the module's docstring).
 
     The opt-in second-order probes (``curvature=``, ``jacobian=``, ``ntk=``) take their loss from
     :func:`model_output_loss` (``model(**batch).loss``) unless ``ProbeDataOptions(loss_fn=...)`` is given.
@@ -116,6 +136,8 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
                 step=state.global_step,
                 step_offset=_HF_STEP_OFFSET,
             )
+        if state.global_step > 0:
+            self._restore_from_checkpoint(args, state.global_step, writes)
 
     def on_step_begin(
         self,
@@ -146,6 +168,28 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
             control.should_training_stop = True
         return control
 
+    def on_save(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        if not args.should_save:
+            return
+        with self._session.failures_of("saving the monitor's state into the checkpoint"):
+            folder = _checkpoint_folder(args.output_dir, state.global_step)
+            torch.save(self._session.state_dict(), os.path.join(folder, STATE_FILE_NAME))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's state (warm iterative vectors, alert streams, cadence counters), as saved into each
+        checkpoint folder."""
+        return self._session.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output, before training starts or resumes."""
+        self._session.load_state_dict(state_dict)
+
     def on_train_end(
         self,
         args: transformers.TrainingArguments,
@@ -164,10 +208,32 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # not the training forward: an evaluation or reference forward run before it
         self._remove_arming_hook()  # one forward a step: later micro-batches run unobserved
         batch = kwargs if kwargs else (args[0] if len(args) == 1 else args)
         with self._session.failures_of("starting a step of the monitor"):
             self._session.begin_step(step, batch, optimizer=optimizer)
+
+    def _restore_from_checkpoint(self, args: transformers.TrainingArguments, step: int, writes: bool) -> None:
+        named = getattr(args, "resume_from_checkpoint", None)
+        folders = [named] if isinstance(named, str) and os.path.isdir(named) else []
+        folders.append(_checkpoint_folder(args.output_dir, step))
+        paths = [os.path.join(folder, STATE_FILE_NAME) for folder in folders]
+        saved = next((path for path in paths if os.path.isfile(path)), None)
+        if saved is None:
+            if writes:
+                warnings.warn(
+                    f"SpectralMonitor: training resumed at step {step}, but no {STATE_FILE_NAME} is in "
+                    f"{' or '.join(folders)}: the monitor's warm vectors and alert history start anew "
+                    "(resuming from a folder outside output_dir? name it in "
+                    "TrainingArguments(resume_from_checkpoint=...) too).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return
+        with self._session.failures_of("restoring the monitor's state from the checkpoint"):
+            self._session.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
 
     def _remove_arming_hook(self) -> None:
         if self._arming_hook is not None:
@@ -176,6 +242,11 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
 
     def _ask_to_stop(self) -> None:
         self._stop_requested = True
+
+
+def _checkpoint_folder(output_dir: str, step: int) -> str:
+    """Where the Trainer writes the checkpoint of ``step``: ``output_dir/checkpoint-<step>``."""
+    return os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
 
 def model_output_loss(model: nn.Module, batch: Any) -> Tensor:

@@ -65,7 +65,7 @@ class Monitor:
         model: the module whose forward the block calls and whose parts are measured. A
             ``DistributedDataParallel`` or ``FullyShardedDataParallel`` wrapper is measured through the
             module it wraps (tags carry no ``module.`` prefix), and its sharded weights gathered for their
-            measurement.
+            measurement; so are those of a model sharded with FSDP2 (``fully_shard``), given as it is.
         logdir: the run directory the monitor writes its own event file into: a path, or a
             ``torch.utils.tensorboard.SummaryWriter`` (or the directory of one) whose run the records
             join, so TensorBoard shows the loop's own scalars and the monitor's as one run. The writer

@@ -21,7 +21,7 @@ chunk's probabilities are formed and measured exactly by ``attention_metrics``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -65,6 +65,7 @@ def attention_metrics_from_qk(
     key_mask: Tensor | None = None,
     query_mask: Tensor | None = None,
     causal: bool = False,
+    logit_transform: Callable[[Tensor], Tensor] | None = None,
     method: str = "auto",
     include_rank_sums: bool = True,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -80,10 +81,12 @@ def attention_metrics_from_qk(
     rows at a time, never expanded). ``key_mask`` (..., m) bool, True = attendable key: masked keys take no
     part in the softmax, as a key padding mask. ``query_mask`` (..., n) bool, True = real query; padded
     queries' rows are zero. ``causal``: query i attends keys j ≤ i. A row with no attendable key is zero.
+    ``logit_transform``: an elementwise function applied to scale · q kᵀ before the bias is added (logit
+    softcapping), in place or not; A is then softmax(transform(scale · q kᵀ) + bias).
     Metrics are those of ``attention_metrics(A, key_mask=..., query_mask=..., causal=...)``: the same keys,
-    each of shape ``q.shape[:-2]``, and ``max_logit``, the largest logit scale · q·k + bias over real queries
-    × attendable keys (:func:`~spectral_monitor.metrics.logits.max_attention_logit`), taken in the pass
-    that forms the rows' log-sum-exp.
+    each of shape ``q.shape[:-2]``, and ``max_logit``, the largest logit transform(scale · q·k) + bias over
+    real queries × attendable keys (:func:`~spectral_monitor.metrics.logits.max_attention_logit`), taken in
+    the pass that forms the rows' log-sum-exp.
 
     ``method``: "exact" forms each matrix and factorises it (as ``attention_metrics``' exact path; the memory
     is then n·m per matrix whatever the budget), "krylov" the blocked products, "auto" exact up to
@@ -128,6 +131,7 @@ def attention_metrics_from_qk(
             _sanitised(flat_q[part], nonfinite[part], work),
             _sanitised(flat_k[part], nonfinite[part], work),
             scale=float(scale),
+            logit_transform=logit_transform,
             bias=None if logit_bias is None else logit_bias.restrict(part),
             key_mask=keys[part],
             query_mask=queries[part],
@@ -228,6 +232,7 @@ class SoftmaxAttentionOperator(BatchedOperator):
         k: Tensor,
         *,
         scale: float,
+        logit_transform: Callable[[Tensor], Tensor] | None = None,
         bias: _LogitBias | None,
         key_mask: Tensor,
         query_mask: Tensor,
@@ -238,6 +243,7 @@ class SoftmaxAttentionOperator(BatchedOperator):
         super().__init__(q.shape[0], q.shape[1], k.shape[1], q.dtype, q.device)
         self.q, self.k = q, k
         self.scale = scale
+        self.logit_transform = logit_transform
         self.bias = bias
         self.key_mask = key_mask
         self.all_keys = bool(key_mask.all())
@@ -258,7 +264,9 @@ class SoftmaxAttentionOperator(BatchedOperator):
         """The masked logits of rows ``start:stop`` and the first ``width`` keys (all by default):
         (B, stop − start, width), ``-inf`` where not attendable."""
         width = self.cols if width is None else width
-        logits = torch.bmm(self.q[:, start:stop], self.k[:, :width].transpose(1, 2)).mul_(self.scale)
+        logits = self._transformed(
+            torch.bmm(self.q[:, start:stop], self.k[:, :width].transpose(1, 2)).mul_(self.scale)
+        )
         if self.bias is not None:
             logits.add_(self.bias.rows(start, stop, self.dtype)[:, :, :width])
         if not self.all_keys:
@@ -270,6 +278,9 @@ class SoftmaxAttentionOperator(BatchedOperator):
             )
             logits.masked_fill_(future, -math.inf)
         return logits
+
+    def _transformed(self, scaled_logits: Tensor) -> Tensor:
+        return scaled_logits if self.logit_transform is None else self.logit_transform(scaled_logits)
 
     def probabilities(self, start: int, stop: int, width: int | None = None) -> Tensor:
         """Rows ``start:stop`` of A (first ``width`` columns): (B, stop − start, width), a fresh tensor the
@@ -328,6 +339,7 @@ class SoftmaxAttentionOperator(BatchedOperator):
         """Row ``index[b]`` of each element's A: (B, m)."""
         elements = torch.arange(self.batch, device=self.device)
         logits = torch.bmm(self.q[elements, index][:, None, :], self.k.transpose(1, 2))[:, 0].mul_(self.scale)
+        logits = self._transformed(logits)
         if self.bias is not None:
             logits.add_(self.bias.rows_at(index, self.dtype))
         if not self.all_keys:
@@ -351,6 +363,7 @@ class SoftmaxAttentionOperator(BatchedOperator):
             self.q[index],
             self.k[index],
             scale=self.scale,
+            logit_transform=self.logit_transform,
             bias=None if self.bias is None else self.bias.restrict(index),
             key_mask=self.key_mask[index],
             query_mask=self.query_mask[index],

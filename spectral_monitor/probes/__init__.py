@@ -12,6 +12,7 @@ from spectral_monitor.probes.attention import (
     AttentionRecording,
     AttentionSample,
     CapturedAttention,
+    LogitSoftcap,
     SkippedCapture,
     register_attention_extractor,
 )
@@ -25,8 +26,10 @@ from spectral_monitor.probes.weights import (
     WEIGHT_FAMILY,
     AttentionWeights,
     AttentionWeightsReader,
+    QKVLayout,
     WeightProbe,
     query_key_spectral_norms,
+    register_qkv_layout,
 )
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 
@@ -41,6 +44,8 @@ __all__ = [
     "AttentionWeights",
     "AttentionWeightsReader",
     "CapturedAttention",
+    "LogitSoftcap",
+    "QKVLayout",
     "ResidualCapture",
     "ResidualRecording",
     "ResidualSample",
@@ -49,5 +54,6 @@ __all__ = [
     "find_transformer_blocks",
     "query_key_spectral_norms",
     "register_attention_extractor",
+    "register_qkv_layout",
     "unwrapped_named_modules",
 ]

@@ -70,6 +70,8 @@ __all__ = [
     "AttentionRecording",
     "AttentionSample",
     "CapturedAttention",
+    "LogitSoftcap",
+    "LogitTransform",
     "SkippedCapture",
     "dense_working_nbytes",
     "register_attention_extractor",
@@ -108,6 +110,32 @@ _SCALED_DOT_PRODUCT_ATTENTION = F.scaled_dot_product_attention
 _MULTI_HEAD_ATTENTION_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
+@dataclass(frozen=True)
+class LogitSoftcap:
+    """Logit softcapping, ``cap · tanh(logits / cap)`` (Gemma 2's ``attn_logit_softcapping``): every logit
+    is squashed into (−cap, cap) before the mask is added. Applied in place; returns its input.
+
+    Example::
+
+        >>> LogitSoftcap(50.0)(torch.tensor([0.0, 50.0, 1e4]))
+        tensor([ 0.0000, 38.0797, 50.0000])
+    """
+
+    cap: float
+
+    def __post_init__(self) -> None:
+        cap = self.cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise ValueError(f"cap must be a positive finite number, got {self.cap!r}")
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        return logits.div_(self.cap).tanh_().mul_(self.cap)
+
+
+LogitTransform = Callable[[Tensor], Tensor]
+"""An elementwise function of the scaled attention logits, applied before the mask and the softmax."""
+
+
 @dataclass
 class AttentionInputs:
     """What an attention computation consumes, in ``F.scaled_dot_product_attention``'s conventions.
@@ -118,8 +146,12 @@ class AttentionInputs:
     ``causal``: query i attends keys j <= i (top-left aligned, as SDPA's ``is_causal``); a mask whose
     attendable keys are lower-triangular is causal without it. ``scale``: multiplies q·k; ``None`` means
     1/sqrt(d). ``query_mask``: (B, n) bool, True = a real query (not padding); ``None`` = the real tokens
-    the forward's padding masks give for n queries (:mod:`spectral_monitor.probes.token_masks`). Tensors may
-    be views of the batch: the capture keeps copies of the sampled sequences only.
+    the forward's padding masks give for n queries (:mod:`spectral_monitor.probes.token_masks`).
+    ``logit_transform``: an elementwise function the model applies to the scaled logits scale · q kᵀ before
+    the mask is added and the softmax taken (Gemma 2's softcapping: :class:`LogitSoftcap`); it may work in
+    place and returns the transformed logits. The probabilities, and ``max_logit``, are then those of
+    softmax(transform(scale · q kᵀ) + mask). Tensors may be views of the batch: the capture keeps copies of
+    the sampled sequences only.
     """
 
     q: Tensor
@@ -128,6 +160,7 @@ class AttentionInputs:
     causal: bool = False
     scale: float | None = None
     query_mask: Tensor | None = None
+    logit_transform: LogitTransform | None = None
 
 
 AttentionExtractor = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], AttentionInputs | None]
@@ -167,7 +200,8 @@ class CapturedAttention:
     query head. ``mask``: additive float32 logit bias broadcastable to (S, H, n, m), ``-inf`` where a key may
     not be attended; the causal pattern is not in it but in ``causal`` (query i attends keys j <= i), so a
     long-context path can apply it blockwise without materialising n x m. ``scale`` multiplies q·k.
-    ``key_mask`` and ``query_mask`` as in :class:`AttentionSample`.
+    ``key_mask`` and ``query_mask`` as in :class:`AttentionSample`. ``logit_transform`` as in
+    :class:`AttentionInputs`: applied to scale · q kᵀ before the mask.
     """
 
     layer: str
@@ -178,6 +212,7 @@ class CapturedAttention:
     scale: float
     key_mask: Tensor | None
     query_mask: Tensor | None
+    logit_transform: LogitTransform | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -188,8 +223,12 @@ class CapturedAttention:
         return self.q.shape[1]
 
     def logits(self, out: Tensor | None = None) -> Tensor:
-        """scale · q kᵀ + mask, with the causal pattern applied: (S, H, n, m) float32 (into ``out``)."""
+        """transform(scale · q kᵀ) + mask, with the causal pattern applied: (S, H, n, m) float32 (into
+        ``out``)."""
         logits = torch.matmul(self.q.float(), self.k.float().transpose(-1, -2), out=out).mul_(self.scale)
+        if self.logit_transform is not None:
+            transformed = self.logit_transform(logits)
+            logits = transformed if transformed is logits else logits.copy_(transformed)
         if self.mask is not None:
             logits.add_(self.mask)
         if self.causal:
@@ -322,6 +361,7 @@ class CapturedAttention:
             key_mask=None if self.key_mask is None else self.key_mask[:, None, :],
             query_mask=None if self.query_mask is None else self.query_mask[:, None, :],
             causal=self.causal,
+            logit_transform=self.logit_transform,
             method=method,
             include_rank_sums=include_rank_sums,
             max_bytes=max_bytes,
@@ -666,9 +706,14 @@ def _scaled_dot_product_inputs(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    logit_softcap: float | None = None,
 ) -> AttentionInputs:
-    """Binds the arguments of an ``F.scaled_dot_product_attention`` call (its builtin has no signature)."""
-    return AttentionInputs(q=query, k=key, mask=attn_mask, causal=is_causal, scale=scale)
+    """Binds the arguments of an ``F.scaled_dot_product_attention`` call (its builtin has no signature), and
+    the softcap a Hugging Face eager attention call reports beside them."""
+    transform = None if logit_softcap is None else LogitSoftcap(logit_softcap)
+    return AttentionInputs(
+        q=query, k=key, mask=attn_mask, causal=is_causal, scale=scale, logit_transform=transform
+    )
 
 
 def _captured_multi_head_attention(
@@ -812,6 +857,7 @@ def _captured(
         scale=float(scale),
         key_mask=None if key_mask is None or bool(key_mask.all()) else key_mask,
         query_mask=None if query_mask is None or bool(query_mask.all()) else query_mask,
+        logit_transform=inputs.logit_transform,
     )
 
 

@@ -14,9 +14,10 @@ inputs in ``F.scaled_dot_product_attention``'s terms: q and k after projection a
 grouped heads not yet repeated), the mask the model passed, the scale, ``is_causal=False`` (an eager function
 applies no causal pattern of its own: causality is in its mask). Relative position biases that the eager
 function adds to the logits (T5's ``position_bias``) are added to that mask, as ``sdpa_attention_forward``
-merges them. Eager functions that change the logits beyond that (``softcap``, attention ``sinks``) are
-reported as not capturable. Removing the observation restores every global it replaced; nothing of
-transformers is imported here.
+merges them. Logit softcapping (Gemma 2's ``softcap``, ``cap · tanh(logits / cap)`` before the mask) is
+reported as ``logit_softcap`` beside SDPA's arguments. Eager functions that change the softmax itself
+(attention ``sinks``, an extra logit column per head) are reported as not capturable. Removing the
+observation restores every global it replaced; nothing of transformers is imported here.
 
 :func:`attention_not_seen_advice` names the fix when a forward made no attention call the capture could see:
 the ``attn_implementation`` to switch a Hugging Face model to, or the extractor to register for attention
@@ -40,11 +41,11 @@ CAPTURED_IMPLEMENTATIONS = ("eager", "sdpa")
 """Hugging Face ``attn_implementation`` values whose attention the capture sees."""
 
 _EAGER_FUNCTION_NAME = "eager_attention_forward"
-_LOGIT_CHANGING_ARGUMENTS = ("softcap", "sinks", "s_aux")
+_SOFTMAX_CHANGING_ARGUMENTS = ("sinks", "s_aux")
 
 ScaledDotProductCall = Callable[[tuple[Any, ...], dict[str, Any]], None]
 """Receives one attention computation as the positional and keyword arguments of an equivalent
-``F.scaled_dot_product_attention`` call."""
+``F.scaled_dot_product_attention`` call, with ``logit_softcap`` (a float or None) among the keywords."""
 UncapturableCall = Callable[[str, Exception | None], None]
 """Receives why one attention computation was not captured, and the error when reading it failed."""
 
@@ -142,11 +143,11 @@ def _report(
 ) -> None:
     extra = arguments.get("kwargs", {})
     changing = [
-        name for name in _LOGIT_CHANGING_ARGUMENTS if arguments.get(name, extra.get(name)) is not None
+        name for name in _SOFTMAX_CHANGING_ARGUMENTS if arguments.get(name, extra.get(name)) is not None
     ]
     if changing:
         on_uncapturable(
-            f"eager attention with {', '.join(changing)} changes the logits beyond q·k plus a mask; "
+            f"eager attention with {', '.join(changing)} adds logit columns to the softmax beyond the keys; "
             "not captured",
             None,
         )
@@ -158,7 +159,16 @@ def _report(
     position_bias = arguments.get("position_bias", extra.get("position_bias"))
     if position_bias is not None:
         mask = position_bias if mask is None else position_bias + mask
-    on_call((query, key, value), {"attn_mask": mask, "is_causal": False, "scale": arguments.get("scaling")})
+    softcap = arguments.get("softcap", extra.get("softcap"))
+    on_call(
+        (query, key, value),
+        {
+            "attn_mask": mask,
+            "is_causal": False,
+            "scale": arguments.get("scaling"),
+            "logit_softcap": None if softcap is None else float(softcap),
+        },
+    )
 
 
 @cache

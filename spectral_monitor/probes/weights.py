@@ -11,6 +11,11 @@ projections of every attention module the probe recognises, split out of packed 
   ``num_heads``; as cross-attention (``is_cross_attention``) ``c_attn`` holds [W_K | W_V] and ``q_attn`` W_Q.
 - a packed ``nn.Linear`` ``c_attn`` or ``qkv`` with rows [W_Q; W_K; W_V], heads contiguous within each, and an
   int head count ``n_head``, ``n_heads`` or ``num_heads`` (nanoGPT, timm, the demo model).
+- a fused projection in a :class:`QKVLayout`: built in for GPT-NeoX (``query_key_value``, per head
+  interleaved) and Phi-3 (``qkv_proj``, concatenated with grouped key/value heads), registered for any other
+  family with :func:`register_qkv_layout`. A module with a fused projection (a child named ``qkv...``,
+  ``query_key_value``, ``Wqkv`` or ``W_pack``) that no layout splits gets one warning naming it and that
+  registration; its fused weight is measured whole.
 - separate ``nn.Linear`` query, key and value projections (the value one optional) named ``q_proj``,
   ``k_proj``, ``v_proj`` (Hugging Face Llama, Mistral, OPT, BART, ViT, ...), ``query``, ``key``, ``value``
   (BERT, RoBERTa, ViT before transformers 5), ``q``, ``k``, ``v`` (T5) or ``q_lin``, ``k_lin``, ``v_lin``
@@ -69,6 +74,8 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -77,6 +84,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.linalg import lanczos_eigsh
 from spectral_monitor.linalg.operators import (
@@ -95,8 +103,10 @@ __all__ = [
     "WEIGHT_FAMILY",
     "AttentionWeights",
     "AttentionWeightsReader",
+    "QKVLayout",
     "WeightProbe",
     "query_key_spectral_norms",
+    "register_qkv_layout",
 ]
 
 WEIGHT_FAMILY = "weights"
@@ -119,6 +129,10 @@ _SEPARATE_PROJECTION_NAMES = (
     ("q_lin", "k_lin", "v_lin"),
 )
 _PER_HEAD_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank")
+_KEY_VALUE_HEAD_COUNT_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
+_FUSED_PROJECTION_NAMES = ("query_key_value", "Wqkv", "W_pack")
+"""Names of fused q/k/v projections besides those containing "qkv": a module with one no layout splits is
+named in the probe's warning."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,6 +173,121 @@ class AttentionWeights:
 AttentionWeightsReader = Callable[[nn.Module], AttentionWeights | None]
 """``reader(module)`` -> the module's projections (detached views of its weights), or ``None`` when the module
 is not attention after all (its submodules are then measured as plain weights)."""
+
+QKV_LAYOUTS = ("concatenated", "interleaved")
+"""How a fused projection orders its rows: [W_Q; W_K; W_V], or per head h [W_Q^h; W_K^h; W_V^h]."""
+
+
+@dataclass(frozen=True)
+class QKVLayout:
+    """How an attention module's fused ``nn.Linear`` (or ``Conv1D``) projection holds its q, k and v.
+
+    ``projection``: the fused child's name (``"qkv_proj"``). ``layout``: ``"concatenated"``, rows
+    [W_Q; W_K; W_V] with heads contiguous within each and possibly fewer key/value heads (Phi-3's
+    ``qkv_proj``), or ``"interleaved"``, per head h the rows [W_Q^h; W_K^h; W_V^h] (GPT-NeoX's
+    ``query_key_value``, which its forward views as (heads, 3 · d_k)). ``num_heads``,
+    ``num_key_value_heads``, ``head_dim``: ``None`` = read from the module or its ``config``
+    (``num_attention_heads``/``num_heads``/..., ``num_key_value_heads``, ``head_dim``/``head_size``);
+    what is missing follows from the projection's rows.
+
+    Raises:
+        ValueError: if ``projection`` is not a non-empty str, ``layout`` not one of ``QKV_LAYOUTS``, or a
+            count not a positive int or None.
+    """
+
+    projection: str
+    layout: str
+    num_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.projection, str) or not self.projection:
+            raise ValueError(
+                f"projection must be a child module's name (a non-empty str), got {self.projection!r}"
+            )
+        if self.layout not in QKV_LAYOUTS:
+            raise ValueError(
+                f"layout must be one of {', '.join(map(repr, QKV_LAYOUTS))}, got {self.layout!r}"
+            )
+        for name in ("num_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and not _is_positive_int(value):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+    def read(self, module: nn.Module) -> AttentionWeights | None:
+        """``module``'s q, k and v split out of its fused projection; ``None`` when it has no such child
+        or its rows do not split into the heads the module declares."""
+        fused = _plain_weight(module._modules.get(self.projection))
+        if fused is None:
+            return None
+        heads, key_heads, width = self._head_shape(module, fused.shape[0])
+        if heads is None:
+            return None
+        if self.layout == "interleaved":
+            per_head = fused.view(heads, 3, width, fused.shape[1])
+            query, key, value = (per_head[:, role].reshape(heads * width, -1) for role in range(3))
+        else:
+            query, key, value = fused.split([heads * width, key_heads * width, key_heads * width])
+        return _layout_or_none(query, key, value, heads, key_heads, replaces=(self.projection,))
+
+    def _head_shape(self, module: nn.Module, rows: int) -> tuple[int | None, int, int]:
+        """(H, H_k, d_k) of a projection with ``rows`` rows, or (None, 0, 0) where they do not fit."""
+        owners = (module, getattr(module, "config", None))
+        heads = self.num_heads or _first_int(owners, _HEAD_COUNT_NAMES)
+        width = self.head_dim or _first_int(owners, (*_HEAD_WIDTH_NAMES, "head_size"))
+        key_heads = self.num_key_value_heads or _first_int(owners, _KEY_VALUE_HEAD_COUNT_NAMES)
+        if heads is None:
+            return None, 0, 0
+        if self.layout == "interleaved":
+            key_heads = key_heads or heads
+            width = width or rows // (3 * heads)
+            fits = key_heads == heads and rows == 3 * heads * width
+        else:
+            if key_heads is None:
+                key_heads = (rows // width - heads) // 2 if width else heads
+            width = width or rows // (heads + 2 * key_heads)
+            fits = key_heads > 0 and rows == (heads + 2 * key_heads) * width
+        return (heads, key_heads, width) if fits else (None, 0, 0)
+
+
+_BUILT_IN_QKV_LAYOUTS = {
+    "GPTNeoXAttention": QKVLayout("query_key_value", "interleaved"),
+    "Phi3Attention": QKVLayout("qkv_proj", "concatenated"),
+}
+"""Fused layouts known by the attention module's class name (transformers stays optional)."""
+
+# An OrderedDict, as torch's hook registries: RemovableHandle needs a weak reference to it.
+_REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[type[nn.Module] | str, QKVLayout]] = OrderedDict()
+
+
+def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> RemovableHandle:
+    """Tell every :class:`WeightProbe` how the attention modules ``target`` fuse q, k and v, so they get
+    per-head weight metrics (``qk_spectral_norm``, per-head σ₁)::
+
+        register_qkv_layout(MyAttention, QKVLayout("Wqkv", "interleaved"))
+
+    Args:
+        target: a module type (matched with ``isinstance``) or an ``fnmatch`` pattern over qualified module
+            names (``"blocks.*.attn"``). A later registration wins over an earlier one and over the built-in
+            layouts; a probe's own ``attention_readers`` win over all.
+        layout: the :class:`QKVLayout` of their fused projection.
+
+    Returns:
+        A handle whose ``remove()`` unregisters.
+
+    Raises:
+        ValueError: if ``target`` or ``layout`` is of the wrong kind.
+    """
+    if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, nn.Module))):
+        raise ValueError(
+            f"target must be an nn.Module subclass or a module-name pattern (str), got {target!r}"
+        )
+    if not isinstance(layout, QKVLayout):
+        raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
+    handle = RemovableHandle(_REGISTERED_QKV_LAYOUTS)
+    _REGISTERED_QKV_LAYOUTS[handle.id] = (target, layout)
+    return handle
 
 
 def query_key_spectral_norms(
@@ -239,7 +368,8 @@ class WeightProbe:
     nothing. ``iterations_per_step``: block Lanczos iterations per call for a warm weight. ``tol``: relative
     Ritz residual at which an estimate stops early. ``per_head``: also measure each attention head.
     ``attention_readers``: module types or name patterns mapped to a function returning the module's
-    :class:`AttentionWeights`, tried before the built-in layouts (see the module docstring).
+    :class:`AttentionWeights`, tried before the built-in layouts (see the module docstring). ``warn``:
+    receives the one warning about a fused projection no layout splits (default: a ``RuntimeWarning``).
 
     :meth:`measure` returns :class:`~spectral_monitor.records.Measurement` records, :meth:`distributions`
     histograms; :meth:`state_dict` / :meth:`load_state_dict` carry the warm vectors through a checkpoint.
@@ -255,6 +385,7 @@ class WeightProbe:
         tol: float = 1e-3,
         per_head: bool = True,
         attention_readers: Mapping[type[nn.Module] | str, AttentionWeightsReader] | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -278,6 +409,8 @@ class WeightProbe:
         self.tol = float(tol)
         self.per_head = per_head
         self.attention_readers = dict(attention_readers or {})
+        self._warn = warn or _runtime_warning
+        self._fused_layouts_checked = False  # once, at the first measurement: the model's modules stay
         self._generator = default_generator(torch.device("cpu"))
         # Each weight's top singular vector on its smaller side; saved as "right_vectors" (its old name).
         self._warm_vectors: dict[str, Tensor] = {}
@@ -373,6 +506,9 @@ class WeightProbe:
             weights = self._read_attention(name, module)
             if weights is not None:
                 sites[name] = weights
+        if filtered and not self._fused_layouts_checked:
+            self._fused_layouts_checked = True
+            self._warn_about_unsplit_projections(modules, sites)
         replaced = {_qualified(name, child) for name, weights in sites.items() for child in weights.replaces}
 
         items: list[tuple[str, Tensor] | _AttentionSite] = []
@@ -423,11 +559,52 @@ class WeightProbe:
                     )
                 value = None if weights.value is None else weights.value.detach()
                 return replace(weights, query=weights.query.detach(), key=weights.key.detach(), value=value)
+        for target, layout in reversed(_REGISTERED_QKV_LAYOUTS.values()):
+            matched = (
+                fnmatch.fnmatchcase(_layer_name(name), target)
+                if isinstance(target, str)
+                else isinstance(module, target)
+            )
+            if matched:
+                return layout.read(module)
+        built_in = _BUILT_IN_QKV_LAYOUTS.get(type(module).__name__)
+        if built_in is not None:
+            return built_in.read(module)
         for reader in _BUILT_IN_READERS:
             weights = reader(module)
             if weights is not None:
                 return weights
         return None
+
+    def _warn_about_unsplit_projections(
+        self, modules: Mapping[str, nn.Module], sites: Mapping[str, Any]
+    ) -> None:
+        """One warning per module type whose fused q/k/v projection no layout splits, naming the fix."""
+        warned: set[str] = set()
+        for name, module in modules.items():
+            kind = type(module).__name__
+            if name in sites or kind in warned:
+                continue
+            fused = next(
+                (
+                    child
+                    for child, submodule in module._modules.items()
+                    if ("qkv" in child.lower() or child in _FUSED_PROJECTION_NAMES)
+                    and _plain_weight(submodule) is not None
+                ),
+                None,
+            )
+            if fused is None:
+                continue
+            warned.add(kind)
+            fix = f'register_qkv_layout({kind}, QKVLayout("{fused}", "concatenated"))'
+            self._warn(
+                f'SpectralMonitor: {kind} ({_layer_name(name)}) fuses q, k and v in "{fused}" in a layout '
+                f"the weight probe does not know: no per-head weight metrics (qk_spectral_norm) for it, and "
+                f'"{fused}" is measured whole. Register the layout once, before training: '
+                f'spectral_monitor.probes.{fix} ("interleaved" where each head\'s q, k, v rows follow each '
+                "other)."
+            )
 
     # ----------------------------------------------------------------------------------------------------
     # Estimating
@@ -732,6 +909,20 @@ _BUILT_IN_READERS: tuple[AttentionWeightsReader, ...] = (
 # --------------------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------------------
+
+
+def _first_int(owners: Sequence[object], names: Sequence[str]) -> int | None:
+    """The first positive int attribute ``names`` holds on the first owner that has one."""
+    for owner in owners:
+        for name in names:
+            value = getattr(owner, name, None)
+            if _is_positive_int(value):
+                return value
+    return None
+
+
+def _runtime_warning(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _patterns(argument: str, patterns: Sequence[str] | None) -> tuple[str, ...] | None:
