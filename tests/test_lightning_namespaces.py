@@ -193,6 +193,7 @@ def test_the_readme_ten_lines_train_under_each_namespace(
     README's comment says, shortened to 3 steps."""
     lightning = namespace(name)
     example = fenced_block(ROOT / "README.md", "python", "trainer.fit")
+    assert len(example.strip().splitlines()) <= 10, example
     first, *rest = example.splitlines()
     assert first.startswith("import pytorch_lightning as pl  # or: import lightning.pytorch as pl"), first
     code = "\n".join([f"import {name} as pl", *rest])
