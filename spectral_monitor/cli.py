@@ -3,9 +3,11 @@
 
 ``spectral-monitor demo`` runs a YAML config of the embedded demo (``configs/demo.yaml`` by default; see
 ``configs/`` for a run that collapses next to one that does not) through Lightning's ``LightningCLI``, logs to
-TensorBoard under ``./runs`` and prints the command that opens the result. ``spectral-monitor sweep``
-measures the demo model's (or a checkpoint's) attention and token metrics against sequence length. Each
-subcommand is one ``_add_<name>_command`` function that declares its arguments and the function that runs it.
+TensorBoard under ``./runs``, prints only what the run itself has to say (warnings on one line, none that
+the demo causes itself) and ends with the two commands that show the result: TensorBoard and ``report``.
+``spectral-monitor sweep`` measures the demo model's (or a checkpoint's) attention and token metrics
+against sequence length. Each subcommand is one ``_add_<name>_command`` function that declares its
+arguments and the function that runs it.
 Torch and Lightning are imported by the commands that train or run a model, so ``report`` starts without them.
 """
 
