@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from importlib import metadata, resources
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -188,7 +189,14 @@ class _NoTips(logging.Filter):
         return not record.getMessage().startswith("💡 Tip")
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
     """``warnings.showwarning`` without the source path and code line: the category and the message."""
     print(f"{category.__name__}: {message}", file=sys.stderr if file is None else file)
 
