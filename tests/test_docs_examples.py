@@ -155,7 +155,7 @@ def test_markers_are_read_from_the_lines_above_a_fence(tmp_path: Path) -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=[example.name for example in EXAMPLES])
 def test_the_example_runs_as_written(example: Example, tmp_path: Path) -> None:
     if example.skip is not None:
-        pytest.skip(example.skip)
+        pytest.skip(f"{example.name}: {example.skip}")
     folder = scratch_checkout(tmp_path)
     for command in example.setup:
         setup = run_in(folder, ["bash", "-e", "-o", "pipefail", "-c", command])
