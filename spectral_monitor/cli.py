@@ -3,20 +3,27 @@
 
 ``spectral-monitor demo`` runs a YAML config of the embedded demo (``configs/demo.yaml`` by default; see
 ``configs/`` for a run that collapses next to one that does not) through Lightning's ``LightningCLI``, logs to
-TensorBoard under ``./runs`` and prints the command that opens the result. ``spectral-monitor sweep``
-measures the demo model's (or a checkpoint's) attention and token metrics against sequence length. Each
-subcommand is one ``_add_<name>_command`` function that declares its arguments and the function that runs it.
+TensorBoard under ``./runs``, prints only what the run itself has to say (warnings on one line, none that
+the demo causes itself) and ends with the two commands that show the result: TensorBoard and ``report``.
+``spectral-monitor sweep`` measures the demo model's (or a checkpoint's) attention and token metrics
+against sequence length. Each subcommand is one ``_add_<name>_command`` function that declares its
+arguments and the function that runs it.
 Torch and Lightning are imported by the commands that train or run a model, so ``report`` starts without them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import sys
-from collections.abc import Sequence
-from importlib import resources
+import warnings
+from collections.abc import Iterator, Sequence
+from importlib import metadata, resources
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -31,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="spectral-monitor",
         description="Watch the attention, residual-stream and weight spectra of a transformer as it trains.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {metadata.version('spectral-monitor')}"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo_command(commands)
@@ -128,6 +138,8 @@ def _run_demo(arguments: argparse.Namespace) -> int:
         f"--config={config}",
         f"--trainer.logger={json.dumps(logger)}",
         "--trainer.enable_progress_bar=true",
+        # Rich's bar reads "Epoch 0/-2" when max_steps alone bounds the run; TQDM's names the epoch only.
+        '--trainer.callbacks+={"class_path": "pytorch_lightning.callbacks.TQDMProgressBar"}',
     ]
     if arguments.max_steps is not None:
         cli_arguments.append(f"--trainer.max_steps={arguments.max_steps}")
@@ -135,22 +147,84 @@ def _run_demo(arguments: argparse.Namespace) -> int:
         seed = arguments.seed
         cli_arguments += [f"--seed_everything={seed}", f"--model.seed={seed}", f"--data.seed={seed}"]
 
-    # Subclass mode takes `model:` / `data:` written either as init arguments or as class_path + init_args.
-    cli = LightningCLI(
-        DemoTransformer,
-        SyntheticDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=cli_arguments,
-        run=False,
-        parser_kwargs={"prog": "spectral-monitor demo"},
-    )
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    with _demo_console():
+        # Subclass mode takes `model:` / `data:` as init arguments or as class_path + init_args.
+        cli = LightningCLI(
+            DemoTransformer,
+            SyntheticDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=cli_arguments,
+            run=False,
+            parser_kwargs={"prog": "spectral-monitor demo"},
+        )
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
-    print(f"\nTensorBoard logs of this run: {cli.trainer.logger.log_dir}")
-    print("See them, next to earlier runs, with:")
-    print(f"tensorboard --logdir {arguments.logdir}")
+    run = cli.trainer.logger.log_dir
+    print(f"\nTensorBoard logs of this run: {run}")
+    print("Next, open the dashboards (next to earlier runs), or read the verdict per diagnosis here:")
+    print(f"  tensorboard --logdir {arguments.logdir}")
+    print(f"  spectral-monitor report {run}")
     return 0
+
+
+# Messages the demo causes itself and that tell its user nothing: LightningCLI's caution against passing
+# `args` from a command that has arguments of its own (the demo builds `args` from them), and torch's
+# deprecation of a pytree class that Lightning still uses.
+_DEMO_OWN_WARNINGS = (
+    (UserWarning, "LightningCLI's args parameter is intended"),
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+)
+# Where Lightning's rank-zero messages are logged, under each of its package names (imported or not yet).
+_LIGHTNING_RANK_ZERO_LOGGERS = tuple(
+    f"{package}.utilities.rank_zero"
+    for package in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning.fabric")
+)
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertising tips ("💡 Tip: ... try installing ...")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """``warnings.showwarning`` without the source path and code line: the category and the message."""
+    print(f"{category.__name__}: {message}", file=sys.stderr if file is None else file)
+
+
+@contextlib.contextmanager
+def _demo_console() -> Iterator[None]:
+    """While the demo trains: warnings as one line each, without those the demo itself causes, and
+    without Lightning's tips; everything as before afterwards."""
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_RANK_ZERO_LOGGERS]
+    no_tips = _NoTips()
+    jsonargparse_switch = os.environ.get("JSONARGPARSE_DEPRECATION_WARNINGS")
+    with warnings.catch_warnings():
+        for category, message in _DEMO_OWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        warnings.showwarning = _one_line_warning
+        # jsonargparse's own switch for the deprecations of its API that LightningCLI calls.
+        os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] = "off"
+        for logger in loggers:
+            logger.addFilter(no_tips)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(no_tips)
+            if jsonargparse_switch is None:
+                del os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"]
+            else:
+                os.environ["JSONARGPARSE_DEPRECATION_WARNINGS"] = jsonargparse_switch
 
 
 def _add_sweep_command(commands: argparse._SubParsersAction) -> None:

@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from spectral_monitor.demo.model import IGNORE_INDEX
+from spectral_monitor.lightning.namespaces import pl
 
 Task = Literal["associative_recall"]
 
@@ -86,7 +86,7 @@ class _SeededBatches(Dataset):
         return associative_recall_batch(generator, **self.batch_args)
 
 
-class SyntheticDataModule(pl.LightningDataModule):
+class SyntheticDataMixin:
     """Batches of a synthetic recall task, made on the fly from the seed; nothing is downloaded.
 
     Args:
@@ -102,6 +102,10 @@ class SyntheticDataModule(pl.LightningDataModule):
         num_values: distinct values a key can be bound to.
         num_pairs: pairs hidden in each sequence (distinct keys).
         num_queries: queries at the end of each sequence (distinct keys among the pairs).
+
+    Everything of the demo data but its Lightning base: :class:`SyntheticDataModule` adds
+    ``pytorch_lightning.LightningDataModule``,
+    :class:`spectral_monitor.demo.lightning_pytorch.SyntheticDataModule` ``lightning.pytorch``'s.
     """
 
     def __init__(
@@ -174,3 +178,9 @@ class SyntheticDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(self.hparams.seed),
         )
+
+
+class SyntheticDataModule(SyntheticDataMixin, pl.LightningDataModule):
+    """:class:`SyntheticDataMixin` (arguments in its docstring) as a ``pytorch_lightning`` data module, or a
+    ``lightning.pytorch`` one where only that is installed; for ``lightning.pytorch`` next to
+    ``pytorch_lightning``, :class:`spectral_monitor.demo.lightning_pytorch.SyntheticDataModule`."""

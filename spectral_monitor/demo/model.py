@@ -1,19 +1,19 @@
 """A tiny transformer to watch: pre-LN blocks whose attention can scale its logits with the context length.
 
-Read top to bottom: a block, the Lightning module. The attention is the public
-:class:`spectral_monitor.toolbox.LengthScaledAttention` (its module docstring says why logits may scale
-with γ·log n); the demo uses it as any user would.
+Read top to bottom: a block, the model with its training step, the Lightning module. The attention is the
+public :class:`spectral_monitor.toolbox.LengthScaledAttention` (its module docstring says why logits may
+scale with γ·log n); the demo uses it as any user would.
 """
 
 from __future__ import annotations
 
 import math
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spectral_monitor.lightning.namespaces import pl
 from spectral_monitor.toolbox.length_scaling import (
     LengthScaledAttention,
     LogitScaling,
@@ -21,7 +21,14 @@ from spectral_monitor.toolbox.length_scaling import (
     attention_logit_scale,
 )
 
-__all__ = ["IGNORE_INDEX", "Block", "DemoTransformer", "LengthScaledAttention", "attention_logit_scale"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Block",
+    "DemoTransformer",
+    "DemoTransformerMixin",
+    "LengthScaledAttention",
+    "attention_logit_scale",
+]
 
 IGNORE_INDEX = -100
 """Target of a position that carries no loss (the default ``ignore_index`` of ``F.cross_entropy``)."""
@@ -59,7 +66,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DemoTransformer(pl.LightningModule):
+class DemoTransformerMixin(nn.Module):
     """A small token-level transformer: token + learned position embeddings, pre-LN blocks, a linear head.
 
     It predicts a target at every position (``IGNORE_INDEX`` where there is none), so one model serves
@@ -90,6 +97,10 @@ class DemoTransformer(pl.LightningModule):
             logits then have a standard deviation of about ``init_std² · d_model``, times γ·log n with
             ``"log_n"``.
         seed: seed of the initialisation.
+
+    Everything of the demo model but its Lightning base: :class:`DemoTransformer` adds
+    ``pytorch_lightning.LightningModule``, :class:`spectral_monitor.demo.lightning_pytorch.DemoTransformer`
+    ``lightning.pytorch.LightningModule``.
     """
 
     def __init__(
@@ -192,3 +203,9 @@ class DemoTransformer(pl.LightningModule):
             return optimizer
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class DemoTransformer(DemoTransformerMixin, pl.LightningModule):
+    """:class:`DemoTransformerMixin` (arguments in its docstring) as a ``pytorch_lightning`` module, or a
+    ``lightning.pytorch`` one where only that is installed; for ``lightning.pytorch`` next to
+    ``pytorch_lightning``, :class:`spectral_monitor.demo.lightning_pytorch.DemoTransformer`."""
