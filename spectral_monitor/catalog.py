@@ -124,6 +124,8 @@ class MetricInfo:
         heatmap: drawn as a layer × head image ``attention/figures/<name>`` on figure steps.
         key: a row of ``spectral-monitor report``'s per-layer table.
         thresholds: the default alert rules' conditions on it.
+        accuracy: how far the value written may be from its definition where it is estimated, not computed
+            exactly (empty where it is exact up to rounding); shown with the definition.
     """
 
     family: str
@@ -142,6 +144,7 @@ class MetricInfo:
     heatmap: bool = False
     key: bool = False
     thresholds: tuple[AlertThreshold, ...] = ()
+    accuracy: str = ""
 
     def __post_init__(self) -> None:
         if self.healthy not in HEALTHY_DIRECTIONS:
@@ -257,6 +260,9 @@ CATALOG: tuple[MetricInfo, ...] = (
         "attention", "dobrushin", "[0, 1]", "higher",
         "½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁, Dobrushin's coefficient (bounds |λ₂|; submultiplicative over layers)",
         "→ 0: rows identical", "Dobrushin 1956", "Rank collapse", _ATTENTION, per_head=True,
+        accuracy="exact up to 32 queries; above, a lower bound L from a farthest-point walk over the "
+        "rows with τ/2 ≤ L ≤ τ (the row farthest from any row is at least half the largest distance away), "
+        "equal to τ on every softmax attention measured (benchmarks/README.md)",
     ),
     MetricInfo(
         "attention", "self_attention", "[0, 1]", "lower", "tr(A)/n, the mass each query keeps on itself",
@@ -609,7 +615,7 @@ def metrics_markdown() -> str:
                 spread = "; ".join(filter(None, [spread, ", ".join(extras)]))
             cells = [
                 f"`{info.name}`",
-                info.meaning,
+                f"{info.meaning}. *Accuracy*: {info.accuracy}" if info.accuracy else info.meaning,
                 info.range,
                 info.healthy,
                 info.collapse,

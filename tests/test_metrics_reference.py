@@ -19,6 +19,7 @@ from reference_metrics import (
     WEIGHT_METRICS,
     AttentionCase,
     attention_cases,
+    attention_reference,
     causal_uniform_attention,
     near_degenerate_attention,
     one_intra_op_thread,
@@ -192,6 +193,30 @@ def closed_form(attn: np.ndarray, **options) -> dict[str, float]:
 
 def as_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(value) for name, value in metrics.items()}
+
+
+def test_the_dobrushin_walk_may_miss_the_farthest_pair_but_never_by_more_than_half() -> None:
+    # Rows c = e₁ and d = e₂ are the farthest pair (τ = 1); the walk starts at a = (e₁ + e₂)/2, goes to b,
+    # the row farthest from a (1.5 away), then to c (1.75 from b) and stops short of d: L = 0.875.
+    a, b, c, d = [0.5, 0.5, 0, 0], [0.125, 0.125, 0.75, 0], [1, 0, 0, 0], [0, 1, 0, 0]
+    rows = attention_module.DOBRUSHIN_EXACT_MAX_ROWS + 1
+    attn = as_tensor(np.array([a, b, c, d] + [a] * (rows - 4)))
+    walked = float(attention_metrics(attn, method="auto")["dobrushin"])
+    exact = float(attention_metrics(attn, method="exact")["dobrushin"])
+    assert exact == pytest.approx(1.0, abs=1e-12)
+    assert walked == pytest.approx(0.875, abs=1e-12)
+
+
+@pytest.mark.parametrize("sharpness", [0.05, 1.0, 10.0])
+def test_the_dobrushin_estimate_of_causal_softmax_attention_lies_within_its_stated_bounds(
+    sharpness: float,
+) -> None:
+    n = 4 * attention_module.DOBRUSHIN_EXACT_MAX_ROWS
+    logits = sharpness * np.random.default_rng(7).standard_normal((6, n, n))
+    attn = torch.from_numpy(row_softmax(np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)))
+    walked = attention_metrics(attn, causal=True, method="auto")["dobrushin"].numpy()
+    exact = np.array([attention_reference(matrix, causal=True)["dobrushin"] for matrix in attn.numpy()])
+    assert np.all(walked <= exact * (1 + 1e-12)) and np.all(walked >= exact / 2)
 
 
 @pytest.mark.parametrize("n", [2, 5, 16])
