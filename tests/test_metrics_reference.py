@@ -219,6 +219,20 @@ def test_the_dobrushin_estimate_of_causal_softmax_attention_lies_within_its_stat
     assert np.all(walked <= exact * (1 + 1e-12)) and np.all(walked >= exact / 2)
 
 
+@pytest.mark.slow
+def test_near_uniform_causal_attention_of_a_fresh_model_gets_the_exact_effective_rank_at_512_tokens() -> None:
+    # q and k of standard deviation 0.1, as a freshly initialised model gives: attention close to the causal
+    # uniform matrix, whose tail of small singular values the rank-sum quadrature reads low.
+    n = 512
+    rng = np.random.default_rng(3)
+    logits = query_key_logits(rng, (2, n, n)) * 0.01
+    attn = torch.from_numpy(row_softmax(np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)))
+    metrics = attention_metrics(attn.float(), causal=True)
+    expected = [attention_reference(matrix, causal=True)["effective_rank"] for matrix in attn.numpy()]
+    np.testing.assert_allclose(metrics["effective_rank"].double().numpy(), expected, rtol=1e-5)
+    assert (metrics["effective_rank_se"] == 0).all()
+
+
 @pytest.mark.parametrize("n", [2, 5, 16])
 def test_uniform_attention_is_rank_one_with_full_entropy(n: int) -> None:
     metrics = closed_form(uniform_attention(n))

@@ -39,7 +39,13 @@ from spectral_monitor.metrics._common import (
 from spectral_monitor.metrics.masks import is_causal_pattern
 
 EXACT_MAX_SIZE = 384
-"""``method="auto"`` factorises exactly when the smaller side of A is at most this."""
+"""``method="auto"`` factorises exactly when the smaller side of A is at most this, or at most
+``EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP`` where the eigen gap is not measured."""
+EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP = 1024
+"""Causal or rectangular attention (no eigen gap, so no non-symmetric ``eigvals``) is factorised exactly up to
+this size: on the near-uniform causal attention of a freshly initialised model the rank-sum quadrature runs
+every round it has and still reads the effective rank low, so there the exact path is both the faster and
+the correct one (benchmarks/README.md). Above it the cost of factorising grows as n³ per head."""
 DOBRUSHIN_EXACT_MAX_ROWS = 32
 """Above this many rows (and off the "exact" path) the Dobrushin coefficient is the farthest-point estimate
 (:func:`farthest_point_dobrushin`): a lower bound that is at least half the true value (triangle inequality),
@@ -145,6 +151,7 @@ def attention_metrics(
     include_rank_sums: bool = True,
     state: KrylovState | None = None,
     generator: torch.Generator | None = None,
+    return_spectra: bool = False,
 ) -> dict[str, Tensor]:
     """Spectral and entropy metrics of attention matrices ``attn`` (..., n, m), rows summing to 1.
 
@@ -176,10 +183,13 @@ def attention_metrics(
     Where no valid query has attention on a valid key (a fully padded sequence) there is nothing to measure:
     every metric is NaN and ``nonfinite`` False ("not measurable", not broken).
 
-    ``method``: "exact", "krylov", or "auto" (exact up to ``EXACT_MAX_SIZE``). ``include_rank_sums=False``
+    ``method``: "exact", "krylov", or "auto" (:func:`uses_exact_path`). ``include_rank_sums=False``
     skips the effective and threshold ranks (NaN), the only members that need the whole spectrum.
     ``state`` warm-starts the Krylov path; ``generator`` draws its probes (a private fixed-seed one by
-    default, so the global RNG is never touched).
+    default, so the global RNG is never touched). ``return_spectra``: on the exact path, also
+    ``singular_values`` (..., min(n, m)), the descending singular values the spectral members were computed
+    from (NaN where ``nonfinite``), so that no caller factorises the same matrices again; absent on the Krylov
+    path.
     """
     attn = check_matrices(attn, "attn")
     if attn.numel() == 0:
@@ -227,8 +237,11 @@ def attention_metrics(
     metrics["dobrushin"] = _dobrushin(
         matrices, queries, blocks, scratch, exact=exact_dobrushin_wanted, first_distances=first_walk_distances
     )
-    if uses_exact_path(n, m, method):
-        metrics.update(_exact_spectral_metrics(matrices, causal, include_rank_sums))
+    singular_values = None
+    if uses_exact_path(n, m, method, causal):
+        exact_members = _exact_spectral_metrics(matrices, causal, include_rank_sums)
+        singular_values = exact_members.pop("singular_values")
+        metrics.update(exact_members)
     else:
         metrics.update(
             krylov_spectral_metrics(
@@ -241,13 +254,21 @@ def attention_metrics(
                 generator,
             )
         )
-    return finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+    finished = finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+    if return_spectra and singular_values is not None:
+        singular_values[nonfinite] = float("nan")
+        finished["singular_values"] = singular_values.reshape(*batch_shape, -1)
+    return finished
 
 
-def uses_exact_path(n: int, m: int, method: str) -> bool:
-    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method``. There its batch
-    elements are independent of each other and of any ``state``: batches may be concatenated freely."""
-    return method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE)
+def uses_exact_path(n: int, m: int, method: str, causal: bool = False) -> bool:
+    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method`` (``causal``:
+    the attention is causal, so no eigen gap is measured). There its batch elements are independent of each
+    other and of any ``state``: batches may be concatenated freely."""
+    if method != "auto":
+        return method == "exact"
+    largest = EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP if causal or n != m else EXACT_MAX_SIZE
+    return min(n, m) <= largest
 
 
 def finished_metrics(
@@ -576,6 +597,7 @@ def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: b
         "sigma1": singular_values[:, 0],
         "sigma2": sigma2,
         "eigen_gap": _exact_eigen_gap(matrices, causal),
+        "singular_values": singular_values,
     }
     if include_rank_sums:
         metrics["effective_rank"] = effective_rank_from_singular_values(singular_values)

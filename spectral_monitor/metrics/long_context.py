@@ -14,8 +14,9 @@ of the attention kernel, within a memory budget:
   A·X, Aᵀ·Y and AᵀA·X sweep the blocks (AᵀA·X in one sweep: each block is formed once per product);
 - batch elements (sequences × heads) go through in chunks sized so their Krylov vectors fit the budget too.
 
-Where the dense matrices are small (``method="auto"`` up to ``EXACT_MAX_SIZE``) or ``method="exact"``, each
-chunk's probabilities are formed and measured exactly by ``attention_metrics``.
+Where the dense matrices are small enough to factorise (``method="auto"``:
+:func:`~spectral_monitor.metrics.attention.uses_exact_path`) or ``method="exact"``, each chunk's probabilities
+are formed and measured exactly by ``attention_metrics``.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def attention_metrics_from_qk(
         nonfinite |= logit_bias.nonfinite_elements()
 
     itemsize = torch.finfo(work).bits // 8
-    exact = uses_exact_path(n, m, method)
+    exact = uses_exact_path(n, m, method, causal)
     per_element = n * m * EXACT_TEMPORARIES if exact else max(n, m) * KRYLOV_COLUMNS
     chunk = max(1, max_bytes // (2 * per_element * itemsize))
     rows = block_rows or max(1, max_bytes // (2 * chunk * m * itemsize * BLOCK_TEMPORARIES))
