@@ -168,7 +168,7 @@ def test_one_pass_members_summed_over_blocks_of_rows_match_the_reference(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["softmax_heads", "padded_sequences", "padded_queries_cross"])
-def test_the_farthest_point_walk_over_blocks_of_rows_matches_the_walk_over_whole_matrices(
+def test_the_dobrushin_estimate_over_blocks_of_rows_matches_the_estimate_over_whole_matrices(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     case = next(case for case in CASES if case.name == name)
@@ -195,28 +195,33 @@ def as_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(value) for name, value in metrics.items()}
 
 
-def test_the_dobrushin_walk_may_miss_the_farthest_pair_but_never_by_more_than_half() -> None:
-    # Rows c = e₁ and d = e₂ are the farthest pair (τ = 1); the walk starts at a = (e₁ + e₂)/2, goes to b,
-    # the row farthest from a (1.5 away), then to c (1.75 from b) and stops short of d: L = 0.875.
-    a, b, c, d = [0.5, 0.5, 0, 0], [0.125, 0.125, 0.75, 0], [1, 0, 0, 0], [0, 1, 0, 0]
-    rows = attention_module.DOBRUSHIN_EXACT_MAX_ROWS + 1
-    attn = as_tensor(np.array([a, b, c, d] + [a] * (rows - 4)))
-    walked = float(attention_metrics(attn, method="auto")["dobrushin"])
+def test_the_dobrushin_estimate_may_miss_the_farthest_pair_but_never_by_more_than_half() -> None:
+    # The farthest pair is c = e₀, d = e₁ (τ = 1), near the mean row, which the many rows a = (e₀ + e₁)/2
+    # hold in place; the 8 rows oₖ = 0.6 eₖ + 0.2 (e₀ + e₁) are farther from it (1.2 against 1.0), so they
+    # are the anchors, and the farthest row from any of them is 1.6 away: L = 0.8.
+    keys = 2 + attention_module.DOBRUSHIN_ANCHORS
+    c, d, a = np.eye(keys)[0], np.eye(keys)[1], (np.eye(keys)[0] + np.eye(keys)[1]) / 2
+    outliers = [0.6 * np.eye(keys)[k] + 0.4 * a for k in range(2, keys)]
+    attn = as_tensor(np.array([c, d, *outliers] + [a] * attention_module.DOBRUSHIN_EXACT_MAX_ROWS))
+    estimate = float(attention_metrics(attn, method="auto")["dobrushin"])
     exact = float(attention_metrics(attn, method="exact")["dobrushin"])
     assert exact == pytest.approx(1.0, abs=1e-12)
-    assert walked == pytest.approx(0.875, abs=1e-12)
+    assert estimate == pytest.approx(0.8, abs=1e-12)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sharpness", [0.05, 1.0, 10.0])
-def test_the_dobrushin_estimate_of_causal_softmax_attention_lies_within_its_stated_bounds(
-    sharpness: float,
+def test_the_dobrushin_estimate_of_softmax_attention_lies_within_its_stated_bounds(
+    sharpness: float, causal: bool
 ) -> None:
     n = 4 * attention_module.DOBRUSHIN_EXACT_MAX_ROWS
     logits = sharpness * np.random.default_rng(7).standard_normal((6, n, n))
-    attn = torch.from_numpy(row_softmax(np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)))
-    walked = attention_metrics(attn, causal=True, method="auto")["dobrushin"].numpy()
-    exact = np.array([attention_reference(matrix, causal=True)["dobrushin"] for matrix in attn.numpy()])
-    assert np.all(walked <= exact * (1 + 1e-12)) and np.all(walked >= exact / 2)
+    if causal:
+        logits = np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)
+    attn = torch.from_numpy(row_softmax(logits))
+    estimate = attention_metrics(attn, causal=causal, method="auto")["dobrushin"].numpy()
+    exact = np.array([attention_reference(matrix, causal=causal)["dobrushin"] for matrix in attn.numpy()])
+    assert np.all(estimate <= exact * (1 + 1e-12)) and np.all(estimate >= exact / 2)
 
 
 @pytest.mark.slow

@@ -33,9 +33,9 @@ from spectral_monitor.metrics.attention import (
     DOBRUSHIN_EXACT_MAX_ROWS,
     KrylovState,
     Scratch,
+    anchored_dobrushin,
     attention_metrics,
     exact_dobrushin,
-    farthest_point_dobrushin,
     finished_metrics,
     krylov_spectral_metrics,
     one_pass_members,
@@ -207,10 +207,15 @@ def _blocked_one_pass(
         Scratch(),
     )
     n = operator.rows
+    mean_row = members.pop("mean_row")
     if n <= DOBRUSHIN_EXACT_MAX_ROWS:  # the dense path's rule: exact below this many rows
         dobrushin = exact_dobrushin(operator.probabilities(0, n), queries)
     else:
-        dobrushin = farthest_point_dobrushin(operator.distances_from_rows, queries)
+
+        def rows_at(index: Tensor) -> Tensor:
+            return torch.stack([operator.rows_at(column) for column in index.unbind(1)], dim=1)
+
+        dobrushin = anchored_dobrushin(operator.distances_to, rows_at, queries, mean_row)
     members["dobrushin"] = dobrushin.to(operator.dtype)
     return members
 
@@ -339,12 +344,11 @@ class SoftmaxAttentionOperator(BatchedOperator):
             )
         return logits.sub_(self.log_normaliser[elements, index][:, None]).exp_()
 
-    def distances_from_rows(self, index: Tensor) -> Tensor:
-        """‖Aᵢ − A_index‖₁ for every row i of each element: (B, n)."""
-        anchors = self.rows_at(index)[:, None, :]
-        distances = torch.empty((self.batch, self.rows), dtype=self.dtype, device=self.device)
+    def distances_to(self, rows: Tensor) -> Tensor:
+        """‖Aᵢ − rₖ‖₁ for every row i of each element and each of its ``rows`` (B, K, m): (B, n, K)."""
+        distances = torch.empty((self.batch, self.rows, rows.shape[1]), dtype=self.dtype, device=self.device)
         for start, stop in self.blocks():
-            distances[:, start:stop] = self.probabilities(start, stop).sub_(anchors).abs_().sum(dim=2)
+            distances[:, start:stop] = torch.cdist(self.probabilities(start, stop), rows.to(self.dtype), p=1)
         return distances
 
     def restrict(self, index: Tensor) -> SoftmaxAttentionOperator:
