@@ -22,6 +22,17 @@ included, which the hook time leaves out. The first pair of blocks, where the fi
 figure new, is left out of the ratio and reported as the once-per-run cost.
 
     python benchmarks/bench_overhead.py --interleaved --steps 4000
+
+``--external`` measures models written elsewhere instead (``_external_models.py``: a Hugging Face GPT-2 built
+from its config and a nanoGPT-style model with ``F.scaled_dot_product_attention(is_causal=True)``), in the
+plain-loop ``Monitor`` with the ``standard`` preset, batch 2, both sequences sampled, at each context length
+and layer count given, freshly initialised and after ``--train-steps`` steps of training. In one process,
+round by round: a plain training step, a logging step (the same training step with the monitor measuring
+it), and the hand-written alternative on the same batch (an eager forward returning the attention
+probabilities, then each head's entropy and float64 ``torch.linalg.svdvals``). The first logging step, where
+every figure is drawn new, is reported apart. Medians over ``--rounds`` rounds, with their spread.
+
+    python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
 """
 
 from __future__ import annotations
@@ -241,6 +252,126 @@ def interleaved(steps: int, every: int | None) -> None:
     )
 
 
+def external(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    every = args.every or 50
+    print(describe_machine())
+    print(
+        f"\nstandard preset, batch 2 (both sequences sampled), device {args.device}, {args.rounds} rounds; "
+        "medians (min–max over rounds)\n"
+    )
+    rows = []
+    for name in args.models:
+        for layers in args.layers:
+            for context in args.contexts:
+                run = _ExternalRun(name, context, layers, args)
+                for state, steps in (("fresh", 0), ("trained", args.train_steps)):
+                    for _ in range(steps):
+                        run.train_step(logging=False)
+                    rows.append([name, str(layers), str(context), state, *run.measured(args.rounds, every)])
+                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                run.monitor.close()
+    print(
+        markdown_table(
+            [
+                "model",
+                "layers",
+                "n",
+                "weights",
+                "training step (s)",
+                "logging step (s)",
+                "logging / training step",
+                "hand-written (s)",
+                "monitor's extra / hand-written",
+                f"amortised at every {every}",
+            ],
+            rows,
+        )
+    )
+
+
+class _ExternalRun:
+    """One external model in training with the plain-loop monitor, and the timings ``external`` reports."""
+
+    def __init__(self, name: str, context: int, layers: int, args: argparse.Namespace) -> None:
+        import tempfile
+
+        import torch
+        from _external_models import model_and_loss, token_batch
+
+        from spectral_monitor.integrations.loop import Monitor
+
+        torch.manual_seed(0)
+        self.device = torch.device(args.device)
+        self.model, self.loss_of = model_and_loss(name, context, layers)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.tokens = token_batch(2, context, device=args.device)
+        self.monitor = Monitor(
+            self.model, logdir=tempfile.mkdtemp(), every_n_steps=1, optimizer=self.optimizer
+        )
+        self.steps = 0
+
+    def clock(self) -> float:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def train_step(self, *, logging: bool) -> float:
+        """Seconds of one training step, measured by the monitor or not."""
+        start = self.clock()
+        if logging:
+            with self.monitor.step(self.steps, batch=self.tokens):
+                loss = self.loss_of(self.model, self.tokens)
+        else:
+            loss = self.loss_of(self.model, self.tokens)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.steps += 1
+        return self.clock() - start
+
+    def hand_written(self) -> float:
+        """Seconds of the alternative: eager attention probabilities, each head's entropy and float64 σ."""
+        import torch
+        from _external_models import eager_attention_probabilities
+
+        start = self.clock()
+        for probs in eager_attention_probabilities(self.model, self.tokens):
+            matrices = probs.double()
+            (-torch.special.xlogy(matrices, matrices).sum(dim=-1)).mean(dim=-1)
+            torch.linalg.svdvals(matrices)
+        return self.clock() - start
+
+    def measured(self, rounds: int, every: int) -> list[str]:
+        """The table's timing cells: ``rounds`` rounds of a plain step, a logging step and the alternative."""
+        self.train_step(logging=False)  # warm-up
+        first = self.train_step(logging=True)
+        plain, logged, alternative = [], [], []
+        for _ in range(rounds):
+            plain.append(self.train_step(logging=False))
+            logged.append(self.train_step(logging=True))
+            alternative.append(self.hand_written())
+        extra = [log - off for log, off in zip(logged, plain, strict=True)]
+        amortised = 100 * statistics.median(extra) / (every * statistics.median(plain))
+        return [
+            f"{statistics.median(plain):.2f}",
+            f"{statistics.median(logged):.2f} (first {first:.1f})",
+            _spread([log / off for log, off in zip(logged, plain, strict=True)], "×"),
+            f"{statistics.median(alternative):.2f}",
+            _spread([more / alt for more, alt in zip(extra, alternative, strict=True)], "×"),
+            f"{amortised:.1f}%",
+        ]
+
+
+def _spread(values: list[float], unit: str) -> str:
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}–{max(values):.2f})"
+
+
 def run_worker(monitor: bool, steps: int, every: int | None) -> dict[str, float]:
     cadence = [] if every is None else ["--every", str(every)]
     output = subprocess.run(
@@ -264,7 +395,19 @@ def main() -> None:
     parser.add_argument(
         "--interleaved", action="store_true", help="one process, alternating blocks (module docstring)"
     )
+    parser.add_argument("--external", action="store_true", help="GPT-2 and nanoGPT (module docstring)")
+    parser.add_argument("--models", nargs="+", default=["gpt2", "nanogpt"], choices=["gpt2", "nanogpt"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
+    parser.add_argument("--layers", nargs="+", type=int, default=[6])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=30, help="steps before the 'trained' rows")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.external:
+        external(args)
+        return
     if args.interleaved:
         interleaved(args.steps, args.every)
         return
