@@ -33,6 +33,12 @@ probabilities, then each head's entropy and float64 ``torch.linalg.svdvals``). T
 every figure is drawn new, is reported apart. Medians over ``--rounds`` rounds, with their spread.
 
     python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
+
+``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every per-layer attention and
+token scalar of the catalogue for 6 layers (with the head spreads), written by the monitor's own sink, then
+the command in a fresh process (wall and CPU seconds), and ``import spectral_monitor.report`` alone.
+
+    python benchmarks/bench_overhead.py --report 2000
 """
 
 from __future__ import annotations
@@ -368,6 +374,57 @@ class _ExternalRun:
         ]
 
 
+def report_time(logging_steps: int) -> None:
+    import tempfile
+
+    from spectral_monitor.catalog import CATALOG
+    from spectral_monitor.records import Measurement
+    from spectral_monitor.sinks import TensorBoardSink
+
+    names = [
+        f"{info.name}{suffix}"
+        for info in CATALOG
+        if info.family in ("attention", "tokens") and "<k>" not in info.name
+        for suffix in ("", *(f"_{aggregate}" for aggregate in info.head_aggregates))
+    ]
+    layers = [f"blocks.{index}" for index in range(6)]
+    logdir = Path(tempfile.mkdtemp())
+    sink = TensorBoardSink(str(logdir / "run"))
+    start = time.perf_counter()
+    for step in range(logging_steps):
+        sink.write_measurements(
+            Measurement(step * 50, family, name, layer, 0.5 + 0.4 * ((step + len(name)) % 7) / 7)
+            for family in ("attention", "tokens")
+            for name in names
+            for layer in layers
+        )
+    sink.close()
+    written = time.perf_counter() - start
+    scalars = logging_steps * 2 * len(names) * len(layers)
+
+    def timed(command: list[str]) -> tuple[float, float]:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True, cwd=REPO)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        return time.perf_counter() - start, cpu
+
+    report_wall, report_cpu = timed([sys.executable, "-m", "spectral_monitor.cli", "report", str(logdir)])
+    import_wall, import_cpu = timed([sys.executable, "-c", "import spectral_monitor.report"])
+    print(describe_machine())
+    print(f"\n{logging_steps} logging steps, {scalars} scalars written in {written:.1f} s\n")
+    print(
+        markdown_table(
+            ["command", "wall (s)", "CPU (s)"],
+            [
+                ["spectral-monitor report", f"{report_wall:.1f}", f"{report_cpu:.1f}"],
+                ["import spectral_monitor.report", f"{import_wall:.2f}", f"{import_cpu:.2f}"],
+            ],
+        )
+    )
+
+
 def _spread(values: list[float], unit: str) -> str:
     return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}–{max(values):.2f})"
 
@@ -404,7 +461,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--report", type=int, default=None, metavar="N", help="time the report (docstring)")
     args = parser.parse_args()
+    if args.report:
+        report_time(args.report)
+        return
     if args.external:
         external(args)
         return
