@@ -17,6 +17,7 @@ machine.
 
     python benchmarks/bench_attention_metrics.py                        # the full table (slow)
     python benchmarks/bench_attention_metrics.py --sizes 128 256 --batch 4   # a smoke test
+    python benchmarks/bench_attention_metrics.py --qk-std 0.1 --device cuda  # near-uniform, on a GPU
 
 On a machine other work shares, pass ``--threads 1``: two intra-op threads competing for busy cores made
 the Krylov cases 10-100× slower and the table meaningless.
@@ -41,23 +42,27 @@ HEAD_DIM = 64
 NEXT_STEP_DRIFT = 0.01
 
 
-def softmax_attention_batch(batch: int, n: int, seed: int, drift: float = 0.0) -> torch.Tensor:
-    """(batch, n, n) float32 softmax(QKᵀ/√d) of Gaussian q, k; ``drift`` moves q, k as a training step."""
+def softmax_attention_batch(
+    batch: int, n: int, seed: int, drift: float = 0.0, device: str = "cpu", std: float = 1.0
+) -> torch.Tensor:
+    """(batch, n, n) float32 softmax(QKᵀ/√d) of Gaussian q, k of standard deviation ``std`` on ``device``;
+    ``drift`` moves q, k as a training step."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, n, HEAD_DIM, generator=generator)
     k = torch.randn(batch, n, HEAD_DIM, generator=generator)
     if drift:
         q = q + drift * torch.randn(q.shape, generator=generator)
         k = k + drift * torch.randn(k.shape, generator=generator)
+    q, k = (std * t.to(device) for t in (q, k))
     return torch.softmax(q @ k.transpose(1, 2) / math.sqrt(HEAD_DIM), dim=-1)
 
 
 def to_numpy(metrics: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {name: value.detach().to(torch.float64).numpy() for name, value in metrics.items()}
+    return {name: value.detach().to(torch.float64).cpu().numpy() for name, value in metrics.items()}
 
 
 def run_svdvals(attn: torch.Tensor) -> dict[str, np.ndarray]:
-    return {"singular_values": torch.linalg.svdvals(attn).to(torch.float64).numpy()}
+    return {"singular_values": torch.linalg.svdvals(attn).to(torch.float64).cpu().numpy()}
 
 
 def run_metrics(attn: torch.Tensor) -> dict[str, np.ndarray]:
@@ -92,14 +97,16 @@ def run_warm(attn_perturbed: torch.Tensor, state: KrylovState) -> dict[str, np.n
     )
 
 
-def build_cold(batch: int, n: int, seed: int) -> torch.Tensor:
-    return softmax_attention_batch(batch, n, seed)
+def build_cold(batch: int, n: int, seed: int, device: str, std: float) -> torch.Tensor:
+    return softmax_attention_batch(batch, n, seed, device=device, std=std)
 
 
-def build_warm(batch: int, n: int, seed: int) -> tuple[torch.Tensor, Any, np.ndarray]:
+def build_warm(
+    batch: int, n: int, seed: int, device: str, std: float
+) -> tuple[torch.Tensor, Any, np.ndarray]:
     """The next step's attention, the state primed on this step's, and the next step's exact spectrum."""
-    state = prime_warm_state(softmax_attention_batch(batch, n, seed))
-    attn_perturbed = softmax_attention_batch(batch, n, seed, drift=NEXT_STEP_DRIFT)
+    state = prime_warm_state(softmax_attention_batch(batch, n, seed, device=device, std=std))
+    attn_perturbed = softmax_attention_batch(batch, n, seed, drift=NEXT_STEP_DRIFT, device=device, std=std)
     return attn_perturbed, state, run_svdvals(attn_perturbed)["singular_values"]
 
 
@@ -108,8 +115,9 @@ def run_warm_case(inputs: tuple[torch.Tensor, Any, np.ndarray]) -> dict[str, np.
     return {**run_warm(attn_perturbed, state), "singular_values": singular_values}
 
 
-# name -> (build(batch, n, seed) -> inputs, run(inputs) -> outputs). An output holding "singular_values"
-# is compared with those (the warm case measures a different batch); every other with the svdvals case.
+# name -> (build(batch, n, seed, device, std) -> inputs, run(inputs) -> outputs). An output holding
+# "singular_values" is compared with those (the warm case measures a different batch); every other with the
+# svdvals case.
 CASES: dict[str, tuple[Callable[..., Any], Callable[[Any], dict[str, np.ndarray]]]] = {
     "svdvals": (build_cold, run_svdvals),
     "metrics": (build_cold, run_metrics),
@@ -144,6 +152,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (median reported)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--qk-std",
+        type=float,
+        default=1.0,
+        help="std of q and k (0.1: a fresh model's near-uniform attention)",
+    )
     args = parser.parse_args()
     for name in ("batch", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -154,7 +169,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(describe_machine())
     print(
-        f"Attention: softmax(QKᵀ/√{HEAD_DIM}) of seeded Gaussian q, k; float32; batch {args.batch}; "
+        f"Attention: softmax(QKᵀ/√{HEAD_DIM}) of seeded Gaussian q, k of std {args.qk_std}; float32; "
+        f"batch {args.batch}; device {args.device}; "
         f"median of {args.repeats} calls; peak = resident-memory growth over the inputs, fresh process.\n"
     )
 
@@ -174,7 +190,7 @@ def main() -> None:
         for name, (build, run) in CASES.items():
             try:
                 result = measure_in_fresh_process(
-                    functools.partial(build, args.batch, n, args.seed),
+                    functools.partial(build, args.batch, n, args.seed, args.device, args.qk_std),
                     run,
                     repeats=args.repeats,
                     threads=args.threads,

@@ -38,10 +38,11 @@ from _common import (
 HEAD_DIM = 64
 
 
-def _inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(n)
-    return torch.randn(1, 1, n, HEAD_DIM, generator=generator), torch.randn(
-        1, 1, n, HEAD_DIM, generator=generator
+    return (
+        torch.randn(1, 1, n, HEAD_DIM, generator=generator).to(device),
+        torch.randn(1, 1, n, HEAD_DIM, generator=generator).to(device),
     )
 
 
@@ -57,7 +58,9 @@ def _dense(q: torch.Tensor, k: torch.Tensor, budget: int, rank_sums: bool) -> di
 
     n = q.shape[2]
     logits = (q @ k.transpose(-1, -2)) / HEAD_DIM**0.5
-    probs = torch.softmax(logits.masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril(), -torch.inf), dim=-1)
+    probs = torch.softmax(
+        logits.masked_fill_(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), -torch.inf), dim=-1
+    )
     del logits
     result = attention_metrics(probs, causal=True, method="krylov", include_rank_sums=rank_sums)
     return {name: float(value.flatten()[0]) for name, value in result.items()}
@@ -66,11 +69,11 @@ def _dense(q: torch.Tensor, k: torch.Tensor, budget: int, rank_sums: bool) -> di
 CASES = {"blockwise": _blockwise, "dense": _dense}
 
 
-def _child(case: str, n: int, budget: int, rank_sums: bool, threads: int, sender) -> None:
+def _child(case: str, n: int, budget: int, rank_sums: bool, threads: int, device: str, sender) -> None:
     try:
         torch.set_num_threads(threads)
-        CASES[case](*_inputs(512), budget, rank_sums)  # lazy initialisation out of the measurement
-        q, k = _inputs(n)
+        CASES[case](*_inputs(512, device), budget, rank_sums)  # lazy initialisation out of the measurement
+        q, k = _inputs(n, device)
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, FIXED_MMAP_THRESHOLD)
         libc.mallopt(M_TRIM_THRESHOLD, 0)
@@ -85,10 +88,12 @@ def _child(case: str, n: int, budget: int, rank_sums: bool, threads: int, sender
         sender.send(("failed", f"{type(error).__name__}: {error}", None, None))
 
 
-def measure(case: str, n: int, budget: int, rank_sums: bool, threads: int) -> tuple[float, int, dict]:
+def measure(
+    case: str, n: int, budget: int, rank_sums: bool, threads: int, device: str = "cpu"
+) -> tuple[float, int, dict]:
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(case, n, budget, rank_sums, threads, sender))
+    process = context.Process(target=_child, args=(case, n, budget, rank_sums, threads, device, sender))
     process.start()
     sender.close()
     status, seconds, peak, output = receiver.recv()
@@ -105,24 +110,28 @@ def main() -> None:
     parser.add_argument("--dense-max-n", type=int, default=4096)
     parser.add_argument("--rank-sums", action="store_true", help="include effective and threshold rank")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     arguments = parser.parse_args()
     budget = int(arguments.budget_mb * 2**20)
 
     print(describe_machine())
     print(
-        f"One causal head, d = {HEAD_DIM}, budget {arguments.budget_mb:g} MiB, rank sums "
+        f"One causal head, d = {HEAD_DIM}, device {arguments.device}, budget {arguments.budget_mb:g} MiB, "
+        "rank sums "
         f"{'on' if arguments.rank_sums else 'off'}; peak = resident-set growth over the inputs, "
         "fresh process.\n"
     )
     rows, points = [], {"blockwise": [], "dense": [], "dense (extrapolated)": []}
     last_dense: tuple[int, int] | None = None
     for n in arguments.sizes:
-        seconds, peak, output = measure("blockwise", n, budget, arguments.rank_sums, arguments.threads)
+        seconds, peak, output = measure(
+            "blockwise", n, budget, arguments.rank_sums, arguments.threads, arguments.device
+        )
         points["blockwise"].append((n, seconds, peak))
         dense_time, dense_peak, note, sigma_error = "—", "—", "", "—"
         if n <= arguments.dense_max_n:
             dense_seconds, peak_dense, dense_output = measure(
-                "dense", n, budget, arguments.rank_sums, arguments.threads
+                "dense", n, budget, arguments.rank_sums, arguments.threads, arguments.device
             )
             points["dense"].append((n, dense_seconds, peak_dense))
             last_dense = (n, peak_dense)

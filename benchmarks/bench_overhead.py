@@ -22,6 +22,23 @@ included, which the hook time leaves out. The first pair of blocks, where the fi
 figure new, is left out of the ratio and reported as the once-per-run cost.
 
     python benchmarks/bench_overhead.py --interleaved --steps 4000
+
+``--external`` measures models written elsewhere instead (``_external_models.py``: a Hugging Face GPT-2 built
+from its config and a nanoGPT-style model with ``F.scaled_dot_product_attention(is_causal=True)``), in the
+plain-loop ``Monitor`` with the ``standard`` preset, batch 2, both sequences sampled, at each context length
+and layer count given, freshly initialised and after ``--train-steps`` steps of training. In one process,
+round by round: a plain training step, a logging step (the same training step with the monitor measuring
+it), and the hand-written alternative on the same batch (an eager forward returning the attention
+probabilities, then each head's entropy and float64 ``torch.linalg.svdvals``). The first logging step, where
+every figure is drawn new, is reported apart. Medians over ``--rounds`` rounds, with their spread.
+
+    python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
+
+``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every per-layer attention and
+token scalar of the catalogue for 6 layers (with the head spreads), written by the monitor's own sink, then
+the command in a fresh process (wall and CPU seconds), and ``import spectral_monitor.report`` alone.
+
+    python benchmarks/bench_overhead.py --report 2000
 """
 
 from __future__ import annotations
@@ -241,6 +258,177 @@ def interleaved(steps: int, every: int | None) -> None:
     )
 
 
+def external(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    every = args.every or 50
+    print(describe_machine())
+    print(
+        f"\nstandard preset, batch 2 (both sequences sampled), device {args.device}, {args.rounds} rounds; "
+        "medians (min–max over rounds)\n"
+    )
+    rows = []
+    for name in args.models:
+        for layers in args.layers:
+            for context in args.contexts:
+                run = _ExternalRun(name, context, layers, args)
+                for state, steps in (("fresh", 0), ("trained", args.train_steps)):
+                    for _ in range(steps):
+                        run.train_step(logging=False)
+                    rows.append([name, str(layers), str(context), state, *run.measured(args.rounds, every)])
+                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                run.monitor.close()
+    print(
+        markdown_table(
+            [
+                "model",
+                "layers",
+                "n",
+                "weights",
+                "training step (s)",
+                "logging step (s)",
+                "logging / training step",
+                "hand-written (s)",
+                "monitor's extra / hand-written",
+                f"amortised at every {every}",
+            ],
+            rows,
+        )
+    )
+
+
+class _ExternalRun:
+    """One external model in training with the plain-loop monitor, and the timings ``external`` reports."""
+
+    def __init__(self, name: str, context: int, layers: int, args: argparse.Namespace) -> None:
+        import tempfile
+
+        import torch
+        from _external_models import model_and_loss, token_batch
+
+        from spectral_monitor.integrations.loop import Monitor
+
+        torch.manual_seed(0)
+        self.device = torch.device(args.device)
+        self.model, self.loss_of = model_and_loss(name, context, layers)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.tokens = token_batch(2, context, device=args.device)
+        self.monitor = Monitor(
+            self.model, logdir=tempfile.mkdtemp(), every_n_steps=1, optimizer=self.optimizer
+        )
+        self.steps = 0
+
+    def clock(self) -> float:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def train_step(self, *, logging: bool) -> float:
+        """Seconds of one training step, measured by the monitor or not."""
+        start = self.clock()
+        if logging:
+            with self.monitor.step(self.steps, batch=self.tokens):
+                loss = self.loss_of(self.model, self.tokens)
+        else:
+            loss = self.loss_of(self.model, self.tokens)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.steps += 1
+        return self.clock() - start
+
+    def hand_written(self) -> float:
+        """Seconds of the alternative: eager attention probabilities, each head's entropy and float64 σ."""
+        import torch
+        from _external_models import eager_attention_probabilities
+
+        start = self.clock()
+        for probs in eager_attention_probabilities(self.model, self.tokens):
+            matrices = probs.double()
+            (-torch.special.xlogy(matrices, matrices).sum(dim=-1)).mean(dim=-1)
+            torch.linalg.svdvals(matrices)
+        return self.clock() - start
+
+    def measured(self, rounds: int, every: int) -> list[str]:
+        """The table's timing cells: ``rounds`` rounds of a plain step, a logging step and the alternative."""
+        self.train_step(logging=False)  # warm-up
+        first = self.train_step(logging=True)
+        plain, logged, alternative = [], [], []
+        for _ in range(rounds):
+            plain.append(self.train_step(logging=False))
+            logged.append(self.train_step(logging=True))
+            alternative.append(self.hand_written())
+        extra = [log - off for log, off in zip(logged, plain, strict=True)]
+        amortised = 100 * statistics.median(extra) / (every * statistics.median(plain))
+        return [
+            f"{statistics.median(plain):.2f}",
+            f"{statistics.median(logged):.2f} (first {first:.1f})",
+            _spread([log / off for log, off in zip(logged, plain, strict=True)], "×"),
+            f"{statistics.median(alternative):.2f}",
+            _spread([more / alt for more, alt in zip(extra, alternative, strict=True)], "×"),
+            f"{amortised:.1f}%",
+        ]
+
+
+def report_time(logging_steps: int) -> None:
+    import tempfile
+
+    from spectral_monitor.catalog import CATALOG
+    from spectral_monitor.records import Measurement
+    from spectral_monitor.sinks import TensorBoardSink
+
+    names = [
+        f"{info.name}{suffix}"
+        for info in CATALOG
+        if info.family in ("attention", "tokens") and "<k>" not in info.name
+        for suffix in ("", *(f"_{aggregate}" for aggregate in info.head_aggregates))
+    ]
+    layers = [f"blocks.{index}" for index in range(6)]
+    logdir = Path(tempfile.mkdtemp())
+    sink = TensorBoardSink(str(logdir / "run"))
+    start = time.perf_counter()
+    for step in range(logging_steps):
+        sink.write_measurements(
+            Measurement(step * 50, family, name, layer, 0.5 + 0.4 * ((step + len(name)) % 7) / 7)
+            for family in ("attention", "tokens")
+            for name in names
+            for layer in layers
+        )
+    sink.close()
+    written = time.perf_counter() - start
+    scalars = logging_steps * 2 * len(names) * len(layers)
+
+    def timed(command: list[str]) -> tuple[float, float]:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True, cwd=REPO)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        return time.perf_counter() - start, cpu
+
+    report_wall, report_cpu = timed([sys.executable, "-m", "spectral_monitor.cli", "report", str(logdir)])
+    import_wall, import_cpu = timed([sys.executable, "-c", "import spectral_monitor.report"])
+    print(describe_machine())
+    print(f"\n{logging_steps} logging steps, {scalars} scalars written in {written:.1f} s\n")
+    print(
+        markdown_table(
+            ["command", "wall (s)", "CPU (s)"],
+            [
+                ["spectral-monitor report", f"{report_wall:.1f}", f"{report_cpu:.1f}"],
+                ["import spectral_monitor.report", f"{import_wall:.2f}", f"{import_cpu:.2f}"],
+            ],
+        )
+    )
+
+
+def _spread(values: list[float], unit: str) -> str:
+    return f"{statistics.median(values):.2f}{unit} ({min(values):.2f}–{max(values):.2f})"
+
+
 def run_worker(monitor: bool, steps: int, every: int | None) -> dict[str, float]:
     cadence = [] if every is None else ["--every", str(every)]
     output = subprocess.run(
@@ -264,7 +452,23 @@ def main() -> None:
     parser.add_argument(
         "--interleaved", action="store_true", help="one process, alternating blocks (module docstring)"
     )
+    parser.add_argument("--external", action="store_true", help="GPT-2 and nanoGPT (module docstring)")
+    parser.add_argument("--models", nargs="+", default=["gpt2", "nanogpt"], choices=["gpt2", "nanogpt"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
+    parser.add_argument("--layers", nargs="+", type=int, default=[6])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=30, help="steps before the 'trained' rows")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--report", type=int, default=None, metavar="N", help="time the report (docstring)")
     args = parser.parse_args()
+    if args.report:
+        report_time(args.report)
+        return
+    if args.external:
+        external(args)
+        return
     if args.interleaved:
         interleaved(args.steps, args.every)
         return

@@ -15,14 +15,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from tensorboard.backend.event_processing import event_accumulator
 
 from spectral_monitor.catalog import CATALOG, DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "KEY_METRICS",
@@ -68,6 +68,10 @@ class RunScalars:
 
     @classmethod
     def load(cls, path: Path) -> RunScalars:
+        # Imported where used, as matplotlib is where figures are drawn: together they took most of the time
+        # an import of this module took.
+        from tensorboard.backend.event_processing import event_accumulator
+
         accumulator = event_accumulator.EventAccumulator(
             str(path), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
         )
@@ -423,6 +427,9 @@ def _write_plots(run: RunScalars, folder: Path) -> list[Path]:
 
 
 def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
+    import matplotlib
+    from matplotlib.figure import Figure
+
     # Fixed margins rather than a layout engine: solving the constrained layout was half of each plot's time.
     figure = Figure(figsize=(6.4, 3.6), dpi=_DPI)
     figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
@@ -440,6 +447,9 @@ def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarr
 
 
 def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
+    import matplotlib
+    from matplotlib.figure import Figure
+
     layers = sorted(by_layer)
     steps = sorted({int(step) for steps, _ in by_layer.values() for step in steps})
     column = {step: index for index, step in enumerate(steps)}
@@ -463,6 +473,8 @@ def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.nd
 
 
 def _save(figure: Figure, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(figure).print_png(str(path))
     figure.clear()
     return path

@@ -6,9 +6,14 @@ import math
 
 import torch
 
+from spectral_monitor.metrics import attention_metrics
 from spectral_monitor.metrics.heads import head_spectral_distances
 from spectral_monitor.probes import AttentionSample
-from spectral_monitor.toolbox.head_diversity import head_diversity_records, layer_head_distances
+from spectral_monitor.toolbox.head_diversity import (
+    attention_spectra,
+    head_diversity_records,
+    layer_head_distances,
+)
 
 
 def softmax_attention(sequences: int, heads: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -47,3 +52,27 @@ def test_padded_rows_holding_nan_are_left_out() -> None:
     query_mask = torch.tensor([[True, True, True, False, False]])
     distances = layer_head_distances(AttentionSample("layer", padded, None, query_mask, False, 1.0))
     torch.testing.assert_close(distances, reference, rtol=0, atol=1e-12)
+
+
+def test_the_metrics_singular_values_are_the_float64_spectra_head_diversity_reads() -> None:
+    probs = softmax_attention(2, 3, 40)
+    probs[1, 2, 5, 10] = math.nan
+    query_mask = torch.ones(2, 40, dtype=torch.bool)
+    query_mask[0, 30:] = False
+    key_mask = torch.ones(2, 40, dtype=torch.bool)
+    key_mask[1, :3] = False
+
+    metrics = attention_metrics(
+        probs,
+        query_mask=query_mask[:, None, :],
+        key_mask=key_mask[:, None, :],
+        method="exact",
+        return_spectra=True,
+    )
+
+    expected = attention_spectra(probs, query_mask, key_mask)
+    assert metrics["singular_values"][1, 2].isnan().all() and expected[1, 2].isnan().all()
+    torch.testing.assert_close(
+        metrics["singular_values"].double(), expected, rtol=0, atol=1e-6, equal_nan=True
+    )
+    assert "singular_values" not in attention_metrics(probs, method="krylov", return_spectra=True)

@@ -19,6 +19,7 @@ from reference_metrics import (
     WEIGHT_METRICS,
     AttentionCase,
     attention_cases,
+    attention_reference,
     causal_uniform_attention,
     near_degenerate_attention,
     one_intra_op_thread,
@@ -167,7 +168,7 @@ def test_one_pass_members_summed_over_blocks_of_rows_match_the_reference(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["softmax_heads", "padded_sequences", "padded_queries_cross"])
-def test_the_farthest_point_walk_over_blocks_of_rows_matches_the_walk_over_whole_matrices(
+def test_the_dobrushin_estimate_over_blocks_of_rows_matches_the_estimate_over_whole_matrices(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     case = next(case for case in CASES if case.name == name)
@@ -192,6 +193,49 @@ def closed_form(attn: np.ndarray, **options) -> dict[str, float]:
 
 def as_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(value) for name, value in metrics.items()}
+
+
+def test_the_dobrushin_estimate_may_miss_the_farthest_pair_but_never_by_more_than_half() -> None:
+    # The farthest pair is c = e₀, d = e₁ (τ = 1), near the mean row, which the many rows a = (e₀ + e₁)/2
+    # hold in place; the 8 rows oₖ = 0.6 eₖ + 0.2 (e₀ + e₁) are farther from it (1.2 against 1.0), so they
+    # are the anchors, and the farthest row from any of them is 1.6 away: L = 0.8.
+    keys = 2 + attention_module.DOBRUSHIN_ANCHORS
+    c, d, a = np.eye(keys)[0], np.eye(keys)[1], (np.eye(keys)[0] + np.eye(keys)[1]) / 2
+    outliers = [0.6 * np.eye(keys)[k] + 0.4 * a for k in range(2, keys)]
+    attn = as_tensor(np.array([c, d, *outliers] + [a] * attention_module.DOBRUSHIN_EXACT_MAX_ROWS))
+    estimate = float(attention_metrics(attn, method="auto")["dobrushin"])
+    exact = float(attention_metrics(attn, method="exact")["dobrushin"])
+    assert exact == pytest.approx(1.0, abs=1e-12)
+    assert estimate == pytest.approx(0.8, abs=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sharpness", [0.05, 1.0, 10.0])
+def test_the_dobrushin_estimate_of_softmax_attention_lies_within_its_stated_bounds(
+    sharpness: float, causal: bool
+) -> None:
+    n = 4 * attention_module.DOBRUSHIN_EXACT_MAX_ROWS
+    logits = sharpness * np.random.default_rng(7).standard_normal((6, n, n))
+    if causal:
+        logits = np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)
+    attn = torch.from_numpy(row_softmax(logits))
+    estimate = attention_metrics(attn, causal=causal, method="auto")["dobrushin"].numpy()
+    exact = np.array([attention_reference(matrix, causal=causal)["dobrushin"] for matrix in attn.numpy()])
+    assert np.all(estimate <= exact * (1 + 1e-12)) and np.all(estimate >= exact / 2)
+
+
+@pytest.mark.slow
+def test_near_uniform_causal_attention_of_a_fresh_model_gets_the_exact_effective_rank_at_512_tokens() -> None:
+    # q and k of standard deviation 0.1, as a freshly initialised model gives: attention close to the causal
+    # uniform matrix, whose tail of small singular values the rank-sum quadrature reads low.
+    n = 512
+    rng = np.random.default_rng(3)
+    logits = query_key_logits(rng, (2, n, n)) * 0.01
+    attn = torch.from_numpy(row_softmax(np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)))
+    metrics = attention_metrics(attn.float(), causal=True)
+    expected = [attention_reference(matrix, causal=True)["effective_rank"] for matrix in attn.numpy()]
+    np.testing.assert_allclose(metrics["effective_rank"].double().numpy(), expected, rtol=1e-5)
+    assert (metrics["effective_rank_se"] == 0).all()
 
 
 @pytest.mark.parametrize("n", [2, 5, 16])

@@ -609,7 +609,7 @@ class MonitorSession:
         together: dict[tuple[Any, ...], list[int]] = {}
         for index, captured in enumerate(layers):
             n, m = captured.q.shape[2], captured.k.shape[2]
-            exact = uses_exact_path(n, m, self.options.metric_method)
+            exact = uses_exact_path(n, m, self.options.metric_method, captured.causal)
             # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
             # not one matrix: the metrics come first.
             spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
@@ -731,25 +731,32 @@ class MonitorSession:
             method=self.options.metric_method,
             include_rank_sums=self.options.attention_rank_sums,
             state=state,
+            return_spectra=diversity or draw,
         )
+        # The exact path's singular values serve head diversity and the figures: nothing is factorised twice.
+        computed_spectra = metrics.pop("singular_values", None)
         if all(sample.max_logit is not None for sample in samples):
             metrics["max_logit"] = torch.cat([sample.max_logit for sample in samples])
         call = _DenseCall(metrics, None, [None] * len(parts))
         if not (diversity or draw):
             return call
-        left = room - probs.numel() * probs.element_size() - DENSE_CALL_NBYTES
-        dtype = next(
-            (dtype for dtype in SPECTRUM_DTYPES if spectrum_working_nbytes(n, m, dtype) <= left), None
-        )
-        if dtype is None:
-            self._reports.once(
-                "spectra over budget",
-                f"the memory budget ({self.options.memory_budget_mb:g} MB) leaves no room for the singular "
-                f"values of {first.layer}'s {n}×{m} attention; it is left out of head diversity and the "
-                "figures",
+        dtype = torch.float64
+        if computed_spectra is not None:
+            call.spectra = computed_spectra.double()
+        else:
+            left = room - probs.numel() * probs.element_size() - DENSE_CALL_NBYTES
+            dtype = next(
+                (dtype for dtype in SPECTRUM_DTYPES if spectrum_working_nbytes(n, m, dtype) <= left), None
             )
-            return call
-        if diversity:
+            if dtype is None:
+                self._reports.once(
+                    "spectra over budget",
+                    f"the memory budget ({self.options.memory_budget_mb:g} MB) leaves no room for the "
+                    f"singular values of {first.layer}'s {n}×{m} attention; it is left out of head diversity "
+                    "and the figures",
+                )
+                return call
+        if diversity and call.spectra is None:
             call.spectra = attention_spectra(probs, query_mask, key_mask, dtype)
         if draw:
             firsts = torch.tensor([0, *sequences[:-1]]).cumsum(0).tolist()

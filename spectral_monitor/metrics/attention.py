@@ -39,11 +39,23 @@ from spectral_monitor.metrics._common import (
 from spectral_monitor.metrics.masks import is_causal_pattern
 
 EXACT_MAX_SIZE = 384
-"""``method="auto"`` factorises exactly when the smaller side of A is at most this."""
-DOBRUSHIN_EXACT_MAX_ROWS = 256
-"""Above this many rows (and off the "exact" path) the Dobrushin coefficient is the farthest-point estimate:
-a lower bound that is at least half the true value (triangle inequality), usually equal to it."""
-DOBRUSHIN_WALK_STEPS = 2
+"""``method="auto"`` factorises exactly when the smaller side of A is at most this, or at most
+``EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP`` where the eigen gap is not measured."""
+EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP = 1024
+"""Causal or rectangular attention (no eigen gap, so no non-symmetric ``eigvals``) is factorised exactly up to
+this size: on the near-uniform causal attention of a freshly initialised model the rank-sum quadrature runs
+every round it has and still reads the effective rank low, so there the exact path is both the faster and
+the correct one (benchmarks/README.md). Above it the cost of factorising grows as n³ per head."""
+DOBRUSHIN_EXACT_MAX_ROWS = 32
+"""Above this many rows (and off the "exact" path) the Dobrushin coefficient is the anchored estimate
+(:func:`anchored_dobrushin`): a lower bound that is at least half the true value. The exact value compares
+every pair of rows, O(n³) per matrix; the estimate is O(n²): for 72 causal heads 8 ms against 21 ms at 64
+rows and 67 ms against 2.2 s at 256, while at 32 rows the exact value took under a millisecond."""
+DOBRUSHIN_ANCHORS = 8
+"""Rows the Dobrushin estimate measures every row's distance from: those farthest from the mean row. On
+softmax attention of Gaussian q and k (n = 64 to 512, logits ×0.1 to ×3) 8 anchors came within 0.6% of the
+true value (causal: equal to it), 4 within 4.5%, and a two-step farthest-point walk within 19%
+on bidirectional attention."""
 SINGULAR_BLOCK = 4
 """Block width of the σ₁, σ₂ Lanczos. σ₂ of softmax attention sits at the edge of a dense bulk, where every
 width needs about the same number of products to resolve it; narrow blocks waste fewest (measured at n = 1024:
@@ -93,9 +105,10 @@ is reported to 0.01). On the benchmark's 64 softmax matrices at n = 1024, 1e-3 l
 of them went from 0.0057 to 0.0063 (mean 0.0016 to 0.0023). With logits ×2, where the cap is what bounds
 the error (0.017), the tolerance changed neither it nor when most of them stopped."""
 ONE_PASS_CHUNK_BYTES = 2**20
-"""Bytes of A in one block of the passes for the entropy, norms and Dobrushin walk: a block and its temporary
-stay in a core's L2. At n = 2048 (64 matrices, AVX-512 Xeon with 2 MiB of L2 per core) the one pass and the
-walk took 0.22 + 0.17 s in blocks of 1 MiB, 0.24 + 0.16 s of 2 MiB, 0.25 + 0.19 s of 4 MiB."""
+"""Bytes of A in one block of the passes for the entropy, norms and Dobrushin distances: a block and its
+temporary stay in a core's L2. At n = 2048 (64 matrices, AVX-512 Xeon with 2 MiB of L2 per core) the one pass
+and a pass of distances took 0.22 + 0.17 s in blocks of 1 MiB, 0.24 + 0.16 s of 2 MiB, 0.25 + 0.19 s of 4
+MiB."""
 CENTRED_BY_DIFFERENCE_MIN = 0.04
 """The rank-one residual comes from ‖A‖_F² − n‖ā‖² where that is at least this fraction of ‖A‖_F² (the
 residual at least 0.2): the float32 rounding of the two sums, ~1e-7 of ‖A‖_F² each, moved a residual of 0.1
@@ -142,6 +155,7 @@ def attention_metrics(
     include_rank_sums: bool = True,
     state: KrylovState | None = None,
     generator: torch.Generator | None = None,
+    return_spectra: bool = False,
 ) -> dict[str, Tensor]:
     """Spectral and entropy metrics of attention matrices ``attn`` (..., n, m), rows summing to 1.
 
@@ -173,10 +187,13 @@ def attention_metrics(
     Where no valid query has attention on a valid key (a fully padded sequence) there is nothing to measure:
     every metric is NaN and ``nonfinite`` False ("not measurable", not broken).
 
-    ``method``: "exact", "krylov", or "auto" (exact up to ``EXACT_MAX_SIZE``). ``include_rank_sums=False``
+    ``method``: "exact", "krylov", or "auto" (:func:`uses_exact_path`). ``include_rank_sums=False``
     skips the effective and threshold ranks (NaN), the only members that need the whole spectrum.
     ``state`` warm-starts the Krylov path; ``generator`` draws its probes (a private fixed-seed one by
-    default, so the global RNG is never touched).
+    default, so the global RNG is never touched). ``return_spectra``: on the exact path, also
+    ``singular_values`` (..., min(n, m)), the descending singular values the spectral members were computed
+    from (NaN where ``nonfinite``), so that no caller factorises the same matrices again; absent on the Krylov
+    path.
     """
     attn = check_matrices(attn, "attn")
     if attn.numel() == 0:
@@ -200,8 +217,6 @@ def attention_metrics(
 
     scratch = Scratch()
     blocks = _cache_sized_blocks(matrices)
-    exact_dobrushin_wanted = method == "exact" or n <= DOBRUSHIN_EXACT_MAX_ROWS
-    walk_from = None if exact_dobrushin_wanted else matrices[torch.arange(len(matrices)), walk_start(queries)]
     metrics = one_pass_members(
         lambda: ((elements, start, stop, matrices[elements, start:stop]) for elements, start, stop in blocks),
         keys,
@@ -209,10 +224,9 @@ def attention_metrics(
         causal,
         work,
         scratch,
-        walk_from=walk_from,
         keys_per_row=keys_per_row,
     )
-    first_walk_distances = metrics.pop("walk_distances", None)
+    mean_row = metrics.pop("mean_row")
     # A masked NaN or inf stays one (× 0 is NaN), so the norm of what was measured screens the input.
     nonfinite = _nonfinite_elements(matrices, metrics["frobenius"])
     # Non-finite elements are replaced by a harmless matrix so batched factorisations cannot fail; their
@@ -222,10 +236,13 @@ def attention_metrics(
         matrices = torch.where(nonfinite[:, None, None], torch.full_like(matrices, 1.0 / m), matrices)
         frobenius_squared = torch.where(nonfinite, n / m, frobenius_squared)  # the stand-in's
     metrics["dobrushin"] = _dobrushin(
-        matrices, queries, blocks, scratch, exact=exact_dobrushin_wanted, first_distances=first_walk_distances
+        matrices, queries, blocks, mean_row, exact=method == "exact" or n <= DOBRUSHIN_EXACT_MAX_ROWS
     )
-    if uses_exact_path(n, m, method):
-        metrics.update(_exact_spectral_metrics(matrices, causal, include_rank_sums))
+    singular_values = None
+    if uses_exact_path(n, m, method, causal):
+        exact_members = _exact_spectral_metrics(matrices, causal, include_rank_sums)
+        singular_values = exact_members.pop("singular_values")
+        metrics.update(exact_members)
     else:
         metrics.update(
             krylov_spectral_metrics(
@@ -238,13 +255,21 @@ def attention_metrics(
                 generator,
             )
         )
-    return finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+    finished = finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
+    if return_spectra and singular_values is not None:
+        singular_values[nonfinite] = float("nan")
+        finished["singular_values"] = singular_values.reshape(*batch_shape, -1)
+    return finished
 
 
-def uses_exact_path(n: int, m: int, method: str) -> bool:
-    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method``. There its batch
-    elements are independent of each other and of any ``state``: batches may be concatenated freely."""
-    return method == "exact" or (method == "auto" and min(n, m) <= EXACT_MAX_SIZE)
+def uses_exact_path(n: int, m: int, method: str, causal: bool = False) -> bool:
+    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method`` (``causal``:
+    the attention is causal, so no eigen gap is measured). There its batch elements are independent of each
+    other and of any ``state``: batches may be concatenated freely."""
+    if method != "auto":
+        return method == "exact"
+    largest = EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP if causal or n != m else EXACT_MAX_SIZE
+    return min(n, m) <= largest
 
 
 def finished_metrics(
@@ -325,8 +350,8 @@ class Scratch:
     """One buffer for the temporaries of successive blocks, grown to the largest block.
 
     Temporaries made afresh for each block are fresh allocations whose page faults cost more than the
-    arithmetic (measured: 10× for the Dobrushin walk on 16 matrices of 1024²); reused, the buffer and its
-    block stay in cache.
+    arithmetic (measured: 10× for a pass of Dobrushin distances on 16 matrices of 1024²); reused, the buffer
+    and its block stay in cache.
     """
 
     def __init__(self) -> None:
@@ -352,13 +377,11 @@ def one_pass_members(
     causal: bool,
     work: torch.dtype,
     scratch: Scratch,
-    walk_from: Tensor | None = None,
     keys_per_row: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Entropy, ‖A‖_F, rank-one residual and self-attention of a batch of attention matrices (B, n, m) seen
-    in blocks, for the dense path and for blocks recomputed from q and k alike; with ``walk_from`` (B, m),
-    one row per element, also ``"walk_distances"`` (B, n), every row's L1 distance from it (the first step
-    of the Dobrushin walk, which then needs no pass of its own).
+    in blocks, for the dense path and for blocks recomputed from q and k alike; also ``"mean_row"`` (B, m),
+    the mean of the valid rows, which the Dobrushin estimate starts from.
 
     ``blocks()`` yields ``(elements, start, stop, A[elements, start:stop])`` covering every row of every
     element once, in dtype ``work``; it is called a second time only where the centred norm ‖A − 1āᵀ‖_F
@@ -373,7 +396,6 @@ def one_pass_members(
     squared_norm = torch.zeros(batch, dtype=torch.float64, device=device)
     column_sums = torch.zeros((batch, m), dtype=torch.float64, device=device)
     trace = torch.zeros(batch, dtype=torch.float64, device=device)
-    walk_distances = None if walk_from is None else torch.empty((batch, n), dtype=work, device=device)
     for elements, start, stop, block in blocks():
         # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
         # denormal; about twice as fast as ``xlogy`` on CPU.
@@ -386,9 +408,6 @@ def one_pass_members(
         column_sums[elements] += block.sum(dim=1).double()
         if n == m:
             trace[elements] += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1).double()
-        if walk_from is not None and walk_distances is not None:
-            difference = torch.sub(block, walk_from[elements, None, :], out=scratch.like(block))
-            walk_distances[elements, start:stop] = difference.abs_().sum(dim=2)
 
     valid_rows = queries.sum(dim=1)
     mean_row = column_sums / valid_rows.clamp_min(1)[:, None]
@@ -419,9 +438,8 @@ def one_pass_members(
         centred_squared_norm = torch.where(cancelled, exact, centred_squared_norm)
 
     frobenius = squared_norm.sqrt().to(work)
-    walk = {} if walk_distances is None else {"walk_distances": walk_distances}
     return (
-        walk
+        {"mean_row": mean_row.to(work)}
         | sink_masses(column_sums, keys, valid_rows, work)
         | {
             "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
@@ -498,16 +516,10 @@ def rank_one_residual(centred_norm: Tensor, frobenius: Tensor) -> Tensor:
 
 
 def _dobrushin(
-    matrices: Tensor,
-    queries: Tensor,
-    blocks: list[tuple[slice, int, int]],
-    scratch: Scratch,
-    *,
-    exact: bool,
-    first_distances: Tensor | None = None,
+    matrices: Tensor, queries: Tensor, blocks: list[tuple[slice, int, int]], mean_row: Tensor, *, exact: bool
 ) -> Tensor:
-    """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁: exactly, or by the farthest-point walk over ``blocks``
-    (whose first step's distances may be given)."""
+    """½ max over valid row pairs of ‖Aᵢ − Aⱼ‖₁: exactly, or by the anchored estimate over ``blocks``
+    starting from each element's ``mean_row`` (B, m)."""
     batch, n, _ = matrices.shape
     if exact:
         # Whole matrices a cache-sized part at a time: the (part, n, n) distances stay small.
@@ -519,16 +531,16 @@ def _dobrushin(
             ]
         )
 
-    def distances_from(anchor: Tensor) -> Tensor:
-        anchors = matrices[torch.arange(batch, device=matrices.device), anchor]
-        distances = matrices.new_empty((batch, n))
+    def distances_to(rows: Tensor) -> Tensor:
+        distances = matrices.new_empty((batch, n, rows.shape[1]))
         for elements, start, stop in blocks:
-            block = matrices[elements, start:stop]
-            difference = torch.sub(block, anchors[elements, None, :], out=scratch.like(block))
-            distances[elements, start:stop] = difference.abs_().sum(dim=2)
+            distances[elements, start:stop] = torch.cdist(matrices[elements, start:stop], rows[elements], p=1)
         return distances
 
-    return farthest_point_dobrushin(distances_from, queries, first_distances)
+    def rows_at(index: Tensor) -> Tensor:
+        return matrices.gather(1, index[:, :, None].expand(-1, -1, matrices.shape[2]))
+
+    return anchored_dobrushin(distances_to, rows_at, queries, mean_row)
 
 
 def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
@@ -539,29 +551,27 @@ def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
     return torch.where(valid_pairs, distances, torch.zeros_like(distances)).amax(dim=(1, 2)) / 2
 
 
-def farthest_point_dobrushin(
-    distances_from: Callable[[Tensor], Tensor], queries: Tensor, first_distances: Tensor | None = None
+def anchored_dobrushin(
+    distances_to: Callable[[Tensor], Tensor],
+    rows_at: Callable[[Tensor], Tensor],
+    queries: Tensor,
+    mean_row: Tensor,
 ) -> Tensor:
-    """The farthest-point estimate of ½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁: (B,), at least half the true value.
+    """The anchored estimate L of τ = ½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁: (B,), with τ/2 ≤ L ≤ τ.
 
-    The row farthest from any row r is at least half the diameter away from r; the walk starts at the first
-    valid query (:func:`walk_start`) and moves ``DOBRUSHIN_WALK_STEPS`` times to the farthest row.
-    ``distances_from(anchor)`` maps one row index per element (B,) to the L1 distances of every row from that
-    row (B, n); ``first_distances``, where a pass already made them, are those of the first step.
+    L is half the largest distance from an anchor to a valid row, the anchors being the
+    ``DOBRUSHIN_ANCHORS`` valid rows farthest from the mean row ā: rows far from the centre of the point
+    set are where its diameter ends. L ≤ τ because it is a distance between two rows; L ≥ τ/2 because for
+    any row r and the pair (i, j) that gives τ, 2τ = ‖Aᵢ − Aⱼ‖₁ ≤ ‖Aᵢ − r‖₁ + ‖r − Aⱼ‖₁ ≤ 2 maxₖ ‖Aₖ − r‖₁.
+    ``distances_to(rows)`` maps rows (B, K, m) to every row's L1 distance from each of them (B, n, K);
+    ``rows_at(index)`` maps row indices (B, K) to those rows (B, K, m). Two passes over A in all.
     """
-    best = torch.zeros(queries.shape[0], device=queries.device)
-    anchor = walk_start(queries)
-    for step in range(DOBRUSHIN_WALK_STEPS):
-        distances = first_distances if step == 0 and first_distances is not None else distances_from(anchor)
-        distances = torch.where(queries, distances, torch.zeros_like(distances))
-        farthest, anchor = distances.max(dim=1)
-        best = torch.maximum(best.to(farthest.dtype), farthest)
-    return best / 2
-
-
-def walk_start(queries: Tensor) -> Tensor:
-    """The row each element's Dobrushin walk starts from: its first valid query (B,)."""
-    return queries.to(torch.int8).argmax(dim=1)
+    from_mean = distances_to(mean_row[:, None, :])[:, :, 0]
+    from_mean = torch.where(queries, from_mean, torch.full_like(from_mean, -math.inf))
+    anchors = from_mean.topk(min(DOBRUSHIN_ANCHORS, queries.shape[1]), dim=1).indices
+    pairs = queries[:, :, None] & queries.gather(1, anchors)[:, None, :]
+    distances = distances_to(rows_at(anchors))
+    return torch.where(pairs, distances, torch.zeros_like(distances)).amax(dim=(1, 2)) / 2
 
 
 def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: bool) -> dict[str, Tensor]:
@@ -573,6 +583,7 @@ def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: b
         "sigma1": singular_values[:, 0],
         "sigma2": sigma2,
         "eigen_gap": _exact_eigen_gap(matrices, causal),
+        "singular_values": singular_values,
     }
     if include_rank_sums:
         metrics["effective_rank"] = effective_rank_from_singular_values(singular_values)

@@ -14,8 +14,9 @@ of the attention kernel, within a memory budget:
   A·X, Aᵀ·Y and AᵀA·X sweep the blocks (AᵀA·X in one sweep: each block is formed once per product);
 - batch elements (sequences × heads) go through in chunks sized so their Krylov vectors fit the budget too.
 
-Where the dense matrices are small (``method="auto"`` up to ``EXACT_MAX_SIZE``) or ``method="exact"``, each
-chunk's probabilities are formed and measured exactly by ``attention_metrics``.
+Where the dense matrices are small enough to factorise (``method="auto"``:
+:func:`~spectral_monitor.metrics.attention.uses_exact_path`) or ``method="exact"``, each chunk's probabilities
+are formed and measured exactly by ``attention_metrics``.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from spectral_monitor.metrics.attention import (
     DOBRUSHIN_EXACT_MAX_ROWS,
     KrylovState,
     Scratch,
+    anchored_dobrushin,
     attention_metrics,
     exact_dobrushin,
-    farthest_point_dobrushin,
     finished_metrics,
     krylov_spectral_metrics,
     one_pass_members,
@@ -120,7 +121,7 @@ def attention_metrics_from_qk(
         nonfinite |= logit_bias.nonfinite_elements()
 
     itemsize = torch.finfo(work).bits // 8
-    exact = uses_exact_path(n, m, method)
+    exact = uses_exact_path(n, m, method, causal)
     per_element = n * m * EXACT_TEMPORARIES if exact else max(n, m) * KRYLOV_COLUMNS
     chunk = max(1, max_bytes // (2 * per_element * itemsize))
     rows = block_rows or max(1, max_bytes // (2 * chunk * m * itemsize * BLOCK_TEMPORARIES))
@@ -210,10 +211,15 @@ def _blocked_one_pass(
         Scratch(),
     )
     n = operator.rows
+    mean_row = members.pop("mean_row")
     if n <= DOBRUSHIN_EXACT_MAX_ROWS:  # the dense path's rule: exact below this many rows
         dobrushin = exact_dobrushin(operator.probabilities(0, n), queries)
     else:
-        dobrushin = farthest_point_dobrushin(operator.distances_from_rows, queries)
+
+        def rows_at(index: Tensor) -> Tensor:
+            return torch.stack([operator.rows_at(column) for column in index.unbind(1)], dim=1)
+
+        dobrushin = anchored_dobrushin(operator.distances_to, rows_at, queries, mean_row)
     members["dobrushin"] = dobrushin.to(operator.dtype)
     return members
 
@@ -350,12 +356,11 @@ class SoftmaxAttentionOperator(BatchedOperator):
             )
         return logits.sub_(self.log_normaliser[elements, index][:, None]).exp_()
 
-    def distances_from_rows(self, index: Tensor) -> Tensor:
-        """‖Aᵢ − A_index‖₁ for every row i of each element: (B, n)."""
-        anchors = self.rows_at(index)[:, None, :]
-        distances = torch.empty((self.batch, self.rows), dtype=self.dtype, device=self.device)
+    def distances_to(self, rows: Tensor) -> Tensor:
+        """‖Aᵢ − rₖ‖₁ for every row i of each element and each of its ``rows`` (B, K, m): (B, n, K)."""
+        distances = torch.empty((self.batch, self.rows, rows.shape[1]), dtype=self.dtype, device=self.device)
         for start, stop in self.blocks():
-            distances[:, start:stop] = self.probabilities(start, stop).sub_(anchors).abs_().sum(dim=2)
+            distances[:, start:stop] = torch.cdist(self.probabilities(start, stop), rows.to(self.dtype), p=1)
         return distances
 
     def restrict(self, index: Tensor) -> SoftmaxAttentionOperator:
