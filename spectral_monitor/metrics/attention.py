@@ -49,13 +49,12 @@ the correct one (benchmarks/README.md). Above it the cost of factorising grows a
 DOBRUSHIN_EXACT_MAX_ROWS = 32
 """Above this many rows (and off the "exact" path) the Dobrushin coefficient is the anchored estimate
 (:func:`anchored_dobrushin`): a lower bound that is at least half the true value. The exact value compares
-every pair of rows, O(n³) per matrix; the estimate is O(n²): for 72 causal heads 8 ms against 21 ms at 64
-rows and 67 ms against 2.2 s at 256, while at 32 rows the exact value took under a millisecond."""
+every pair of rows, O(n³) per matrix; the estimate is O(n²), and the faster of the two from this size up
+(benchmarks/README.md)."""
 DOBRUSHIN_ANCHORS = 8
-"""Rows the Dobrushin estimate measures every row's distance from: those farthest from the mean row. On
-softmax attention of Gaussian q and k (n = 64 to 512, logits ×0.1 to ×3) 8 anchors came within 0.6% of the
-true value (causal: equal to it), 4 within 4.5%, and a two-step farthest-point walk within 19%
-on bidirectional attention."""
+"""Rows the Dobrushin estimate measures every row's distance from: those farthest from the mean row. More
+anchors bring the estimate closer to the true value at one pass over A each; docs/numerics.md gives the
+accuracy of this choice on softmax attention."""
 SINGULAR_BLOCK = 4
 """Block width of the σ₁, σ₂ Lanczos. σ₂ of softmax attention sits at the edge of a dense bulk, where every
 width needs about the same number of products to resolve it; narrow blocks waste fewest (measured at n = 1024:
