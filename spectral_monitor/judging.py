@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ __all__ = [
     "Series",
     "Verdict",
     "alert_rows",
+    "diagnosis_series",
     "format_number",
     "judge",
     "natural_order",
@@ -289,14 +290,7 @@ def _judged_layers(
 ) -> dict[str, _Judged]:
     """Each layer's latest reading of ``info`` judged against ``threshold`` (its worst head, or with
     ``any_head`` the head nearest to meeting it)."""
-    name = info.full_name
-    aggregate = ({">=": "max", "<=": "min"} if any_head else {">=": "min", "<=": "max"}).get(threshold.op)
-    if (
-        threshold.relative_to == "value"
-        and aggregate in info.head_aggregates
-        and f"{name}_{aggregate}" in series
-    ):
-        name = f"{name}_{aggregate}"
+    name = _series_name(info, threshold, any_head, series)
     by_layer = series.get(name, {})
     judged = {}
     for layer, (steps, values) in by_layer.items():
@@ -315,6 +309,37 @@ def _judged_layers(
             continue
         judged[layer] = _judge(name, value, threshold, int(steps[-1]))
     return judged
+
+
+def diagnosis_series(entry: Diagnosis, available: Collection[str]) -> list[str]:
+    """The ``family/metric`` series among ``available`` that ``entry`` is judged on, in catalogue order
+    (the NaN check left out: it reads everything).
+
+    Args:
+        entry: one of :data:`~spectral_monitor.catalog.DIAGNOSES`.
+        available: the ``family/metric`` names a run holds.
+
+    Returns:
+        The names read, each once.
+    """
+    names = [
+        _series_name(info, threshold, entry.any_head, available)
+        for info, threshold in diagnosis(entry.rule)[1]
+        if threshold.op != "nonfinite"
+    ]
+    return [name for name in dict.fromkeys(names) if name in available]
+
+
+def _series_name(
+    info: MetricInfo, threshold: AlertThreshold, any_head: bool, available: Collection[str]
+) -> str:
+    """The series a threshold reads: the worst head's aggregate where written (``_max`` of a ``<=``
+    condition, ``_min`` of a ``>=`` one; the other way round for a diagnosis of any head), else the mean."""
+    aggregate = ({">=": "max", "<=": "min"} if any_head else {">=": "min", "<=": "max"}).get(threshold.op)
+    aggregated = f"{info.full_name}_{aggregate}"
+    if threshold.relative_to == "value" and aggregate in info.head_aggregates and aggregated in available:
+        return aggregated
+    return info.full_name
 
 
 def _relative_value(
