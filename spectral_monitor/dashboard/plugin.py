@@ -118,9 +118,11 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
         summary = {}
         for run, (judged, alerts, metrics) in self._judged_runs(ctx, experiment).items():
             charts = [
-                {"rule": entry.rule, "title": entry.title, "metrics": diagnosis_series(entry, metrics)}
-                for entry in DIAGNOSES
-            ]
+                {"rule": entry.diagnosis.rule, "title": entry.diagnosis.title,
+                 "metrics": diagnosis_series(entry.diagnosis, metrics)}
+                for entry in judged
+                if entry.verdict != NOT_MEASURED
+            ]  # fmt: skip
             first = {name for chart in charts for name in chart["metrics"]}
             top = worst(judged)
             summary[run] = {
