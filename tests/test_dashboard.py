@@ -253,3 +253,37 @@ def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
     # The collapsing run comes first, and its charts were drawn, one line per layer.
     assert dom.index(f'data-run="{COLLAPSING}"') < dom.index(f'data-run="{HEALTHY}"')
     assert dom.count(f'data-layer="{COLLAPSING_LAYER}"') >= 2
+
+
+@pytest.mark.slow
+def test_the_tab_reads_the_runs_of_the_lightning_callback_the_plain_loop_and_the_trainer_callback(
+    tmp_path: Path, one_thread: None
+) -> None:
+    pytest.importorskip("transformers")
+    from models import TinyEncoder
+    from reliability_helpers import fit, tensorboard_logger
+    from test_huggingface_trainer import BATCH, hf_train, tiny_gpt2, training_arguments
+    from test_plain_loop import train_in_a_plain_loop
+
+    from spectral_monitor import SpectralMonitor
+    from spectral_monitor.integrations.huggingface import SpectralMonitorCallback
+
+    options = {"every_n_steps": 2, "figures_every_n_logs": 0}
+    logdir = tmp_path / "runs"
+    fit(TinyEncoder(), [SpectralMonitor(**options)], tensorboard_logger(logdir, "lightning"), max_steps=6)
+    train_in_a_plain_loop(logdir / "plain_loop", **options)
+    trainer_callback = SpectralMonitorCallback(log_dir=logdir / "huggingface", **options)
+    hf_train(tiny_gpt2(), training_arguments(tmp_path / "hf"), trainer_callback, count=6 * BATCH)
+
+    judged = plugin_on(logdir).run_verdicts(request(), "")
+    assert set(judged) == {"lightning/version_0", "plain_loop", "huggingface"}
+    for run, by_rule in judged.items():
+        for rule in ("rank_collapse", "entropy_collapse", "token_collapse", "weight_runaway", "non_finite"):
+            assert by_rule[rule]["verdict"] != "not measured", (run, rule)
+        reported = {
+            entry.diagnosis.rule: entry.as_dict() for entry in verdicts(RunScalars.load(logdir / run))
+        }
+        assert {
+            rule: {k: v for k, v in entry.items() if k != "alerts"} for rule, entry in by_rule.items()
+        } == (reported)
+    assert judged["huggingface"]["rank_collapse"]["layer"].startswith("transformer.h.")
