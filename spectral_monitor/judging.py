@@ -20,6 +20,7 @@ import numpy as np
 from spectral_monitor.catalog import DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
 
 __all__ = [
+    "HISTORY_METRICS",
     "HOW_TO_MEASURE",
     "MEDIAN_WINDOW",
     "NOT_MEASURED",
@@ -61,6 +62,16 @@ HOW_TO_MEASURE = {
     "non_finite": "measured whenever attention, tokens, weights or curvature are",
 }
 """For a diagnosis the run did not measure: what turns it on."""
+
+HISTORY_METRICS = frozenset(
+    info.full_name
+    for entry in DIAGNOSES
+    for info, threshold in diagnosis(entry.rule)[1]
+    if threshold.relative_to in ("first", "median")
+)
+"""The series whose verdict reads more than their latest point (a first value, a running median); every
+other series is judged on its latest point alone (and, for a ``depth`` threshold, the first layer's at the
+same step)."""
 
 _RELATIVE_WORDS = {
     "value": "",

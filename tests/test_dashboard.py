@@ -88,15 +88,22 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def plugin_on(logdir: Path) -> SpectralMonitorPlugin:
-    """The plugin over the data provider TensorBoard's Python loader builds for ``logdir``."""
+def loaded(logdir: Path) -> tuple[SpectralMonitorPlugin, plugin_event_multiplexer.EventMultiplexer]:
+    """The plugin over the data provider TensorBoard's Python loader builds for ``logdir``, and the loader
+    (``Reload()`` it to read what was written since)."""
     multiplexer = plugin_event_multiplexer.EventMultiplexer(
         size_guidance=DEFAULT_SIZE_GUIDANCE, tensor_size_guidance=DEFAULT_TENSOR_SIZE_GUIDANCE
     )
     multiplexer.AddRunsFromDirectory(str(logdir))
     multiplexer.Reload()
     provider = MultiplexerDataProvider(multiplexer, str(logdir))
-    return SpectralMonitorPlugin(base_plugin.TBContext(data_provider=provider, logdir=str(logdir)))
+    return SpectralMonitorPlugin(
+        base_plugin.TBContext(data_provider=provider, logdir=str(logdir))
+    ), multiplexer
+
+
+def plugin_on(logdir: Path) -> SpectralMonitorPlugin:
+    return loaded(logdir)[0]
 
 
 def request() -> tb_context.RequestContext:
@@ -178,6 +185,28 @@ def test_the_tab_is_active_only_where_a_run_holds_the_monitors_scalars(logdir: P
     sink.close()
     assert not plugin_on(tmp_path).is_active()
     assert plugin_on(tmp_path).run_verdicts(request(), "") == {}
+
+
+def test_a_run_that_moves_on_is_judged_again_and_one_that_does_not_is_not_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_run(tmp_path / "run", collapsing=False)
+    plugin, multiplexer = loaded(tmp_path)
+    provider = plugin._data_provider
+    reads = []
+    read_scalars = provider.read_scalars
+    monkeypatch.setattr(provider, "read_scalars", lambda *a, **k: reads.append(k) or read_scalars(*a, **k))
+    assert plugin.run_verdicts(request(), "")["run"]["rank_collapse"]["verdict"] == "healthy"
+    assert len(reads) == 1
+    plugin.run_summary(request(), "")
+    assert len(reads) == 1
+    write_run(
+        tmp_path / "run", collapsing=True, steps=tuple(range(50, 80, 5))
+    )  # the run goes on, and collapses
+    multiplexer.Reload()
+    rank = plugin.run_verdicts(request(), "")["run"]["rank_collapse"]
+    assert (rank["verdict"], rank["layers"], rank["step"]) == ("collapsed", [COLLAPSING_LAYER], 75)
+    assert len(reads) == 2
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from werkzeug import wrappers
 
 from spectral_monitor.catalog import CATALOG, DIAGNOSES, diagnosis, metric_info
 from spectral_monitor.judging import (
+    HISTORY_METRICS,
     NOT_MEASURED,
     AlertRow,
     Verdict,
@@ -75,6 +76,8 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._data_provider = context.data_provider
         self._samples = (context.sampling_hints or {}).get(SCALARS_PLUGIN, DEFAULT_SCALAR_SAMPLES)
+        # (experiment, run) -> (the judged series' last steps and times, what was judged from them)
+        self._cache: dict[tuple[str, str], tuple[tuple, tuple]] = {}
 
     def get_plugin_apps(self) -> dict[str, Any]:
         """The routes, each under ``/data/plugin/spectral_monitor``."""
@@ -140,26 +143,43 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
     def _judged_runs(
         self, ctx: tb_context.RequestContext, experiment: str
     ) -> dict[str, tuple[list[Verdict], dict[str, list[dict[str, Any]]], set[str]]]:
-        """Each run's verdicts, the alerts of each rule, and the metrics it holds."""
+        """Each run's verdicts, the alerts of each rule, and the metrics it holds; a run whose judged series
+        have not changed since the last request is not read again."""
         listing = self._monitor_tags(ctx, experiment)
-        wanted = {run: [tag for tag in tags if _judged_metric(tag)] for run, tags in listing.items()}
-        scalars = self._read(ctx, experiment, wanted, self._samples)
-        tables = self._alerts(ctx, experiment, list(listing))
-        judged_runs = {}
-        for run in sorted(listing):
-            series = _series(scalars.get(run, {}))
-            counted = _fired_steps(series.get("alerts/fired", {}))
-            rows = tables.get(run, [])
-            alerts = {entry.rule: _alerts_of(entry.rule, rows, counted) for entry in DIAGNOSES}
-            metrics = {monitor_metric(tag) for tag in listing[run]} - {None}
-            judged_runs[run] = (judge(series), alerts, metrics)
-        return judged_runs
+        judged_runs, stale = {}, {}
+        for run, tags in listing.items():
+            judged = {tag: series for tag, series in tags.items() if _judged_metric(tag)}
+            version = tuple(
+                sorted((tag, series.max_step, series.max_wall_time) for tag, series in judged.items())
+            )
+            cached = self._cache.get((experiment, run))
+            if cached is not None and cached[0] == version:
+                judged_runs[run] = cached[1]
+            else:
+                stale[run] = (version, list(judged))
+        if stale:
+            # Only the series judged on their history are read whole; the others need their latest point.
+            history = {run: [t for t in tags if _needs_history(t)] for run, (_, tags) in stale.items()}
+            latest = {run: [t for t in tags if not _needs_history(t)] for run, (_, tags) in stale.items()}
+            scalars = self._read(ctx, experiment, history, self._samples)
+            for run, last in self._read_last(ctx, experiment, latest).items():
+                scalars.setdefault(run, {}).update({tag: [datum] for tag, datum in last.items()})
+            tables = self._alerts(ctx, experiment, list(stale))
+            for run, (version, _) in stale.items():
+                series = _series(scalars.get(run, {}))
+                counted = _fired_steps(series.get("alerts/fired", {}))
+                rows = tables.get(run, [])
+                alerts = {entry.rule: _alerts_of(entry.rule, rows, counted) for entry in DIAGNOSES}
+                metrics = {monitor_metric(tag) for tag in listing[run]} - {None}
+                judged_runs[run] = (judge(series), alerts, metrics)
+                self._cache[(experiment, run)] = (version, judged_runs[run])
+        return {run: judged_runs[run] for run in sorted(judged_runs)}
 
     def chart(
         self, ctx: tb_context.RequestContext, experiment: str, run: str, metric: str, layer: str | None
     ) -> dict[str, Any]:
         """One chart of ``run``: ``metric`` by layer (or, with ``layer``, by head of that layer)."""
-        tags = self._monitor_tags(ctx, experiment).get(run, [])
+        tags = self._monitor_tags(ctx, experiment).get(run, {})
         if layer is None:
             wanted = [tag for tag in tags if monitor_metric(tag) == metric]
         else:
@@ -181,10 +201,30 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
             "meaning": _meaning(metric),
         }
 
-    def _monitor_tags(self, ctx: tb_context.RequestContext, experiment: str) -> dict[str, list[str]]:
+    def _monitor_tags(
+        self, ctx: tb_context.RequestContext, experiment: str
+    ) -> dict[str, dict[str, provider.ScalarTimeSeries]]:
+        """The scalars of the monitor's families of each run holding any of the monitor's metrics."""
         listing = self._data_provider.list_scalars(ctx, experiment_id=experiment, plugin_name=SCALARS_PLUGIN)
-        runs = {run: [tag for tag in tags if _monitor_family(tag)] for run, tags in listing.items()}
+        runs = {
+            run: {tag: series for tag, series in tags.items() if _monitor_family(tag)}
+            for run, tags in listing.items()
+        }
         return {run: tags for run, tags in runs.items() if any(monitor_metric(tag) for tag in tags)}
+
+    def _read_last(
+        self, ctx: tb_context.RequestContext, experiment: str, wanted: Mapping[str, Iterable[str]]
+    ) -> dict[str, dict[str, provider.ScalarDatum]]:
+        runs = [run for run, tags in wanted.items() if tags]
+        tags = sorted({tag for run in runs for tag in wanted[run]})
+        if not tags:
+            return {}
+        return self._data_provider.read_last_scalars(
+            ctx,
+            experiment_id=experiment,
+            plugin_name=SCALARS_PLUGIN,
+            run_tag_filter=provider.RunTagFilter(runs=runs, tags=tags),
+        )
 
     def _read(
         self,
@@ -276,6 +316,10 @@ def _judged_metric(tag: str) -> bool:
         name for entry in DIAGNOSES for info, _ in diagnosis(entry.rule)[1] for name in info.written_names
     }
     return metric in read or metric == "alerts/fired"
+
+
+def _needs_history(tag: str) -> bool:
+    return monitor_metric(tag) in HISTORY_METRICS or monitor_metric(tag) == "alerts/fired"
 
 
 def _series(data: Mapping[str, list[provider.ScalarDatum]]) -> dict[str, dict[str, tuple]]:
