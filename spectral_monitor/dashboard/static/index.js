@@ -229,7 +229,12 @@ export async function render() {
     const overview = el("table", {class: "overview"}, el("tbody", {}, ...runs.map((run) => el("tr", {},
       el("td", {}, verdictBadge(summary[run].worst)), el("td", {}, run), el("td", {}, summary[run].overall)))));
     main.replaceChildren(el("header", {}, el("h1", {}, "Spectral monitor"), el("label", {}, "run ", picker)), overview);
-    for (const run of runs) main.append(await runSection(run, summary[run]));
+    // ?run=NAME in the page's address shows that run alone (a link to one run's diagnosis).
+    const chosen = new URLSearchParams(window.location.search).get("run");
+    for (const run of runs) {
+      if (chosen === null || chosen === run) main.append(await runSection(run, summary[run]));
+    }
+    if (chosen !== null && runs.includes(chosen)) picker.value = chosen;
   } catch (error) {
     main.replaceChildren(el("p", {class: "error"}, `Could not read the runs: ${error}`));
   }
