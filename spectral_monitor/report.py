@@ -215,7 +215,7 @@ def _verdict_cells(entry: Verdict) -> tuple[str, str, str, str]:
     """Diagnosis, verdict, layers and reading (or, not measured, how to measure it) of one verdict."""
     if entry.verdict == NOT_MEASURED:
         return entry.diagnosis.title, entry.verdict, "-", entry.how_to_measure or "-"
-    layers = ", ".join(entry.layers) if entry.layers else entry.layer or "-"
+    layers = ", ".join(entry.layers) if entry.layers else f"nearest: {entry.layer}" if entry.layer else "-"
     return entry.diagnosis.title, entry.verdict, layers, entry.reading or "-"
 
 

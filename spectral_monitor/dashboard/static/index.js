@@ -50,7 +50,7 @@ function verdictBadge(verdict) {
 
 function verdictTable(verdicts) {
   const rows = verdicts.map((v) => {
-    const layers = v.layers.length ? v.layers.join(", ") : v.layer || "";
+    const layers = v.layers.length ? v.layers.join(", ") : v.layer ? `nearest: ${v.layer}` : "";
     const reading = v.verdict === "not measured" ? v.how_to_measure : v.reading;
     const alerts = v.alerts.length
       ? el("ul", {class: "alerts"}, ...v.alerts.map((a) => el("li", {},
