@@ -24,6 +24,7 @@ __all__ = [
     "HOW_TO_MEASURE",
     "MEDIAN_WINDOW",
     "NOT_MEASURED",
+    "OP_WORDS",
     "VERDICTS",
     "AlertRow",
     "Series",
@@ -79,7 +80,8 @@ _RELATIVE_WORDS = {
     "median": f" as a multiple of its running median of up to {MEDIAN_WINDOW} readings",
     "depth": " minus the first layer's",
 }
-_OP_WORDS = {">=": "at or above", "<=": "at or below"}
+OP_WORDS = {">=": "at or above", "<=": "at or below"}
+"""A threshold's comparison, in words."""
 
 
 @dataclass(frozen=True)
@@ -380,7 +382,7 @@ def _judge(name: str, value: float, threshold: AlertThreshold, step: int) -> _Ju
     holds = (lambda v, t: v >= t) if threshold.op == ">=" else (lambda v, t: v <= t)
     state = 2 if holds(value, level) else 1 if holds(value, clear) else 0
     margin = (value - level if threshold.op == "<=" else level - value) / max(abs(level), 1e-12)
-    op = _OP_WORDS[threshold.op]
+    op = OP_WORDS[threshold.op]
     text = (
         f"{name}{relative_phrase(threshold.relative_to)} {format_number(value)} "
         f"(collapsed {op} {level:g}, watch {op} {clear:g})"

@@ -28,6 +28,7 @@ from spectral_monitor.catalog import CATALOG, AlertThreshold, metric_info
 from spectral_monitor.judging import (
     MEDIAN_WINDOW,
     NOT_MEASURED,
+    OP_WORDS,
     VERDICTS,
     AlertRow,
     Verdict,
@@ -354,7 +355,7 @@ def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarr
                 color=LEVEL_COLOURS[verdict],
                 linestyle="--" if verdict == "collapsed" else ":",
                 linewidth=1.0,
-                label=f"{threshold.rule}: {verdict} {threshold.op} {level:g}",
+                label=f"{threshold.rule}: {verdict} {OP_WORDS[threshold.op]} {level:g}",
             )
     axes.set_xlabel("step")
     axes.set_title(metric)

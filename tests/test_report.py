@@ -189,3 +189,19 @@ def test_report_on_a_logdir_without_monitor_scalars_is_an_error(tmp_path: Path, 
     )
     assert result.returncode == 2
     assert "spectral-monitor report: error:" in result.stderr
+
+
+def test_a_plot_draws_the_collapsed_and_watch_levels_of_its_metric() -> None:
+    from spectral_monitor.report import _metric_by_layer
+
+    series = {"blocks.0": (np.array(STEPS), np.array([0.3, 0.2, 0.004]))}
+    (axes,) = _metric_by_layer("attention/effective_rank_ratio_max", series).axes
+    levels = {
+        line.get_label(): line.get_ydata()[0] for line in axes.get_lines() if line.get_label() != "blocks.0"
+    }
+    assert levels == {
+        "rank_collapse: collapsed at or below 0.01": 0.01,
+        "rank_collapse: watch at or below 0.02": 0.02,
+    }
+    (axes,) = _metric_by_layer("attention/dobrushin", series).axes
+    assert [line.get_label() for line in axes.get_lines()] == ["blocks.0"]  # no threshold: nothing drawn

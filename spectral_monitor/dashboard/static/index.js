@@ -106,7 +106,8 @@ function lineChart(chart) {
     band(t.collapsed, t.watch, "band-watch");
     const label = svg("text", {x: width - right - 4, y: y(t.collapsed) - 3, class: "band-label",
       "text-anchor": "end"});
-    label.textContent = `${t.rule}: collapsed ${t.op} ${t.collapsed}, watch ${t.op} ${t.watch}`;
+    const op = {"<=": "at or below", ">=": "at or above"}[t.op];
+    label.textContent = `${t.rule}: collapsed ${op} ${t.collapsed}, watch ${op} ${t.watch}`;
     root.append(label);
   }
   for (let i = 0; i <= 4; i++) {
