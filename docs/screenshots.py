@@ -1,20 +1,23 @@
 """Screenshots for the docs, taken with headless Chromium: a real TensorBoard and the built docs site.
 
-``dashboard``: runs ``spectral-monitor demo --config long_context_collapse`` and the default demo into one
-temporary folder, serves it with ``tensorboard --logdir`` on 127.0.0.1, and saves the monitor's own tab
+``dashboard``: runs ``spectral-monitor demo --config logit_growth`` (attention logits grow until the
+entropy of a layer collapses) and the default demo (healthy) into one temporary folder, or reads those
+runs from ``--runs``, serves them with ``tensorboard --logdir`` on 127.0.0.1, and saves the monitor's own tab
 (``spectral_monitor``) on each run and within TensorBoard's page. ``tensorboard``: runs the default demo
 and saves the Scalars and Custom Scalars views. ``docs``: builds this site with ``mkdocs build`` into a
 temporary folder, serves it on 127.0.0.1 and saves its getting started page. All are saved as palette PNGs
 under ``docs/img/``. Needs Chromium (``apt-get install -y chromium``), the ``docs`` extra and free ports;
 nothing leaves the machine.
 
-    python docs/screenshots.py [dashboard] [tensorboard] [docs] [--max-steps 300] [--chromium chromium]
+    python docs/screenshots.py [dashboard] [tensorboard] [docs] [--max-steps 300] [--runs DIR]
+        [--chromium chromium]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,7 +38,7 @@ VIEWS = {
     "tensorboard_scalars.png": "#scalars&tagFilter=attention%2Fentropy%2F",
 }
 DOCS_PAGE = ("docs_site.png", "getting-started/")
-DASHBOARD_RUNS = {"long_context_collapse": "dashboard_collapsing.png", "demo": "dashboard_healthy.png"}
+DASHBOARD_RUNS = {"logit_growth": "dashboard_collapsing.png", "demo": "dashboard_healthy.png"}
 """The demo configs run for the tab's screenshots, and the screenshot of each run."""
 DASHBOARD_IN_TENSORBOARD = "dashboard_tab.png"
 COLOURS = 128
@@ -95,7 +98,9 @@ def screenshot(chromium: str, url: str, out: Path, profile: Path, height: int = 
         capture_output=True,
         timeout=120,
     )
-    Image.open(out).convert("RGB").quantize(COLOURS).save(out, optimize=True)
+    # Fast octree keeps the small areas of a colour (a legend swatch, a thin line) that median cut merges.
+    image = Image.open(out).convert("RGB")
+    image.quantize(COLOURS, method=Image.Quantize.FASTOCTREE).save(out, optimize=True)
 
 
 def save(chromium: str, url: str, name: str, scratch: str, height: int = 900) -> None:
@@ -116,9 +121,14 @@ def tensorboard_views(chromium: str, max_steps: int, scratch: str) -> None:
             save(chromium, base + view, name, scratch)
 
 
-def dashboard_views(chromium: str, max_steps: int, scratch: str) -> None:
+def dashboard_views(chromium: str, max_steps: int, scratch: str, runs: Path | None) -> None:
+    """The tab on each run of ``DASHBOARD_RUNS``, demo runs written anew unless ``runs`` holds them already
+    (``runs/<config>/version_0``)."""
     logdir = Path(scratch) / "dashboard_runs"
     for config in DASHBOARD_RUNS:
+        if runs is not None:
+            shutil.copytree(runs / config, logdir / config)
+            continue
         demo = [
             sys.executable,
             "-m",
@@ -163,13 +173,16 @@ def main() -> None:
         help="which screenshots (default: all)",
     )
     parser.add_argument("--max-steps", type=int, default=300, help="steps of each demo run")
+    parser.add_argument(
+        "--runs", type=Path, default=None, help="a folder already holding the dashboard's demo runs"
+    )
     parser.add_argument("--chromium", default="chromium", help="the Chromium executable")
     arguments = parser.parse_args()
     what = set(arguments.what or ["dashboard", "tensorboard", "docs"])
     IMAGES.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         if "dashboard" in what:
-            dashboard_views(arguments.chromium, arguments.max_steps, scratch)
+            dashboard_views(arguments.chromium, arguments.max_steps, scratch, arguments.runs)
         if "tensorboard" in what:
             tensorboard_views(arguments.chromium, arguments.max_steps, scratch)
         if "docs" in what:

@@ -166,10 +166,12 @@ function legend(chart, onLayer) {
     el("span", {class: "swatch", style: `background:${colour(index, chart.lines.length)}`}), line.name)));
 }
 
-async function chartCard(run, metric) {
+async function chartCard(run, metric, judgedRules) {
   const card = el("div", {class: "card", "data-metric": metric}, el("h4", {}, metric), el("div", {class: "loading"}, "loading…"));
   const draw = async () => {
     const chart = await getJson(`./chart?run=${encodeURIComponent(run)}&metric=${encodeURIComponent(metric)}`);
+    // Only the levels of rules this run is judged on: a causal model's entropy near 1 is not uniform attention.
+    chart.thresholds = chart.thresholds.filter((t) => judgedRules.has(t.rule));
     const body = el("div", {});
     let asHeatmap = chart.lines.length > HEATMAP_ABOVE_LAYERS;
     const heads = el("div", {class: "heads"});
@@ -190,6 +192,7 @@ async function chartCard(run, metric) {
 }
 
 async function runSection(run, summary) {
+  const judgedRules = new Set(summary.verdicts.filter((v) => v.verdict !== "not measured").map((v) => v.rule));
   const section = el("section", {class: `run ${VERDICT_CLASS[summary.worst]}`, "data-run": run},
     el("h2", {}, run),
     el("p", {class: `overall ${VERDICT_CLASS[summary.worst]}`}, summary.overall),
@@ -198,12 +201,12 @@ async function runSection(run, summary) {
     const verdict = summary.verdicts.find((v) => v.rule === group.rule);
     const cards = el("div", {class: "cards"});
     section.append(el("h3", {}, group.title, " ", verdictBadge(verdict.verdict)), cards);
-    for (const metric of group.metrics) cards.append(await chartCard(run, metric));
+    for (const metric of group.metrics) cards.append(await chartCard(run, metric, judgedRules));
   }
   if (summary.more.length) {
     const more = el("div", {class: "cards"});
     const picker = el("select", {onchange: async () => {
-      if (picker.value) more.prepend(await chartCard(run, picker.value));
+      if (picker.value) more.prepend(await chartCard(run, picker.value, judgedRules));
     }}, el("option", {value: ""}, "another metric…"), ...summary.more.map((m) => el("option", {value: m}, m)));
     section.append(el("h3", {}, "Other metrics ", picker), more);
   }
