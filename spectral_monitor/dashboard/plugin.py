@@ -4,8 +4,10 @@ TensorBoard finds :class:`SpectralMonitorPlugin` through the ``tensorboard_plugi
 its static ES-module frontend (``static/index.js``) in an iframe. The backend reads the runs through
 TensorBoard's data provider, as TensorBoard's own Scalars tab does (sampled the same way: at most the
 ``scalars`` sampling hint, 1,000 by default, per series, always with the latest point), and judges them
-with :mod:`spectral_monitor.judging`, the code ``spectral-monitor report`` runs. Routes, under
-``/data/plugin/spectral_monitor/``:
+with :mod:`spectral_monitor.judging`, the code ``spectral-monitor report`` runs. Only the series a verdict
+reads the history of (:data:`~spectral_monitor.judging.HISTORY_METRICS`, the alert counters) are read
+whole, the others' latest point alone, and a run is judged again only when its series move on. Routes,
+under ``/data/plugin/spectral_monitor/``:
 
 - ``verdicts``: ``{run: {rule: verdict}}``, each verdict as :meth:`~spectral_monitor.judging.Verdict.as_dict`
   with the alerts of that rule that fired (``alerts``: step, where, reading, remedy);
@@ -341,10 +343,12 @@ def _fired_steps(counters: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[
 
 
 def _alerts_of(rule: str, rows: list[AlertRow], counted: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The alerts of ``rule`` from the alert tables TensorBoard kept; where none holds them (TensorBoard
+    keeps the last 10 texts of a tag), the steps its counter went up at, without layer or remedy."""
     named = [row.as_dict() for row in rows if row.rule == rule]
     if named:
         return named
-    unnamed = {"where": "", "reading": "", "remedy": ""}
+    unnamed = {"severity": "", "where": "", "since": None, "reading": "", "remedy": ""}
     return [{"rule": rule, "fired_at": step, **unnamed} for step in counted.get(rule, [])]
 
 
