@@ -344,7 +344,7 @@ def _fired_steps(counters: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[
 
 def _alerts_of(rule: str, rows: list[AlertRow], counted: dict[str, list[int]]) -> list[dict[str, Any]]:
     """The alerts of ``rule`` from the alert tables TensorBoard kept; where none holds them (TensorBoard
-    keeps the last 10 texts of a tag), the steps its counter went up at, without layer or remedy."""
+    keeps a sample of 10 texts per tag), the steps its counter went up at, without layer or remedy."""
     named = [row.as_dict() for row in rows if row.rule == rule]
     if named:
         return named
