@@ -32,6 +32,7 @@ __all__ = [
     "MetricInfo",
     "close_metric_names",
     "diagnosis",
+    "diagnosis_metrics",
     "group_of",
     "histogram_metrics",
     "is_known_metric",
@@ -555,6 +556,20 @@ def diagnosis(rule: str) -> tuple[Diagnosis, list[tuple[MetricInfo, AlertThresho
     if found is None:
         raise KeyError(f"{rule!r} is not a default rule; the diagnoses are {[d.rule for d in DIAGNOSES]}")
     return found, [(info, t) for info in CATALOG for t in info.thresholds if t.rule == rule]
+
+
+def diagnosis_metrics() -> tuple[str, ...]:
+    """The ``family/metric`` names the diagnoses read, head aggregates included, in the order of
+    :data:`DIAGNOSES` (the order in which the dashboard shows them first)."""
+    return tuple(
+        dict.fromkeys(
+            name
+            for entry in DIAGNOSES
+            for info, threshold in diagnosis(entry.rule)[1]
+            if threshold.op != "nonfinite"
+            for name in info.written_names
+        )
+    )
 
 
 def histogram_metrics(family: str) -> tuple[str, ...]:

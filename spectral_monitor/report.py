@@ -2,10 +2,12 @@
 
 Neither torch nor Lightning nor any training code is imported: the scalars the monitor wrote
 (``family/metric/layer[/head_h]``) and its alert counters and tables are read back with TensorBoard's
-``EventAccumulator``, and judged against :mod:`spectral_monitor.catalog`. Per run: a verdict per diagnosis
-(healthy / watch / collapsed, with the layer and the reading that decided it), a per-layer table of the key
-metrics (latest, min, trend), the alerts with their steps, PNG plots (each metric by layer over steps; a
-layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
+``EventAccumulator`` and judged by :mod:`spectral_monitor.judging`, the same code the TensorBoard tab runs.
+Per run, the verdict first: one overall line (the worst verdict, its diagnosis and layers), then a verdict
+per diagnosis (healthy / watch / collapsed / not measured, with the layers and the reading that decided it),
+the alerts that fired with their steps and layers, and the per-layer details (latest, min, trend of the key
+metrics); under ``--out``, PNG plots (each metric by layer over steps, with the thresholds of the metrics
+that have one; a layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
 """
 
 from __future__ import annotations
@@ -19,13 +21,28 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spectral_monitor.catalog import CATALOG, DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
+from spectral_monitor.catalog import CATALOG, AlertThreshold, metric_info
+from spectral_monitor.judging import (
+    MEDIAN_WINDOW,
+    NOT_MEASURED,
+    OP_WORDS,
+    VERDICTS,
+    AlertRow,
+    Verdict,
+    alert_rows,
+    format_number,
+    judge,
+    natural_order,
+    overall_line,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
     "KEY_METRICS",
+    "MEDIAN_WINDOW",
+    "NOT_MEASURED",
     "VERDICTS",
     "ReportError",
     "RunScalars",
@@ -42,12 +59,7 @@ KEY_METRICS = tuple(info.full_name for info in CATALOG if info.key)
 HEATMAP_METRIC = "attention/effective_rank_ratio"
 ALERT_TEXT_TAG = "alerts/table/text_summary"
 MONITOR_FAMILIES = tuple(dict.fromkeys(info.family for info in CATALOG))
-VERDICTS = ("healthy", "watch", "collapsed")
-"""From best to worst: the latest reading is on the healthy side of the clear level, between the clear
-level and the threshold, or past the threshold (where the alert rule fires once it lasts)."""
-NOT_MEASURED = "not measured"
-MEDIAN_WINDOW = 8
-"""Values in the running median of a ``median`` threshold, as the alert engine keeps them."""
+LEVEL_COLOURS = {"collapsed": "tab:red", "watch": "tab:orange"}
 
 _PER_HEAD = re.compile(r"/head_\d+$")
 _AGGREGATE = re.compile(r"_(min|max)$")
@@ -105,29 +117,6 @@ class RunScalars:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """The verdict of one diagnosis on a run: ``verdict`` (one of :data:`VERDICTS`, or ``"not measured"``),
-    the ``layer`` that decided it (the worst one; among equals the nearest its threshold) and the
-    ``reading`` that decided it there, with its levels, at ``step``."""
-
-    diagnosis: Diagnosis
-    verdict: str
-    layer: str = ""
-    reading: str = ""
-    step: int | None = None
-
-
-@dataclass(frozen=True)
-class _Judged:
-    """One condition judged on one layer's latest reading."""
-
-    state: int  # index in VERDICTS
-    margin: float  # how far from the threshold, relative to it: smaller = nearer firing
-    text: str
-    step: int
-
-
-@dataclass(frozen=True)
 class TableRow:
     layer: str
     metric: str
@@ -171,15 +160,13 @@ def layer_table(run: RunScalars) -> list[TableRow]:
                     latest_step=int(steps[-1]),
                 )
             )
-    return sorted(rows, key=lambda row: (_natural_order(row.layer), KEY_METRICS.index(row.metric)))
+    return sorted(rows, key=lambda row: (natural_order(row.layer), KEY_METRICS.index(row.metric)))
 
 
 def verdicts(run: RunScalars) -> list[Verdict]:
-    """A verdict per diagnosis of :data:`~spectral_monitor.catalog.DIAGNOSES`, from each layer's latest
-    readings against the catalogue's thresholds (the worst head of attention: ``_max`` for a ``<=``
-    threshold, ``_min`` for ``>=``, where written, the other way round for a diagnosis of any head; relative
-    thresholds against the run's own first value, running median or first layer)."""
-    return [_verdict(run, entry) for entry in DIAGNOSES]
+    """A verdict per diagnosis of :data:`~spectral_monitor.catalog.DIAGNOSES` (see
+    :func:`spectral_monitor.judging.judge`)."""
+    return judge(run.series)
 
 
 def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
@@ -200,16 +187,21 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
         judged = verdicts(run)
         rows = layer_table(run)
         alerts = run.alert_steps()
+        fired = alert_rows([table for _, table in run.alert_tables])
         print(f"\n== {path}")
+        print(overall_line(judged))
+        print()
         print(_text_verdicts(judged))
         print()
+        print(_text_alerts(alerts, fired))
+        print()
+        print("per-layer details (key metrics):")
         print(_text_table(rows))
-        print(_text_alerts(alerts))
         if convergence := _text_convergence(run):
             print(convergence)
         plots = _write_plots(run, folder)
         markdown = folder / "report.md"
-        markdown.write_text(_markdown(path, judged, rows, alerts, run.alert_tables, plots, folder))
+        markdown.write_text(_markdown(path, judged, rows, alerts, fired, plots, folder))
         print(f"report: {markdown} ({len(plots)} plots)")
         written.append(markdown)
     if not written:
@@ -217,116 +209,31 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
     return written
 
 
-def _verdict(run: RunScalars, entry: Diagnosis) -> Verdict:
-    _, reads = diagnosis(entry.rule)
-    by_layer: dict[str, list[_Judged | None]] = {}
-    for index, (info, threshold) in enumerate(reads):
-        for layer, judged in _judged_layers(run, info, threshold, entry.any_head).items():
-            by_layer.setdefault(layer, [None] * len(reads))[index] = judged
-    decided = []
-    for layer, judged in by_layer.items():
-        present = [j for j in judged if j is not None]
-        if entry.combine == "all":
-            if len(present) < len(judged):
-                continue  # every condition must hold: a layer missing one (causal eigen_gap) is not judged
-            deciding = min(present, key=lambda j: (j.state, -j.margin))
-        else:
-            deciding = max(present, key=lambda j: (j.state, -j.margin))
-        decided.append((layer, deciding))
-    if not decided:
-        return Verdict(entry, NOT_MEASURED)
-    layer, worst = max(decided, key=lambda item: (item[1].state, -item[1].margin, item[0]))
-    if worst.margin == math.inf:  # nothing to come near: every reading of a non-finite check is finite
-        return Verdict(
-            entry, VERDICTS[worst.state], "", f"every reading finite ({len(decided)} layers)", worst.step
-        )
-    return Verdict(entry, VERDICTS[worst.state], layer, worst.text, worst.step)
-
-
-def _judged_layers(
-    run: RunScalars, info: MetricInfo, threshold: AlertThreshold, any_head: bool
-) -> dict[str, _Judged]:
-    """Each layer's latest reading of ``info`` judged against ``threshold`` (its worst head, or with
-    ``any_head`` the head nearest to meeting it)."""
-    name = info.full_name
-    aggregate = ({">=": "max", "<=": "min"} if any_head else {">=": "min", "<=": "max"}).get(threshold.op)
-    if (
-        threshold.relative_to == "value"
-        and aggregate in info.head_aggregates
-        and f"{name}_{aggregate}" in run.series
-    ):
-        name = f"{name}_{aggregate}"
-    by_layer = run.series.get(name, {})
-    judged = {}
-    for layer, (steps, values) in by_layer.items():
-        if threshold.op == "nonfinite":
-            broken = not math.isfinite(values[-1])
-            text = f"{name} {_fmt(values[-1])}"
-            judged[layer] = _Judged(2 if broken else 0, 0.0 if broken else math.inf, text, int(steps[-1]))
-            continue
-        value = _relative_value(threshold, by_layer, layer)
-        if value is None or not math.isfinite(value):
-            continue
-        judged[layer] = _judge(name, value, threshold, int(steps[-1]))
-    return judged
-
-
-def _relative_value(
-    threshold: AlertThreshold, by_layer: dict[str, tuple[np.ndarray, np.ndarray]], layer: str
-) -> float | None:
-    """The latest value of ``layer`` as ``threshold`` compares it, ``None`` where it has no baseline."""
-    steps, values = by_layer[layer]
-    latest = float(values[-1])
-    finite = values[np.isfinite(values)]
-    if threshold.relative_to == "first":
-        return latest / float(finite[0]) if finite.size and finite[0] != 0 else None
-    if threshold.relative_to == "median":
-        previous = values[:-1][np.isfinite(values[:-1])][-MEDIAN_WINDOW:]
-        median = float(np.median(previous)) if previous.size else 0.0
-        return latest / median if median != 0 else None
-    if threshold.relative_to == "depth":
-        first_layer = min(by_layer, key=_natural_order)
-        first_steps, first_values = by_layer[first_layer]
-        at_step = first_values[first_steps == steps[-1]]
-        return latest - float(at_step[-1]) if at_step.size else None
-    return latest
-
-
-def _judge(name: str, value: float, threshold: AlertThreshold, step: int) -> _Judged:
-    level, clear = (
-        threshold.threshold,
-        threshold.clear if threshold.clear is not None else threshold.threshold,
-    )
-    holds = (lambda v, t: v >= t) if threshold.op == ">=" else (lambda v, t: v <= t)
-    state = 2 if holds(value, level) else 1 if holds(value, clear) else 0
-    margin = (value - level if threshold.op == "<=" else level - value) / max(abs(level), 1e-12)
-    unit = {"value": "", "first": " × first", "median": " × running median", "depth": " − first layer"}
-    text = (
-        f"{name}{unit[threshold.relative_to]} {_fmt(value)} "
-        f"(collapsed {threshold.op} {level:g}, watch {threshold.op} {clear:g})"
-    )
-    return _Judged(state, margin, text, step)
-
-
-def _natural_order(layer: str) -> tuple[tuple[int, int | str], ...]:
-    """``blocks.2`` before ``blocks.10``: digits compare as numbers."""
-    return tuple(
-        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", layer) if part
-    )
-
-
 def _text_verdicts(judged: Sequence[Verdict]) -> str:
-    rows = [
-        (entry.diagnosis.title, entry.verdict, entry.layer or "-", entry.reading or "-") for entry in judged
-    ]
-    return "verdicts (latest readings against the catalogue's thresholds):\n" + _aligned(
-        ("diagnosis", "verdict", "layer", "reading"), rows, right=()
+    rows = [_verdict_cells(entry) for entry in judged]
+    return "verdicts (each layer's latest reading against the catalogue's thresholds):\n" + _aligned(
+        ("diagnosis", "verdict", "layers", "reading"), rows, right=()
     )
+
+
+def _verdict_cells(entry: Verdict) -> tuple[str, str, str, str]:
+    """Diagnosis, verdict, layers and reading (or, not measured, how to measure it) of one verdict."""
+    if entry.verdict == NOT_MEASURED:
+        return entry.diagnosis.title, entry.verdict, "-", entry.how_to_measure or "-"
+    layers = ", ".join(entry.layers) if entry.layers else f"nearest: {entry.layer}" if entry.layer else "-"
+    return entry.diagnosis.title, entry.verdict, layers, entry.reading or "-"
 
 
 def _text_table(rows: Sequence[TableRow]) -> str:
     cells = [
-        (row.layer, row.metric, _fmt(row.latest), _fmt(row.minimum), _signed(row.trend), str(row.latest_step))
+        (
+            row.layer,
+            row.metric,
+            format_number(row.latest),
+            format_number(row.minimum),
+            _signed(row.trend),
+            str(row.latest_step),
+        )
         for row in rows
     ]
     return _aligned(("layer", "metric", "latest", "min", "trend", "step"), cells, right=(2, 3, 4))
@@ -347,16 +254,22 @@ def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequen
     return "\n".join([title, "-" * len(title), *(line(row) for row in rows)])
 
 
-def _text_alerts(alerts: dict[str, list[tuple[int, int]]]) -> str:
-    fired = {rule: steps for rule, steps in alerts.items() if steps}
-    if not alerts:
+def _text_alerts(alerts: dict[str, list[tuple[int, int]]], fired: Sequence[AlertRow]) -> str:
+    """The alerts that fired: each with its step and layer from the alert tables, else (a run whose tables
+    were not written) with its steps from the counters."""
+    counted = {rule: steps for rule, steps in alerts.items() if steps}
+    if not alerts and not fired:
         return "alerts: none recorded (alerts off, or a run from before alerts)"
-    if not fired:
+    if not counted and not fired:
         return f"alerts: none fired ({len(alerts)} rules watched)"
     lines = ["alerts fired:"]
-    for rule, steps in sorted(fired.items()):
+    named = {row.rule for row in fired}
+    lines += [f"  {row.rule} at step {row.fired_at} in {row.where}: {row.reading}" for row in fired]
+    for rule, steps in sorted(counted.items()):
+        if rule in named:
+            continue
         total = sum(count for _, count in steps)
-        at = ", ".join(f"{step}" if count == 1 else f"{step} (×{count})" for step, count in steps)
+        at = ", ".join(f"{step}" if count == 1 else f"{step} ({count} alerts)" for step, count in steps)
         lines.append(f"  {rule}: {total} at step{'s' if len(steps) > 1 else ''} {at}")
     return "\n".join(lines)
 
@@ -378,31 +291,34 @@ def _markdown(
     judged: Sequence[Verdict],
     rows: Sequence[TableRow],
     alerts: dict[str, list[tuple[int, int]]],
-    alert_tables: list[tuple[int, str]],
+    fired: Sequence[AlertRow],
     plots: list[Path],
     folder: Path,
 ) -> str:
-    lines = [f"# spectral-monitor report: `{path}`", "", "## Verdicts", ""]
-    lines += ["| diagnosis | verdict | layer | reading | step |", "|---|---|---|---|---|"]
+    lines = [f"# spectral-monitor report: `{path}`", "", f"**{overall_line(judged)}**", "", "## Verdicts", ""]
+    lines += ["| diagnosis | verdict | layers | reading | step |", "|---|---|---|---|---|"]
+    for entry in judged:
+        title, verdict, layers, reading = _verdict_cells(entry)
+        step = "" if entry.step is None else entry.step
+        lines.append(f"| {title} | {verdict} | {layers} | {reading} | {step} |")
+    lines += ["", "## Alerts", ""]
+    if fired:
+        lines += ["| rule | fired at step | where | reading | remedy |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {row.rule} | {row.fired_at} | {row.where} | {row.reading} | {row.remedy} |" for row in fired
+        ]
+    else:
+        lines.append(_text_alerts(alerts, fired).replace("\n  ", "\n- "))
+    lines += ["", "## Per-layer details", ""]
     lines += [
-        f"| {entry.diagnosis.title} | {entry.verdict} | {entry.layer} | {entry.reading} | "
-        f"{'' if entry.step is None else entry.step} |"
-        for entry in judged
-    ]
-    lines += ["", "## Per-layer summary", ""]
-    lines += [
-        "| layer | metric | latest | min | trend (latest − first) | step |",
+        "| layer | metric | latest | min | trend (latest minus first) | step |",
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {row.layer} | {row.metric} | {_fmt(row.latest)} | {_fmt(row.minimum)} | {_signed(row.trend)} | "
-        f"{row.latest_step} |"
+        f"| {row.layer} | {row.metric} | {format_number(row.latest)} | {format_number(row.minimum)} | "
+        f"{_signed(row.trend)} | {row.latest_step} |"
         for row in rows
     ]
-    lines += ["", "## Alerts", "", _text_alerts(alerts).replace("\n  ", "\n- ")]
-    if alert_tables:
-        step, table = alert_tables[-1]
-        lines += ["", f"Last alert table written (step {step}):", "", table]
     lines += ["", "## Plots", ""]
     lines += [f"![{plot.stem}]({plot.relative_to(folder).as_posix()})" for plot in plots]
     return "\n".join(lines) + "\n"
@@ -435,15 +351,36 @@ def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarr
     figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
     axes = figure.subplots()
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
-    layers = sorted(by_layer.items(), key=lambda item: _natural_order(item[0]))
+    layers = sorted(by_layer.items(), key=lambda item: natural_order(item[0]))
     for (layer, (steps, values)), color in zip(layers, colors, strict=True):
         axes.plot(steps, values, marker=".", color=color, label=layer)
+    for threshold in _plotted_thresholds(metric):
+        watch = threshold.clear if threshold.clear is not None else threshold.threshold
+        for verdict, level in (("collapsed", threshold.threshold), ("watch", watch)):
+            axes.axhline(
+                level,
+                color=LEVEL_COLOURS[verdict],
+                linestyle="--" if verdict == "collapsed" else ":",
+                linewidth=1.0,
+                label=f"{threshold.rule}: {verdict} {OP_WORDS[threshold.op]} {level:g}",
+            )
     axes.set_xlabel("step")
     axes.set_title(metric)
     axes.grid(True, alpha=0.3)
     if len(by_layer) <= 12:
         axes.legend(fontsize="x-small")
     return figure
+
+
+def _plotted_thresholds(metric: str) -> list[AlertThreshold]:
+    """The thresholds of ``metric`` on its own values (relative ones compare a ratio, not the plotted
+    value)."""
+    family, _, name = metric.partition("/")
+    try:
+        info = metric_info(family, name)
+    except KeyError:
+        return []
+    return [t for t in info.thresholds if t.op in (">=", "<=") and t.relative_to == "value"]
 
 
 def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
@@ -480,11 +417,5 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def _fmt(value: float) -> str:
-    if not math.isfinite(value):
-        return str(value)
-    return f"{value:.3g}" if abs(value) >= 1000 or (value != 0 and abs(value) < 0.001) else f"{value:.3f}"
-
-
 def _signed(value: float) -> str:
-    return _fmt(value) if not math.isfinite(value) or value < 0 else "+" + _fmt(value)
+    return format_number(value) if not math.isfinite(value) or value < 0 else "+" + format_number(value)

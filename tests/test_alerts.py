@@ -400,6 +400,14 @@ def test_the_dashboard_groups_charts_by_diagnosis_with_the_sharpness_margin() ->
     assert "sharpness vs its edge of stability" not in diagnosis_layout(tags[:6])["Curvature"]
 
 
+def test_the_layout_shows_first_the_charts_the_diagnoses_read_in_diagnosis_order() -> None:
+    metrics = ("dobrushin", "entropy", "effective_rank_ratio_max", "eigen_gap_min", "rank_one_residual")
+    tags = [f"attention/{metric}/blocks.0.attention" for metric in metrics]
+    charts = list(diagnosis_layout(tags)["Rank collapse"])
+    assert charts == ["attention/rank_one_residual", "attention/effective_rank_ratio_max",
+                      "attention/eigen_gap_min", "attention/dobrushin"]  # fmt: skip
+
+
 def test_values_flagged_not_converged_never_reach_a_rule() -> None:
     # The edge-of-stability rule, patience 1: a ratio of 3 fires it only where the solve converged.
     rule = Rule("edge", [Condition("curvature/sharpness_ratio", ">=", 1.5, clear=1.2)], patience=1)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from spectral_monitor.judging import overall_line
 from spectral_monitor.report import NOT_MEASURED, RunScalars, verdicts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,23 +50,59 @@ def test_verdicts_name_the_worst_layer_and_its_reading_against_the_thresholds() 
     judged = {entry.diagnosis.rule: entry for entry in verdicts(run_of(SERIES))}
     rank = judged["rank_collapse"]
     assert (rank.verdict, rank.layer, rank.step) == ("collapsed", "model.h.0.attn", 99)
-    assert rank.reading == "attention/rank_one_residual_max 0.030 (collapsed <= 0.05, watch <= 0.1)"
+    assert rank.reading == (
+        "attention/rank_one_residual_max 0.030 (collapsed at or below 0.05, watch at or below 0.1)"
+    )
     entropy = judged["entropy_collapse"]
     assert (entropy.verdict, entropy.layer) == ("collapsed", "model.h.0.attn")
-    assert entropy.reading.startswith("attention/entropy × running median 0.250 (collapsed <= 0.3")
+    assert entropy.reading.startswith(
+        "attention/entropy as a multiple of its running median of up to 8 readings 0.250 "
+        "(collapsed at or below 0.3"
+    )
     tokens = judged["token_collapse"]
     assert (tokens.verdict, tokens.layer) == ("watch", "blocks.10")
     assert tokens.reading.startswith(
-        "tokens/cosine_similarity − first layer 0.450 (collapsed >= 0.5, watch >= 0.4)"
+        "tokens/cosine_similarity minus the first layer's 0.450 "
+        "(collapsed at or above 0.5, watch at or above 0.4)"
+    )
+    assert (tokens.layers, tokens.value, tokens.collapsed_level, tokens.watch_level) == (
+        ("blocks.10",),
+        pytest.approx(0.45),
+        0.5,
+        0.4,
     )
     weights = judged["weight_runaway"]
     assert (weights.verdict, weights.layer) == ("collapsed", "head")
-    assert weights.reading.startswith("weights/spectral_norm × first 25.000")
+    assert weights.reading.startswith("weights/spectral_norm as a multiple of its first value 25.000")
     non_finite = judged["non_finite"]
     assert (non_finite.verdict, non_finite.layer) == ("collapsed", "blocks.10")
     # Causal attention writes no eigen_gap, so uniform attention (both conditions) cannot be judged.
     for rule in ("uniform_attention", "edge_of_stability", "jacobian_explosion"):
         assert judged[rule].verdict == NOT_MEASURED
+    assert "CurvatureOptions" in judged["edge_of_stability"].how_to_measure
+    assert "JacobianOptions" in judged["jacobian_explosion"].how_to_measure
+
+
+def test_the_overall_line_names_the_worst_diagnosis_and_every_layer_at_that_verdict() -> None:
+    two_layers = {
+        "attention/rank_one_residual_max": {
+            "blocks.2.attn": [0.5, 0.04],
+            "blocks.10.attn": [0.5, 0.01],
+            "blocks.0.attn": [0.5, 0.5],
+        },
+        "tokens/cosine_similarity": {"blocks.0": [0.1, 0.92]},
+    }
+    run = RunScalars(Path("run"))
+    run.series = {metric: {layer: (np.array([0, 9]), np.array(values)) for layer, values in by_layer.items()}
+                  for metric, by_layer in two_layers.items()}  # fmt: skip
+    judged = verdicts(run)
+    rank = next(entry for entry in judged if entry.diagnosis.rule == "rank_collapse")
+    # The nearer past its threshold comes first; the healthy layer is not named.
+    assert rank.layers == ("blocks.10.attn", "blocks.2.attn")
+    assert overall_line(judged) == "COLLAPSED: rank collapse in blocks.10.attn, blocks.2.attn"
+    healthy = RunScalars(Path("run"))
+    healthy.series = {"attention/rank_one_residual_max": {"l": (np.array([0, 9]), np.array([0.5, 0.6]))}}
+    assert overall_line(verdicts(healthy)).startswith("HEALTHY: every measured diagnosis")
 
 
 def test_the_watch_band_lies_between_the_clear_level_and_the_threshold() -> None:
@@ -116,6 +153,11 @@ def test_report_prints_aligned_columns_and_loads_neither_torch_nor_lightning(tmp
     assert result.returncode == 0, result.stderr
     printed = result.stdout
     assert "loaded: []" in printed
+    # The verdict leads: the overall line comes right after the run's heading, before any table.
+    heading, overall = printed.strip().splitlines()[:2]
+    assert heading.startswith("== ")
+    assert overall.startswith("COLLAPSED: ") and "model.h.0.attn" in overall
+    assert printed.index("verdicts") < printed.index("alerts") < printed.index("per-layer details")
     verdict_lines = printed.split("verdicts", 1)[1].splitlines()[1:]
     header, rule = verdict_lines[0], verdict_lines[1]
     assert set(rule) == {"-"}
@@ -125,7 +167,7 @@ def test_report_prints_aligned_columns_and_loads_neither_torch_nor_lightning(tmp
         assert line[header.index("verdict") :].startswith(verdict)
 
     table = printed[printed.index("\nlayer ") + 1 :].splitlines()
-    table = table[: next(i for i, line in enumerate(table) if line.startswith("alerts"))]
+    table = table[: next(i for i, line in enumerate(table) if line.startswith("report:"))]
     header, rows = table[0], table[2:]
     assert any(row.startswith(LONG) for row in rows)
     metric_column = header.index("metric")
@@ -147,3 +189,19 @@ def test_report_on_a_logdir_without_monitor_scalars_is_an_error(tmp_path: Path, 
     )
     assert result.returncode == 2
     assert "spectral-monitor report: error:" in result.stderr
+
+
+def test_a_plot_draws_the_collapsed_and_watch_levels_of_its_metric() -> None:
+    from spectral_monitor.report import _metric_by_layer
+
+    series = {"blocks.0": (np.array(STEPS), np.array([0.3, 0.2, 0.004]))}
+    (axes,) = _metric_by_layer("attention/effective_rank_ratio_max", series).axes
+    levels = {
+        line.get_label(): line.get_ydata()[0] for line in axes.get_lines() if line.get_label() != "blocks.0"
+    }
+    assert levels == {
+        "rank_collapse: collapsed at or below 0.01": 0.01,
+        "rank_collapse: watch at or below 0.02": 0.02,
+    }
+    (axes,) = _metric_by_layer("attention/dobrushin", series).axes
+    assert [line.get_label() for line in axes.get_lines()] == ["blocks.0"]  # no threshold: nothing drawn

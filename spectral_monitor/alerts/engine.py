@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -211,12 +211,14 @@ class AlertEngine:
             self._reading[key] = indices
         return indices
 
-    def counter_records(self, step: int) -> list[Measurement]:
-        """``alerts/open/<rule>`` and ``alerts/fired/<rule>`` (cumulative) of every rule at ``step``."""
+    def counter_records(self, step: int, rules: Collection[str] | None = None) -> list[Measurement]:
+        """``alerts/open/<rule>`` and ``alerts/fired/<rule>`` (cumulative) at ``step`` of every rule, or of
+        the rules named in ``rules``."""
         open_counts = self.open_counts()
         return [
             record
             for rule in self.rules
+            if rules is None or rule.name in rules
             for record in (
                 Measurement(step, "alerts", "open", rule.name, float(open_counts[rule.name])),
                 Measurement(step, "alerts", "fired", rule.name, float(self.fired[rule.name])),

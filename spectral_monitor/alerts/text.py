@@ -12,7 +12,8 @@ __all__ = ["open_alerts_markdown"]
 def open_alerts_markdown(open_alerts: Sequence[AlertEvent], step: int) -> str:
     """A markdown table of ``open_alerts`` (their fired events) as of ``step``."""
     if not open_alerts:
-        return f"No open alerts at step {step}."
+        # Written when the last alert resolves and on the first evaluation, so a healthy run has a status too.
+        return f"No open alerts at step {step}. This table is rewritten whenever an alert fires or resolves."
     rows = [
         f"Open alerts at step {step}:",
         "",

@@ -26,7 +26,7 @@ from spectral_monitor.distributed import any_rank
 from spectral_monitor.records import Measurement
 from spectral_monitor.validation import check_callable, check_names
 
-__all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger"]
+__all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger", "can_fire"]
 
 ALERT_TEXT_TAG = "alerts/table"
 """The TensorBoard text tag of the open-alerts table (shown as ``alerts/table/text_summary``)."""
@@ -55,6 +55,14 @@ class AlertStep:
     stop: list[str] = field(default_factory=list)
 
 
+def can_fire(rule: Rule, families: Sequence[str]) -> bool:
+    """Whether ``rule`` is evaluated with ``families`` measured: the families its required conditions read
+    are measured (any of them with ``combine="any"``, all of them with ``"all"``)."""
+    read = [c.metric.split("/", 1)[0] for c in rule.conditions if c.required]
+    measured = [any(fnmatch.fnmatchcase(on, family) for on in (*families, "alerts")) for family in read]
+    return all(measured) if rule.combine == "all" else any(measured)
+
+
 def check_stop_on(stop_on: object, rules: Sequence[Rule], families: Sequence[str]) -> list[str]:
     """``stop_on`` if it lists rules that run and can fire with ``families`` on: a rule fires only when the
     families its required conditions read are measured (any of them with ``combine="any"``, all of them
@@ -66,9 +74,8 @@ def check_stop_on(stop_on: object, rules: Sequence[Rule], families: Sequence[str
         raise ValueError(f"stop_on names rules {unknown} that do not run; the rules are {sorted(by_name)}")
     for name in names:
         rule = by_name[name]
-        read = [c.metric.split("/", 1)[0] for c in rule.conditions if c.required]
-        measured = [any(fnmatch.fnmatchcase(on, family) for on in (*families, "alerts")) for family in read]
-        if not (all(measured) if rule.combine == "all" else any(measured)):
+        if not can_fire(rule, families):
+            read = [c.metric.split("/", 1)[0] for c in rule.conditions if c.required]
             raise ValueError(
                 f"stop_on names rule {name!r}, which reads {sorted(set(read))} and can never fire with the "
                 f"families measured ({list(families)}): turn its family on (families=[...], or an opt-in "
@@ -96,6 +103,9 @@ class Alerting:
         self.on_alert = check_callable("on_alert", on_alert, "a callable taking an AlertEvent")
         self.stop_on = tuple(check_stop_on(stop_on, self.engine.rules, families))
         self.stopping = False  # a stop was asked for in this run: the console says so once
+        # Counters only for the rules that can fire: a rule whose probe is off would draw a flat zero.
+        self.counted = tuple(rule.name for rule in self.engine.rules if can_fire(rule, families))
+        self.status_written = False  # the open-alerts table is written once even when nothing ever fires
 
     def evaluate(self, step: int, measurements: Sequence[Measurement], writes: bool) -> AlertStep:
         """Advance the rules by one evaluation; log and hand over what changed (on the writing rank)."""
@@ -110,8 +120,11 @@ class Alerting:
             logger.log(level, event.message())
             if self.on_alert is not None:
                 self.on_alert(event)
-        text = open_alerts_markdown(self.engine.open_alerts, step) if events else None
-        return AlertStep(self.engine.counter_records(step), text, stop)
+        text = (
+            open_alerts_markdown(self.engine.open_alerts, step) if events or not self.status_written else None
+        )
+        self.status_written = True
+        return AlertStep(self.engine.counter_records(step, self.counted), text, stop)
 
     def rules_stopping(self, step: int, fired_here: Sequence[str], writes: bool) -> list[str]:
         """The ``stop_on`` rules that fired on any rank at this step; training stops after it on every rank

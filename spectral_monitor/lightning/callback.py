@@ -80,8 +80,9 @@ class SpectralMonitor(*CALLBACK_BASES):
       propagation, curvature, weights, alerts), one chart per metric with one line per layer;
     - alerts (:mod:`spectral_monitor.alerts`): each rule is evaluated on every logging step's records; an
       alert that fires or resolves is one line of the ``spectral_monitor.alerts`` logger on rank 0 and a
-      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/table``);
-      ``alerts/open/<rule>`` and ``alerts/fired/<rule>`` count them on every logging step.
+      call of ``on_alert``, and the markdown table of open alerts is written as text (``alerts/table``,
+      also on the first logging step, so a healthy run says "No open alerts"); ``alerts/open/<rule>`` and
+      ``alerts/fired/<rule>`` count them on every logging step, for the rules whose families are measured.
     - opt-in, each on its own cadence (``spectral_monitor.core.second_order``): ``curvature/<metric>/model``
       (sharpness against the optimizer's edge of stability, top Hessian eigenvalues, trace, density figure),
       ``jacobian/<metric>/<block>`` (block Jacobian norms), ``ntk/<metric>/model`` (empirical NTK), with

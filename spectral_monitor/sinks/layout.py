@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from spectral_monitor.catalog import GROUPS, group_of
+from spectral_monitor.catalog import GROUPS, diagnosis_metrics, group_of
 
 MULTILINE = "Multiline"
 MARGIN = "Margin"
@@ -60,7 +60,8 @@ def diagnosis_layout(scalar_tags: Iterable[str]) -> Layout:
 
     A metric's category is its dashboard group in :mod:`spectral_monitor.catalog` (a static table of names:
     nothing here knows how a metric is computed), in the catalogue's order of groups; a metric the
-    catalogue does not list (another probe's) gets a category named after its family, after those.
+    catalogue does not list (another probe's) gets a category named after its family, after those. Within a
+    category the charts the diagnoses read come first, in diagnosis order, then the others by name.
     """
     tags = list(scalar_tags)
     layout: Layout = {}
@@ -69,8 +70,13 @@ def diagnosis_layout(scalar_tags: Iterable[str]) -> Layout:
             name = f"{family}/{metric}"
             layout.setdefault(group_of(name) or family, {})[name] = chart
     order = list(GROUPS)
+    read_first = {name: index for index, name in enumerate(diagnosis_metrics())}
     layout = {
-        category: dict(sorted(layout[category].items()))
+        category: dict(
+            sorted(
+                layout[category].items(), key=lambda item: (read_first.get(item[0], len(read_first)), item[0])
+            )
+        )
         for category in sorted(layout, key=lambda c: (order.index(c) if c in order else len(order), c))
     }
     category, title, value, lower, upper = SHARPNESS_MARGIN
