@@ -78,6 +78,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.linalg import lanczos_eigsh
 from spectral_monitor.linalg.operators import (
     DenseOperator,
@@ -343,24 +344,33 @@ class WeightProbe:
             "generator": self._generator.get_state(),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output.
+    def load_state_dict(self, state_dict: Mapping[str, Any] | StateEntries) -> list[str]:
+        """Restore :meth:`state_dict`'s output, entry by entry (:meth:`usable_state`).
 
         Weights without an entry start cold; entries for absent weights, and vectors whose length no longer
         fits their weight, are dropped at the next :meth:`measure`.
+
+        Returns:
+            The entries dropped, each named with why (the session warns of them).
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        vectors = state_dict.get("right_vectors", {})
-        if not isinstance(vectors, Mapping) or not all(
-            isinstance(key, str) and isinstance(vector, Tensor) and vector.ndim == 2
-            for key, vector in vectors.items()
-        ):
-            raise ValueError("state_dict['right_vectors'] must map layer names to (n, r) tensors")
-        self._warm_vectors = {key: vector.detach().clone() for key, vector in vectors.items()}
-        if "generator" in state_dict:
-            self._generator.set_state(state_dict["generator"])
+        entries = state_dict if isinstance(state_dict, StateEntries) else StateEntries(state_dict)
+        state = self.usable_state(entries)
+        self._warm_vectors = state["right_vectors"]
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
         self._latest_histograms = None
+        return entries.dropped
+
+    @staticmethod
+    def usable_state(entries: StateEntries) -> dict[str, Any]:
+        """The entries of a checkpoint's state that :meth:`load_state_dict` can use: warm vectors that are
+        2-D tensors of finite floats with unit columns, and a generator state a CPU generator takes. The
+        others are dropped, named in ``entries.dropped``."""
+        state: dict[str, Any] = {"right_vectors": entries.unit_vectors("right_vectors", ndim=2)}
+        generator = entries.generator_state("generator")
+        if generator is not None:
+            state["generator"] = generator
+        return state
 
     # ----------------------------------------------------------------------------------------------------
     # Finding the weights
@@ -536,33 +546,42 @@ class WeightProbe:
                 if finite[element]:
                     warm = self._fits(target.key, size)
                     runs.setdefault((size, warm), {}).setdefault(item, []).append(element)
-        for (_, warm), members in runs.items():
-            order = [(item, element) for item, elements in members.items() for element in elements]
-            operator = StackedOperator(
-                [
-                    GramOperator(DenseOperator(_rows(waiting[item][1], elements)))
-                    for item, elements in members.items()
-                ]
-            )
-            init = None
-            if warm:
-                init = torch.stack(
-                    [self._warm_vectors[waiting[item][0][element].key] for item, element in order]
+        # Warm runs first: an element whose warm start gave no finite σ₁ is retried cold, before anything is
+        # reported (a NaN here would read as a non-finite weight).
+        for warm_pass in (True, False):
+            for (size, warm), members in list(runs.items()):
+                if warm != warm_pass:
+                    continue
+                order = [(item, element) for item, elements in members.items() for element in elements]
+                operator = StackedOperator(
+                    [
+                        GramOperator(DenseOperator(_rows(waiting[item][1], elements)))
+                        for item, elements in members.items()
+                    ]
                 )
-                init = init.to(device=operator.device, dtype=operator.dtype)
-            result = lanczos_eigsh(
-                operator,
-                1,
-                tol=self.tol,
-                max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
-                init=init,
-                generator=self._generator,
-            )
-            values = result.values[:, 0].clamp_min(0).sqrt()
-            for position, (item, element) in enumerate(order):
-                sigma[item][element] = values[position]
-                residual[item][element] = result.info.residual[position, 0]
-                vectors[waiting[item][0][element].key] = result.vectors[position].clone()
+                init = None
+                if warm:
+                    init = torch.stack(
+                        [self._warm_vectors[waiting[item][0][element].key] for item, element in order]
+                    )
+                    init = init.to(device=operator.device, dtype=operator.dtype)
+                result = lanczos_eigsh(
+                    operator,
+                    1,
+                    tol=self.tol,
+                    max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
+                    init=init,
+                    generator=self._generator,
+                )
+                values = result.values[:, 0].clamp_min(0).sqrt()
+                usable = (values.isfinite() & result.vectors.isfinite().flatten(1).all(dim=1)).tolist()
+                for position, (item, element) in enumerate(order):
+                    if warm and not usable[position]:
+                        runs.setdefault((size, False), {}).setdefault(item, []).append(element)
+                        continue
+                    sigma[item][element] = values[position]
+                    residual[item][element] = result.info.residual[position, 0]
+                    vectors[waiting[item][0][element].key] = result.vectors[position].clone()
         estimates: dict[str, _Estimate] = {}
         for item, (group, _, frobenius) in enumerate(waiting):
             estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item]))
