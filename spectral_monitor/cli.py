@@ -12,6 +12,7 @@ Torch and Lightning are imported by the commands that train or run a model, so `
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections.abc import Sequence
@@ -111,7 +112,25 @@ def _run_report(arguments: argparse.Namespace) -> int:
     except ReportError as error:
         print(f"spectral-monitor report: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        print(f"spectral-monitor report: error: {_file_error(error, arguments.out)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _file_error(error: OSError, out: Path | None) -> str:
+    """What a failed read or write of ``report`` means to its user, and what to do about it."""
+    where = f"{error.filename}: " if error.filename else ""
+    advice = {
+        errno.EROFS: "pass --out a folder you can write to",
+        errno.EACCES: "pass --out a folder you can write to",
+        errno.EPERM: "pass --out a folder you can write to",
+        errno.EEXIST: "--out names the folder the report goes into, not a file",
+        errno.ENOTDIR: "--out names the folder the report goes into, not a file",
+        errno.ENOSPC: "free some space, or pass --out a folder on another disk",
+    }.get(error.errno, "check the path and try again")
+    target = "LOGDIR/report" if out is None else f"--out {out}"
+    return f"could not write the report ({target}): {where}{error.strerror or error}; {advice}."
 
 
 def _run_demo(arguments: argparse.Namespace) -> int:
