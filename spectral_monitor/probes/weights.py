@@ -109,6 +109,7 @@ _EXACT_MAX_SIZE = 32
 # Bounds the float32 copies held at once (a 7B model's q, k, v and o of all layers would be 8 GiB); a single
 # weight larger than this is measured alone.
 _MAX_BATCH_BYTES = 256 * 2**20
+_LARGEST_SCALE_EXPONENT = 120  # 2^±120 is a normal float32: scaling by it is exact
 _CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
 _PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
 _HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
@@ -467,12 +468,10 @@ class WeightProbe:
                         per_head.setdefault((metric, target.layer), []).append(value)
             if isinstance(item, _AttentionSite):
                 weights = item.weights
-                norms = query_key_spectral_norms(
-                    _working_copy(weights.query),
-                    _working_copy(weights.key),
-                    weights.num_heads,
-                    weights.key_value_heads,
-                ).tolist()
+                (query,), query_scale = _scaled_copy([weights.query])
+                (key,), key_scale = _scaled_copy([weights.key])
+                norms = query_key_spectral_norms(query, key, weights.num_heads, weights.key_value_heads)
+                norms = (norms.double() * query_scale * key_scale).tolist()
                 if self.per_head:
                     measurements.extend(
                         Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm", item.layer, value, head=h)
@@ -510,20 +509,21 @@ class WeightProbe:
         """
         estimates: dict[str, _Estimate] = {}
         vectors: dict[str, Tensor] = {}
-        waiting: list[tuple[list[_Target], Tensor, Tensor]] = []  # (targets, their copies, ‖·‖_F)
+        # (targets, their scaled copies, ‖·‖_F of those, the scales)
+        waiting: list[tuple[list[_Target], Tensor, Tensor, Tensor]] = []
         waiting_bytes = 0
         for group in _batches(targets):
-            matrices = _stacked_copy([target.matrix for target in group])
+            matrices, scale = _scaled_copy([target.matrix for target in group])
             frobenius = torch.linalg.matrix_norm(matrices)
             if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
                 sigma = _largest_singular_values(matrices)
-                estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma)))
+                estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma), scale))
                 continue
             size = matrices.numel() * matrices.element_size()
             if waiting and waiting_bytes + size > _MAX_BATCH_BYTES:
                 estimates.update(self._solve(waiting, vectors))
                 waiting, waiting_bytes = [], 0
-            waiting.append((group, matrices, frobenius))
+            waiting.append((group, matrices, frobenius, scale))
             waiting_bytes += size
         if waiting:
             estimates.update(self._solve(waiting, vectors))
@@ -531,15 +531,15 @@ class WeightProbe:
         return estimates
 
     def _solve(
-        self, waiting: list[tuple[list[_Target], Tensor, Tensor]], vectors: dict[str, Tensor]
+        self, waiting: list[tuple[list[_Target], Tensor, Tensor, Tensor]], vectors: dict[str, Tensor]
     ) -> dict[str, _Estimate]:
         """σ₁ of every finite matrix of ``waiting`` by one Lanczos run per Gram size and warmth; the new warm
         vectors go into ``vectors``. A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN,
         and it restarts cold."""
-        sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius in waiting]
-        residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius in waiting]
+        sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
+        residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
         runs: dict[tuple[int, bool], dict[int, list[int]]] = {}  # (size, warm) -> item -> its elements
-        for item, (group, matrices, _) in enumerate(waiting):
+        for item, (group, matrices, _, _) in enumerate(waiting):
             finite = _finite_matrices(matrices).tolist()
             size = min(matrices.shape[1:])
             for element, target in enumerate(group):
@@ -583,8 +583,8 @@ class WeightProbe:
                     residual[item][element] = result.info.residual[position, 0]
                     vectors[waiting[item][0][element].key] = result.vectors[position].clone()
         estimates: dict[str, _Estimate] = {}
-        for item, (group, _, frobenius) in enumerate(waiting):
-            estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item]))
+        for item, (group, _, frobenius, scale) in enumerate(waiting):
+            estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item], scale))
         return estimates
 
     def _fits(self, key: str, size: int) -> bool:
@@ -770,14 +770,32 @@ def _rows(matrices: Tensor, elements: list[int]) -> Tensor:
 
 
 def _estimates_of(
-    targets: list[_Target], sigma: Tensor, frobenius: Tensor, residual: Tensor
+    targets: list[_Target], sigma: Tensor, frobenius: Tensor, residual: Tensor, scale: Tensor
 ) -> dict[str, _Estimate]:
-    columns = torch.stack([sigma, frobenius, stable_rank(frobenius.square(), sigma), residual], dim=1)
+    """The estimates of ``targets`` from σ₁ and ‖·‖_F of their copies scaled down by ``scale``: the norms
+    are scaled back in float64, the stable rank is a ratio of the scaled ones."""
+    ratio = stable_rank(frobenius.square(), sigma)
+    columns = torch.stack(
+        [sigma.double() * scale, frobenius.double() * scale, ratio.double(), residual.double()], dim=1
+    )
     return {target.key: _Estimate(*values) for target, values in zip(targets, columns.tolist(), strict=True)}
 
 
-def _working_copy(matrix: Tensor) -> Tensor:
-    return _stacked_copy([matrix])[0]
+def _scaled_copy(matrices: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`_stacked_copy` of ``matrices``, each divided by the power of two that brings its largest entry
+    into [0.5, 1) (within 2^±120), and those powers as float64 (batch,).
+
+    Sums of squares of a finite float32 weight overflow from entries near 1e19 (‖W‖_F, the Gram matrices of
+    σ₁): scaled, they cannot. A division by a power of two is exact, so every norm is bit for bit what the
+    unscaled copy gives wherever that one does not overflow or underflow. A non-finite matrix stays as it is.
+    """
+    stacked = _stacked_copy(matrices)
+    largest = stacked.abs().amax(dim=(1, 2))
+    _, exponent = torch.frexp(largest)
+    usable = largest.isfinite() & (largest > 0)
+    exponent = torch.where(usable, exponent.clamp(-_LARGEST_SCALE_EXPONENT, _LARGEST_SCALE_EXPONENT), 0)
+    stacked.mul_(torch.ldexp(torch.ones_like(largest), -exponent)[:, None, None])
+    return stacked, torch.ldexp(torch.ones_like(largest, dtype=torch.float64), exponent)
 
 
 def _stacked_copy(matrices: list[Tensor]) -> Tensor:
