@@ -591,7 +591,8 @@ class MonitorSession:
                     f"SpectralMonitor preflight ({finding.check}, {finding.where}): {finding.message}."
                 )
         for sink in self._sinks:
-            with self._reports.failures_of(f"writing the preflight to {type(sink).__name__}"):
+            # One kind with the steps' writes: an unwritable run directory is one problem, reported once.
+            with self._reports.failures_of(f"writing to {type(sink).__name__}"):
                 sink.write_text("preflight", preflight_markdown(findings), step)
 
     def _attention_of_layers(
