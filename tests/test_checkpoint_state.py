@@ -44,6 +44,12 @@ def one_dimensional_vectors(state: dict[str, Any]) -> None:
         vectors[layer] = vectors[layer].flatten()
 
 
+def zero_vectors(state: dict[str, Any]) -> None:
+    vectors = state["weight_probe"]["right_vectors"]
+    for layer in vectors:
+        vectors[layer] = torch.zeros_like(vectors[layer])
+
+
 def assign(key: str, value: Any) -> Any:
     def damage(state: dict[str, Any]) -> None:
         state[key] = value
@@ -72,7 +78,10 @@ DAMAGE = {
         one_dimensional_vectors,
         f"{VECTOR} (shape (48,), not 2-D)",
     ),
+    "zero_warm_vectors": (zero_vectors, f"{VECTOR} (columns not of unit norm)"),
 }
+OTHER_VECTORS = (one_dimensional_vectors, zero_vectors)
+"""Damages of the vectors that the NaN ones stand for in the checkpoint holding every damage."""
 
 
 def monitor(seen: list[AlertEvent]) -> SpectralMonitor:
@@ -107,7 +116,7 @@ def test_a_checkpoint_holding_every_damage_resumes_to_the_end_with_its_weights_m
     state = checkpoint["callbacks"][first[0].state_key]
     assert state["weight_probe"]["right_vectors"]  # the Krylov path's warm vectors are there to damage
     for damage, _ in DAMAGE.values():
-        if damage is not one_dimensional_vectors:  # NaN vectors stand for damaged vectors
+        if damage not in OTHER_VECTORS:
             damage(state)
     damaged = tmp_path / "damaged.ckpt"
     torch.save(checkpoint, damaged)
@@ -121,7 +130,7 @@ def test_a_checkpoint_holding_every_damage_resumes_to_the_end_with_its_weights_m
     assert seen == []
     (warning,) = reports.messages  # nothing else: no non-finite weight, no failure
     for key, (damage, named) in DAMAGE.items():
-        if damage is not one_dimensional_vectors:
+        if damage not in OTHER_VECTORS:
             assert named in warning, key
 
     # Every σ₁ after the resume is the weight's own: a dropped vector restarts cold, solved to the probe's
@@ -184,3 +193,19 @@ def test_an_intact_state_loads_without_a_warning(tmp_path: Path) -> None:
         resumed.load_state_dict(state)
     assert reports.messages == []
     assert torch.equal(resumed.state_dict()["weight_probe"]["generator"], state["weight_probe"]["generator"])
+
+
+def test_a_warm_start_that_gives_nan_is_retried_cold() -> None:
+    model = TinyEncoder(width=WIDTH)
+    probe = WeightProbe(model)
+    cold = {m.layer: m.value for m in probe.measure(0) if m.metric == "spectral_norm" and m.head is None}
+    # Past the checks, as a bug or a solver's breakdown would leave them: NaN vectors of the right shape.
+    probe._warm_vectors = {
+        key: torch.full_like(vector, math.nan) for key, vector in probe._warm_vectors.items()
+    }
+    assert probe._warm_vectors
+    again = {m.layer: m.value for m in probe.measure(1) if m.metric == "spectral_norm" and m.head is None}
+    assert again.keys() == cold.keys()
+    for layer, value in again.items():
+        assert value == pytest.approx(cold[layer], rel=1e-3), layer
+    assert all(vector.isfinite().all() for vector in probe._warm_vectors.values())
