@@ -21,7 +21,14 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["StateEntries"]
+__all__ = [
+    "StateEntries",
+    "checked_generator_state",
+    "checked_integer",
+    "checked_number",
+    "checked_tensor",
+    "checked_unit_columns",
+]
 
 T = TypeVar("T")
 _ABSENT: Any = object()
@@ -96,11 +103,6 @@ class StateEntries:
                 kept[name] = value
         return kept
 
-    def tensors(self, key: str, *, ndim: int | None = None) -> dict[str, Tensor]:
-        """The mapping at ``key`` of names to finite floating-point tensors (with ``ndim`` dimensions when
-        given), as detached copies."""
-        return self.by_name(key, lambda value: checked_tensor(value, ndim))
-
     def unit_vectors(self, key: str, *, ndim: int) -> dict[str, Tensor]:
         """The mapping at ``key`` of names to warm-start vectors: finite ``ndim``-D tensors whose columns
         (along dimension -2) have unit norm, as the iterative solvers leave them. A zero or scaled vector
@@ -110,10 +112,6 @@ class StateEntries:
     def numbers(self, key: str) -> dict[str, float]:
         """The mapping at ``key`` of names to finite numbers, as floats."""
         return self.by_name(key, checked_number)
-
-    def tensor(self, key: str, *, ndim: int | None = None) -> Tensor | None:
-        """The entry ``key`` if it is a finite floating-point tensor (``ndim`` dimensions when given)."""
-        return self.read(key, None, lambda value: checked_tensor(value, ndim))
 
     def generator_state(self, key: str) -> Tensor | None:
         """The entry ``key`` if a CPU ``torch.Generator`` takes it as its state (the monitor's private

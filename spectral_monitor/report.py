@@ -1,8 +1,9 @@
 """``spectral-monitor report``: a summary of a finished run read from its TensorBoard event files alone.
 
 Neither torch nor Lightning nor any training code is imported: the scalars the monitor wrote
-(``family/metric/layer[/head_h]``) and its alert counters and tables are read back with TensorBoard's
-``EventAccumulator``, and judged against :mod:`spectral_monitor.catalog`. Per run: a verdict per diagnosis
+(``family/metric/layer[/head_h]``) and its alert counters and tables are read back as TensorBoard's loader
+reads them, and past any damage to the files, each cut named (:mod:`spectral_monitor.eventfiles`), and
+judged against :mod:`spectral_monitor.catalog`. Per run: a verdict per diagnosis
 (healthy / watch / collapsed, with the layer and the reading that decided it), a per-layer table of the key
 metrics (latest, min, trend), the alerts with their steps, PNG plots (each metric by layer over steps; a
 layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
