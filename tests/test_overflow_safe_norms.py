@@ -1,7 +1,8 @@
 """Weights whose entries are finite float32 near 1e19 have finite norms: sums of squares of them overflow
 float32 (‖W‖_F² ≈ 1e38 · N · M), so the probe scales each copy by a power of two first, exactly. Checked
 against float64 on the Krylov path (48 × 40), the exact small path (8 × 8) and an attention module's q, k, v
-and ‖W_Q^hᵀ W_K^h‖₂; and through the plain loop, with ``stop_on=["non_finite"]``: no false alert."""
+and ‖W_Q^hᵀ W_K^h‖₂; through the plain loop, with ``stop_on=["non_finite"]``: no false alert; and the token
+metrics of residual-stream states that large."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from spectral_monitor import Monitor
 from spectral_monitor.alerts import AlertEvent
+from spectral_monitor.metrics import token_metrics
 from spectral_monitor.probes import WeightProbe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,3 +82,12 @@ def test_the_plain_loop_raises_no_non_finite_alert_on_huge_finite_weights(tmp_pa
         monitor.close()
     assert seen == [] and not monitor.should_stop
     assert [str(w.message) for w in record if "SpectralMonitor" in str(w.message)] == []
+
+
+def test_token_metrics_of_states_near_1e19_are_those_of_the_same_states_unscaled() -> None:
+    states = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(0))
+    ordinary = token_metrics(states)
+    huge = token_metrics(states * 2.0**63)  # largest entry ≈ 2.6e19: ‖X‖_F² overflows float32 unscaled
+    assert not torch.linalg.vector_norm(states * 2.0**63).square().isfinite()
+    for name, values in ordinary.items():
+        assert torch.equal(huge[name], values), name  # a power of two scales exactly: bit for bit

@@ -87,7 +87,7 @@ from spectral_monitor.linalg.operators import (
     default_generator,
     working_dtype,
 )
-from spectral_monitor.metrics._common import stable_rank
+from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
 from spectral_monitor.probes.attention import ROOT_LAYER_NAME
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
@@ -109,7 +109,6 @@ _EXACT_MAX_SIZE = 32
 # Bounds the float32 copies held at once (a 7B model's q, k, v and o of all layers would be 8 GiB); a single
 # weight larger than this is measured alone.
 _MAX_BATCH_BYTES = 256 * 2**20
-_LARGEST_SCALE_EXPONENT = 120  # 2^±120 is a normal float32: scaling by it is exact
 _CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
 _PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
 _HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
@@ -783,19 +782,13 @@ def _estimates_of(
 
 def _scaled_copy(matrices: list[Tensor]) -> tuple[Tensor, Tensor]:
     """:func:`_stacked_copy` of ``matrices``, each divided by the power of two that brings its largest entry
-    into [0.5, 1) (within 2^±120), and those powers as float64 (batch,).
-
-    Sums of squares of a finite float32 weight overflow from entries near 1e19 (‖W‖_F, the Gram matrices of
-    σ₁): scaled, they cannot. A division by a power of two is exact, so every norm is bit for bit what the
-    unscaled copy gives wherever that one does not overflow or underflow. A non-finite matrix stays as it is.
-    """
+    into [0.5, 1) (:func:`~spectral_monitor.metrics._common.power_of_two_exponents`: exact, and no sum of
+    squares of a finite float32 weight overflows), and those powers as float64 (batch,). A non-finite matrix
+    stays as it is."""
     stacked = _stacked_copy(matrices)
-    largest = stacked.abs().amax(dim=(1, 2))
-    _, exponent = torch.frexp(largest)
-    usable = largest.isfinite() & (largest > 0)
-    exponent = torch.where(usable, exponent.clamp(-_LARGEST_SCALE_EXPONENT, _LARGEST_SCALE_EXPONENT), 0)
-    stacked.mul_(torch.ldexp(torch.ones_like(largest), -exponent)[:, None, None])
-    return stacked, torch.ldexp(torch.ones_like(largest, dtype=torch.float64), exponent)
+    exponents = power_of_two_exponents(stacked)
+    stacked.mul_(powers_of_two(-exponents, stacked.dtype)[:, None, None])
+    return stacked, powers_of_two(exponents, torch.float64)
 
 
 def _stacked_copy(matrices: list[Tensor]) -> Tensor:
