@@ -590,31 +590,8 @@ def _exact_eigen_gap(matrices: Tensor, causal: bool) -> Tensor:
         return torch.full((batch,), float("nan"), dtype=matrices.dtype, device=matrices.device)
     if n == 1:
         return torch.ones(batch, dtype=matrices.dtype, device=matrices.device)
-    moduli = _eigenvalue_moduli(matrices).sort(dim=1, descending=True).values
+    moduli = torch.linalg.eigvals(matrices).abs().sort(dim=1, descending=True).values
     return 1 - moduli[:, 1].to(matrices.dtype)
-
-
-def _eigenvalue_moduli(matrices: Tensor) -> Tensor:
-    """|λ| of each matrix of a (B, n, n) batch; NaN for a matrix LAPACK cannot decompose.
-
-    LAPACK's ``geev`` can fail to converge on a defective matrix: a rank-one attention sink head in float64
-    fails on some CPUs and not on others. Then each matrix is tried alone, in its own precision and in the
-    other one, before its moduli are NaN (not measurable) rather than failing the whole batch.
-    """
-    try:
-        return torch.linalg.eigvals(matrices).abs()
-    except torch.linalg.LinAlgError:
-        return torch.stack([_eigenvalue_moduli_of(matrix) for matrix in matrices])
-
-
-def _eigenvalue_moduli_of(matrix: Tensor) -> Tensor:
-    other = torch.float32 if matrix.dtype == torch.float64 else torch.float64
-    for dtype in (matrix.dtype, other):
-        try:
-            return torch.linalg.eigvals(matrix.to(dtype)).abs().to(matrix.dtype)
-        except torch.linalg.LinAlgError:
-            continue
-    return torch.full(matrix.shape[:1], math.nan, dtype=matrix.dtype, device=matrix.device)
 
 
 def krylov_spectral_metrics(
