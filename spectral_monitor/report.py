@@ -25,7 +25,6 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from spectral_monitor.catalog import CATALOG, DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
-from spectral_monitor.eventfiles import read_event_file
 
 __all__ = [
     "KEY_METRICS",
@@ -77,6 +76,8 @@ class RunScalars:
     def load(cls, path: Path) -> RunScalars:
         """The run whose event files are in the directory ``path``, read in TensorBoard's order (by file
         name) and past any damage (:mod:`spectral_monitor.eventfiles`), each cut listed in ``cuts``."""
+        from spectral_monitor.eventfiles import read_event_file  # protobuf: imported where used
+
         run = cls(path)
         series: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
         for file in sorted(entry for entry in path.iterdir() if "tfevents" in entry.name and entry.is_file()):
