@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import inspect
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from importlib import metadata, resources
 from pathlib import Path
-from typing import TextIO
+from typing import Any, NoReturn, TextIO
 
 import yaml
 
@@ -121,7 +123,25 @@ def _run_report(arguments: argparse.Namespace) -> int:
     except ReportError as error:
         print(f"spectral-monitor report: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        print(f"spectral-monitor report: error: {_file_error(error, arguments.out)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _file_error(error: OSError, out: Path | None) -> str:
+    """What a failed read or write of ``report`` means to its user, and what to do about it."""
+    where = f"{error.filename}: " if error.filename else ""
+    advice = {
+        errno.EROFS: "pass --out a folder you can write to",
+        errno.EACCES: "pass --out a folder you can write to",
+        errno.EPERM: "pass --out a folder you can write to",
+        errno.EEXIST: "--out names the folder the report goes into, not a file",
+        errno.ENOTDIR: "--out names the folder the report goes into, not a file",
+        errno.ENOSPC: "free some space, or pass --out a folder on another disk",
+    }.get(error.errno, "check the path and try again")
+    target = "LOGDIR/report" if out is None else f"--out {out}"
+    return f"could not write the report ({target}): {where}{error.strerror or error}; {advice}."
 
 
 def _run_demo(arguments: argparse.Namespace) -> int:
@@ -149,15 +169,19 @@ def _run_demo(arguments: argparse.Namespace) -> int:
 
     with _demo_console():
         # Subclass mode takes `model:` / `data:` as init arguments or as class_path + init_args.
-        cli = LightningCLI(
-            DemoTransformer,
-            SyntheticDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=cli_arguments,
-            run=False,
-            parser_kwargs={"prog": "spectral-monitor demo"},
-        )
+        try:
+            cli = LightningCLI(
+                DemoTransformer,
+                SyntheticDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=cli_arguments,
+                run=False,
+                parser_kwargs={"prog": "spectral-monitor demo"},
+            )
+        except (ValueError, TypeError) as error:  # a class of the config refused its arguments
+            print(f"spectral-monitor demo: error: {config}: {_first_cause(error)}", file=sys.stderr)
+            return 2
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
 
     run = cli.trainer.logger.log_dir
@@ -287,12 +311,11 @@ def _run_sweep(arguments: argparse.Namespace) -> int:
             )
         source = str(arguments.checkpoint)
     else:
-        with open(arguments.config) as file:
-            config = yaml.safe_load(file)
-        model_config = config.get("model", {})
-        init_args = dict(model_config.get("init_args", model_config))
-        init_args["seq_len"] = longest
-        model = DemoTransformer(**init_args)
+        init_args = {**_model_arguments(arguments.config, DemoTransformer), "seq_len": longest}
+        try:
+            model = DemoTransformer(**init_args)
+        except (ValueError, TypeError) as error:
+            raise SystemExit(f"spectral-monitor sweep: error: {arguments.config}: model: {error}") from None
         source = f"{arguments.config.stem} at initialisation"
     result = rank_collapse_sweep(
         model, arguments.lengths, num_sequences=arguments.sequences, seed=arguments.seed
@@ -305,6 +328,44 @@ def _run_sweep(arguments: argparse.Namespace) -> int:
     print(table)
     print(f"\nTable and figure written to {arguments.out}/sweep.md and {arguments.out}/sweep.png")
     return 0
+
+
+def _first_cause(error: BaseException) -> str:
+    """The message of the exception that started ``error``'s chain, on one line: where a class of the config
+    refused an argument, naming it, under the layers of jsonargparse that re-raised it."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return " ".join(str(error).split())
+
+
+def _model_arguments(config: Path, model_class: type) -> dict[str, Any]:
+    """The ``model:`` arguments of the LightningCLI config ``config`` (init arguments, or class_path +
+    init_args), each an argument of ``model_class``; else SystemExit naming the key and what is allowed."""
+
+    def refuse(problem: str) -> NoReturn:
+        raise SystemExit(f"spectral-monitor sweep: error: {config}: {problem}")
+
+    try:
+        with open(config) as file:
+            loaded = yaml.safe_load(file)
+    except yaml.YAMLError as error:  # a syntax error, or a tag such as !!python/object that safe_load refuses
+        refuse(f"not a YAML file the sweep reads ({' '.join(str(error).split())})")
+    if not isinstance(loaded, dict):
+        refuse(f"must be a mapping with a model: entry (a LightningCLI config), got {type(loaded).__name__}")
+    model = loaded.get("model", {})
+    if not isinstance(model, dict):
+        refuse(f"model must be a mapping of {model_class.__name__}'s arguments, got {model!r}")
+    init_args = model.get("init_args", {key: value for key, value in model.items() if key != "class_path"})
+    if not isinstance(init_args, dict):
+        refuse(f"model.init_args must be a mapping of {model_class.__name__}'s arguments, got {init_args!r}")
+    allowed = [name for name in inspect.signature(model_class).parameters if name != "self"]
+    unknown = sorted(str(key) for key in init_args if key not in allowed)
+    if unknown:
+        refuse(
+            f"model.init_args: {', '.join(unknown)} not among the arguments of {model_class.__name__}, which "
+            f"are {', '.join(allowed)}"
+        )
+    return init_args
 
 
 def _config_file(config: str) -> Path:

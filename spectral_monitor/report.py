@@ -1,8 +1,9 @@
 """``spectral-monitor report``: a summary of a finished run read from its TensorBoard event files alone.
 
 Neither torch nor Lightning nor any training code is imported: the scalars the monitor wrote
-(``family/metric/layer[/head_h]``) and its alert counters and tables are read back with TensorBoard's
-``EventAccumulator`` and judged by :mod:`spectral_monitor.judging`, the same code the TensorBoard tab runs.
+(``family/metric/layer[/head_h]``) and its alert counters and tables are read back as TensorBoard's loader
+reads them, past any damage to the files, each cut named (:mod:`spectral_monitor.eventfiles`), and judged by
+:mod:`spectral_monitor.judging`, the same code the TensorBoard tab runs.
 Per run, the verdict first: one overall line (the worst verdict, its diagnosis and layers), then a verdict
 per diagnosis (healthy / watch / collapsed / not measured, with the layers and the reading that decided it),
 the alerts that fired with their steps and layers, and the per-layer details (latest, min, trend of the key
@@ -12,7 +13,9 @@ that have one; a layer × step heatmap of effective rank / n) and a Markdown sum
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +65,8 @@ MONITOR_FAMILIES = tuple(dict.fromkeys(info.family for info in CATALOG))
 LEVEL_COLOURS = {"collapsed": "tab:red", "watch": "tab:orange"}
 
 _PER_HEAD = re.compile(r"/head_\d+$")
+_UNSAFE_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]")
+_LONGEST_PLOT_NAME = 120
 _AGGREGATE = re.compile(r"_(min|max)$")
 _DPI = 100
 
@@ -72,37 +77,47 @@ class ReportError(ValueError):
 
 @dataclass
 class RunScalars:
-    """The per-layer scalars of one run: (family/metric) -> layer -> (steps, values); alerts text by step."""
+    """The per-layer scalars of one run: (family/metric) -> layer -> (steps, values); alerts text by step;
+    where its event files were cut (one line each)."""
 
     path: Path
     series: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     alert_tables: list[tuple[int, str]] = field(default_factory=list)
+    cuts: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> RunScalars:
-        # Imported where used, as matplotlib is where figures are drawn: together they took most of the time
-        # an import of this module took.
-        from tensorboard.backend.event_processing import event_accumulator
+        """The run whose event files are in the directory ``path``, read in TensorBoard's order (by file
+        name) and past any damage (:mod:`spectral_monitor.eventfiles`), each cut listed in ``cuts``."""
+        from spectral_monitor.eventfiles import read_event_file  # protobuf: imported where used
 
-        accumulator = event_accumulator.EventAccumulator(
-            str(path), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-        )
-        accumulator.Reload()
         run = cls(path)
-        tags = accumulator.Tags()
-        for tag in tags.get("scalars", []):
-            parts = tag.split("/", 2)
-            if len(parts) != 3 or parts[0] not in MONITOR_FAMILIES or _PER_HEAD.search(tag):
+        series: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+        for file in sorted(entry for entry in path.iterdir() if "tfevents" in entry.name and entry.is_file()):
+            try:
+                read = read_event_file(file)
+            except OSError as error:
+                run.cuts.append(f"{file.name}: could not be read ({error.strerror or error}); skipped")
                 continue
-            events = accumulator.Scalars(tag)
-            steps = np.array([event.step for event in events], dtype=np.int64)
-            values = np.array([event.value for event in events], dtype=np.float64)
-            run.series.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = (steps, values)
-        if ALERT_TEXT_TAG in tags.get("tensors", []):
-            run.alert_tables = [
-                (event.step, event.tensor_proto.string_val[0].decode())
-                for event in accumulator.Tensors(ALERT_TEXT_TAG)
-            ]
+            run.cuts += [f"{file.name}: {cut.describe()}" for cut in read.cuts]
+            for event in read.events:
+                for value in event.summary.value:
+                    parts = value.tag.split("/", 2)
+                    if value.tag == ALERT_TEXT_TAG and value.tensor.string_val:
+                        table = value.tensor.string_val[0].decode(errors="replace")
+                        run.alert_tables.append((event.step, table))
+                    elif value.HasField("simple_value") and _is_monitor_scalar(value.tag, parts):
+                        by_layer = series.setdefault(f"{parts[0]}/{parts[1]}", {})
+                        steps, values = by_layer.setdefault(parts[2], ([], []))
+                        steps.append(event.step)
+                        values.append(value.simple_value)
+        run.series = {
+            metric: {
+                layer: (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
+                for layer, (steps, values) in by_layer.items()
+            }
+            for metric, by_layer in series.items()
+        }
         return run
 
     def alert_steps(self) -> dict[str, list[tuple[int, int]]]:
@@ -131,17 +146,34 @@ class TableRow:
         return self.latest - self.first
 
 
+def _is_monitor_scalar(tag: str, parts: list[str]) -> bool:
+    """Whether ``tag`` (split in ``parts``) is a per-layer scalar the monitor writes: family/metric/layer."""
+    return len(parts) == 3 and parts[0] in MONITOR_FAMILIES and not _PER_HEAD.search(tag)
+
+
 def find_runs(logdir: Path) -> list[Path]:
-    """The directories under ``logdir`` (itself included) that hold TensorBoard event files."""
+    """The directories under ``logdir`` (itself included) that hold TensorBoard event files, symbolic links
+    to directories followed (a link back into the tree is read once)."""
     logdir = Path(logdir)
     if not logdir.exists():
         raise ReportError(f"LOGDIR {logdir} does not exist")
     if not logdir.is_dir():
         raise ReportError(f"LOGDIR {logdir} is not a directory")
-    runs = sorted({path.parent for path in logdir.rglob("events.out.tfevents*") if path.is_file()})
+    runs, seen = [], set()
+    for folder, subfolders, files in os.walk(logdir, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        if any(
+            name.startswith("events.out.tfevents") and os.path.isfile(os.path.join(folder, name))
+            for name in files
+        ):
+            runs.append(Path(folder))
     if not runs:
         raise ReportError(f"no TensorBoard event files (events.out.tfevents*) under {logdir}")
-    return runs
+    return sorted(runs)
 
 
 def layer_table(run: RunScalars) -> list[TableRow]:
@@ -191,6 +223,8 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
         print(f"\n== {path}")
         print(overall_line(judged))
         print()
+        for cut in run.cuts:
+            print(f"damaged event file, {cut}")
         print(_text_verdicts(judged))
         print()
         print(_text_alerts(alerts, fired))
@@ -336,9 +370,7 @@ def _write_plots(run: RunScalars, folder: Path) -> list[Path]:
     for metric, by_layer in sorted(run.series.items()):
         if _AGGREGATE.search(metric):
             continue
-        plots.append(
-            _save(_metric_by_layer(metric, by_layer), plots_folder / f"{metric.replace('/', '__')}.png")
-        )
+        plots.append(_save(_metric_by_layer(metric, by_layer), plots_folder / _plot_file_name(metric)))
     return plots
 
 
@@ -407,6 +439,15 @@ def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.nd
     axes.set_title(f"{metric} (layer × step)")
     figure.colorbar(image, ax=axes)
     return figure
+
+
+def _plot_file_name(metric: str) -> str:
+    """``family__metric.png``: characters a file name cannot hold replaced, and a name too long for a file
+    system (255 bytes) cut, with a hash of the whole name so that two cut names stay apart."""
+    name = _UNSAFE_IN_FILE_NAMES.sub("_", metric.replace("/", "__"))
+    if len(name) > _LONGEST_PLOT_NAME:
+        name = f"{name[:_LONGEST_PLOT_NAME]}-{hashlib.sha1(metric.encode()).hexdigest()[:8]}"
+    return f"{name}.png"
 
 
 def _save(figure: Figure, path: Path) -> Path:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from spectral_monitor.alerts.rules import MEDIAN_WINDOW, Rule
+from spectral_monitor.checkpoint_entries import StateEntries, checked_integer, checked_number
 from spectral_monitor.records import Measurement
 
 __all__ = ["HISTORY_LIMIT", "AlertEngine", "AlertEvent", "Reading"]
@@ -121,6 +122,47 @@ class _Subject:
     since: int = -1
     open: bool = False
     held: list[int] = field(default_factory=list)  # conditions (indices) that held when the alert fired
+
+
+def _checked_subjects(value: Any) -> dict[tuple[str, str, int | None], _Subject]:
+    """The rules' streaks from a checkpoint: ``[rule, layer, head, {streak, since, open, held}]`` each."""
+    subjects = {}
+    for rule, layer, head, subject in value:
+        if not (isinstance(rule, str) and isinstance(layer, str)):
+            raise TypeError(f"rule {rule!r} and layer {layer!r} are not both str")
+        checked_integer(head, smallest=0, optional=True)
+        subject = _Subject(**subject)
+        checked_integer(subject.streak, smallest=0)
+        checked_integer(subject.since, smallest=-1)
+        if not isinstance(subject.open, bool) or not isinstance(subject.held, list):
+            raise TypeError(f"open {subject.open!r} is not a bool or held {subject.held!r} not a list")
+        for condition in subject.held:
+            checked_integer(condition, smallest=0)
+        subjects[(rule, layer, head)] = subject
+    return subjects
+
+
+def _checked_readings(value: Any) -> list[float]:
+    if not isinstance(value, list):
+        raise TypeError(f"a {type(value).__name__}, not a list")
+    return [checked_number(reading) for reading in value]
+
+
+def _checked_history(value: Any) -> list[AlertEvent]:
+    """The alerts of a checkpoint's history, each with its step an int and its texts str."""
+    if not isinstance(value, list):
+        raise TypeError(f"a {type(value).__name__}, not a list")
+    events = [AlertEvent.from_dict(event) for event in value]
+    for event in events:
+        checked_integer(event.step, smallest=0)
+        checked_integer(event.since, smallest=-1)
+        checked_integer(event.head, smallest=0, optional=True)
+        texts = (event.rule, event.kind, event.layer, event.severity, event.metric, event.op, event.remedy)
+        if not all(isinstance(text, str) for text in texts):
+            raise TypeError(f"an alert's rule, kind, layer or texts are not all str: {event!r}")
+        if not all(isinstance(number, (int, float)) for number in (event.value, event.level)):
+            raise TypeError(f"an alert's value and level are not numbers: {event!r}")
+    return events
 
 
 @dataclass
@@ -234,15 +276,21 @@ class AlertEngine:
             "history": [asdict(event) for event in self.history],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._subjects = {
-            (rule, layer, head): _Subject(**subject)
-            for rule, layer, head, subject in state.get("subjects", [])
-        }
-        self._first = dict(state.get("first", {}))
-        self._recent = {tag: list(values) for tag, values in state.get("recent", {}).items()}
-        self.fired = {rule.name: 0 for rule in self.rules} | dict(state.get("fired", {}))
-        self.history = [AlertEvent.from_dict(event) for event in state.get("history", [])]
+    def load_state_dict(self, state: Mapping[str, Any] | StateEntries) -> list[str]:
+        """Restore :meth:`state_dict`'s output, entry by entry: an entry of the wrong type, or a non-finite
+        reading, is dropped and that part starts as in a new run.
+
+        Returns:
+            The entries dropped, each named with why (the session warns of them).
+        """
+        entries = state if isinstance(state, StateEntries) else StateEntries(state)
+        self._subjects = entries.read("subjects", {}, _checked_subjects)
+        self._first = entries.numbers("first")
+        self._recent = entries.by_name("recent", _checked_readings)
+        fired = entries.by_name("fired", lambda count: checked_integer(count, smallest=0))
+        self.fired = {rule.name: 0 for rule in self.rules} | fired
+        self.history = entries.read("history", [], _checked_history)
+        return entries.dropped
 
     def _advance(
         self,

@@ -47,6 +47,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from spectral_monitor.checkpoint_entries import StateEntries, checked_tensor
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.distributed import global_rank
 from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
@@ -296,6 +297,28 @@ def _batch_size(batch: Any) -> int:
     return min(sizes)
 
 
+def _checked_list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"a {type(value).__name__}, not a list")
+    return value
+
+
+def _checked_curvature_warm(entry: Any) -> dict[str, Any]:
+    """A layer's curvature warm start from a checkpoint: the layout of its parameters and finite vectors."""
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"a {type(entry).__name__}, not a mapping")
+    layout = [(name, tuple(shape)) for name, shape in entry["layout"]]
+    sizes = [size for _, shape in layout for size in shape]
+    if not all(isinstance(name, str) for name, _ in layout) or not all(isinstance(n, int) for n in sizes):
+        raise TypeError("its layout is not a list of (parameter name, shape)")
+    vectors = {
+        f.name: checked_tensor(entry[f.name])
+        for f in fields(CurvatureWarmStart)
+        if entry.get(f.name) is not None
+    }
+    return {"layout": layout, **vectors}
+
+
 def _on_device(batch: Any, device: torch.device) -> Any:
     return apply_to_collection(batch, Tensor, lambda tensor: tensor.to(device))
 
@@ -437,33 +460,55 @@ class SecondOrderProbes:
             }
         return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; a key it lacks (a checkpoint of an earlier version) leaves
-        that part as a new run starts it.
+    def load_state_dict(self, state_dict: Mapping[str, Any] | StateEntries) -> list[str]:
+        """Restore :meth:`state_dict`'s output, entry by entry (:meth:`usable_state`); a key it lacks (a
+        checkpoint of an earlier version) leaves that part as a new run starts it.
 
         The probe batches go to the model's device (Lightning's ``torch.load`` puts a checkpoint's tensors on
         the CPU), as many as ``probe_data`` uses. Under DDP the checkpoint holds global rank 0's state, so
         another rank takes its own probe batch at its first event rather than rank 0's shard. Curvature
         vectors are used only where the parameters are laid out (names and shapes) as when they were made.
+
+        Returns:
+            The entries dropped, each named with why (the session warns of them).
         """
-        self._last_step = state_dict.get("last_step", self._last_step)
-        self._step_seconds = state_dict.get("step_seconds", self._step_seconds)
-        if "generator" in state_dict:
-            self._generator.set_state(state_dict["generator"])
-        if state_dict.get("rank", 0) == global_rank():
+        entries = state_dict if isinstance(state_dict, StateEntries) else StateEntries(state_dict)
+        state = self.usable_state(entries)
+        self._last_step = state.get("last_step", self._last_step)
+        self._step_seconds = state.get("step_seconds", self._step_seconds)
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
+        if state.get("rank", 0) == global_rank():
             used = {"fixed": 1, "averaged": self.data.probe_batches, "current": 0}[self.data.probe_batch]
-            restored = state_dict.get("probe_batches", [])[:used]
-            self._batches = [_on_device(batch, self._device) for batch in restored]
-        self._jacobian_warm = dict(state_dict.get("jacobian_warm", {}))
-        warm = state_dict.get("curvature_warm", {})
+            self._batches = [_on_device(batch, self._device) for batch in state["probe_batches"][:used]]
+        self._jacobian_warm = state["jacobian_warm"]
+        warm = state["curvature_warm"]
         self._curvature_warm = {
             layer: CurvatureWarmStart(**{f.name: entry.get(f.name) for f in fields(CurvatureWarmStart)})
             for layer, entry in warm.items()
         }
-        self._space_layouts = {
-            layer: [(name, tuple(shape)) for name, shape in entry["layout"]] for layer, entry in warm.items()
-        }
+        self._space_layouts = {layer: entry["layout"] for layer, entry in warm.items()}
         self._spaces = None  # built at the first event, from the model as it is then
+        return entries.dropped
+
+    @staticmethod
+    def usable_state(entries: StateEntries) -> dict[str, Any]:
+        """The entries of a checkpoint's state that :meth:`load_state_dict` can use, checked one by one
+        (types, shapes, finite values); the others are dropped, named in ``entries.dropped``."""
+        state: dict[str, Any] = {
+            "probe_batches": entries.read("probe_batches", [], _checked_list),
+            "jacobian_warm": entries.unit_vectors("jacobian_warm", ndim=2),
+            "curvature_warm": entries.by_name("curvature_warm", _checked_curvature_warm),
+        }
+        if "last_step" in entries:
+            state["last_step"] = entries.integer("last_step", None, smallest=-1, optional=True)
+        if "step_seconds" in entries:
+            state["step_seconds"] = entries.number("step_seconds", None, optional=True)
+        generator = entries.generator_state("generator")
+        if generator is not None:
+            state["generator"] = generator
+        state["rank"] = entries.integer("rank", 0, smallest=0)
+        return state
 
     def _cadence(self, family: str) -> Cadence:
         """``"linear"``: (step + 1) % every_n_steps == 0, and step 0; ``"log"``: also the steps with step + 1

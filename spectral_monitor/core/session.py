@@ -35,7 +35,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +46,12 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from spectral_monitor.catalog import CATALOG, histogram_metrics, layer_head_heatmap_metrics
+from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.core.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
 from spectral_monitor.core.options import MonitorOptions
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES, LossFn, SecondOrderProbes
-from spectral_monitor.distributed import full_parameters
+from spectral_monitor.distributed import full_parameters, global_rank
 from spectral_monitor.metrics import (
     ATTENTION_LOGIT_METRICS,
     ATTENTION_METRICS,
@@ -278,7 +279,7 @@ class MonitorSession:
             )
         for key, part in self._stateful_parts().items():
             if part is not None and key in self._parked_states:
-                part.load_state_dict(self._parked_states.pop(key))
+                part.load_state_dict(self._parked_states.pop(key))  # checked when loaded
 
     def begin_step(self, step: int, batch: Any, *, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Before the training forward of ``step`` on ``batch``: whether it is a logging step.
@@ -457,24 +458,30 @@ class MonitorSession:
             "previous_max_logit": dict(self._previous_max_logit),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; a key it lacks leaves that part as a new run starts it."""
-        self._last_logged_step = state_dict.get("last_logged_step", -1)
-        self._logging_steps_done = state_dict.get("logging_steps_done", 0)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a key it lacks leaves that part as a new run starts it.
+
+        Each entry is checked before it is used (:mod:`spectral_monitor.checkpoint_entries`): one of the wrong
+        type, shape or dtype, or holding NaN or inf, is dropped and that part starts cold, with one warning
+        naming every entry dropped. A checkpoint never stops the resume, and never raises an alert.
+        """
+        entries = StateEntries(state_dict)
+        self._last_logged_step = entries.integer("last_logged_step", -1, smallest=-1)
+        self._logging_steps_done = entries.integer("logging_steps_done", 0, smallest=0)
         self._krylov_states = {
-            layer: KrylovState(vectors.detach().clone())
-            for layer, vectors in state_dict.get("attention_krylov_vectors", {}).items()
+            layer: KrylovState(vectors)
+            for layer, vectors in entries.unit_vectors("attention_krylov_vectors", ndim=3).items()
         }
-        self.alerting.engine.load_state_dict(state_dict.get("alerts", {}))
-        self._previous_max_logit = dict(state_dict.get("previous_max_logit", {}))
+        self.alerting.engine.load_state_dict(entries.nested("alerts"))
+        self._previous_max_logit = entries.numbers("previous_max_logit")
         for key, part in self._stateful_parts().items():
-            state = state_dict.get(key)
-            if state is None:
+            if key not in entries or state_dict[key] is None:
                 continue
-            if part is None:
-                self._parked_states[key] = state  # loaded when start makes the part
+            if part is None:  # loaded when start makes the part
+                self._parked_states[key] = _PART_TYPES[key].usable_state(entries.nested(key))
             else:
-                part.load_state_dict(state)
+                part.load_state_dict(entries.nested(key))
+        _warn_of_dropped_entries(entries.dropped)
 
     def _stateful_parts(self) -> dict[str, WeightProbe | SecondOrderProbes | None]:
         """The parts with checkpoint state of their own, by their key in :meth:`state_dict`."""
@@ -588,7 +595,8 @@ class MonitorSession:
                     f"SpectralMonitor preflight ({finding.check}, {finding.where}): {finding.message}."
                 )
         for sink in self._sinks:
-            with self._reports.failures_of(f"writing the preflight to {type(sink).__name__}"):
+            # One kind with the steps' writes: an unwritable run directory is one problem, reported once.
+            with self._reports.failures_of(f"writing to {type(sink).__name__}"):
                 sink.write_text("preflight", preflight_markdown(findings), step)
 
     def _attention_of_layers(
@@ -1247,6 +1255,22 @@ def _kept_by(sinks: Sequence[Sink], capability: Capability) -> bool:
 
 def _no_stop() -> None:
     return None
+
+
+_PART_TYPES = {"weight_probe": WeightProbe, "second_order": SecondOrderProbes}
+"""The type of each stateful part (:meth:`MonitorSession._stateful_parts`), whose ``usable_state`` checks
+its checkpoint state while the part does not exist yet."""
+
+
+def _warn_of_dropped_entries(dropped: list[str]) -> None:
+    """One warning, on global rank 0, naming every entry of a checkpoint that was dropped."""
+    if dropped and global_rank() == 0:
+        warnings.warn(
+            "SpectralMonitor: the checkpoint's monitor state holds entries it cannot use; they were dropped "
+            f"and those parts start cold, as in a new run: {'; '.join(dropped)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _concatenated(masks: list[Tensor | None]) -> Tensor | None:

@@ -22,6 +22,7 @@ recorded, the alerts judged, the records written). Nothing here imports a traini
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,6 +39,8 @@ from spectral_monitor.validation import check_bool, check_callable, check_int
 
 __all__ = ["Monitor"]
 
+_LARGEST_STEP = 2**63 - 1
+"""The largest step a TensorBoard event can store (``Event.step`` is a protobuf int64)."""
 _OPTION_NAMES = tuple(name for name in MonitorOptions.__dataclass_fields__ if name != "every_n_steps")
 
 
@@ -124,6 +127,8 @@ class Monitor:
         self._in_step = False
         self._previous_step: int | None = None
         self._stopping = False
+        self._thread: int | None = None
+        self._thread_lock = threading.Lock()
 
     @property
     def should_stop(self) -> bool:
@@ -138,13 +143,15 @@ class Monitor:
         Args:
             step: the loop's own step, on the axis of its other TensorBoard scalars (a
                 ``SummaryWriter.add_scalar(..., global_step=step)`` of the same batch lands beside the
-                monitor's); an int >= 0, never smaller than the step before. A step repeated is a further
+                monitor's); an int in [0, 2⁶³ − 1] (what an event file stores), never smaller than the step
+                before. A step repeated is a further
                 micro-batch of one optimizer step (gradient accumulation), measured once, at its first.
             batch: the batch the forward takes. The ``token_mask`` option reads it; the second-order probes
                 compute their loss on it (``loss_fn(model, batch)``) and need it. Else it may be left out.
 
         Raises:
-            RuntimeError: if the monitor is closed or a ``step`` block is already open.
+            RuntimeError: if the monitor is closed, a ``step`` block is already open, or the call comes
+                from a thread other than the one of the first ``step``.
             ValueError: if ``step`` is not an int >= 0 or goes back, or ``batch`` is missing where the
                 second-order probes need it.
         """
@@ -205,7 +212,15 @@ class Monitor:
             raise RuntimeError("Monitor.step was called after Monitor.close")
         if self._in_step:
             raise RuntimeError("Monitor.step blocks cannot nest: a step block is already open")
-        check_int("step", step, smallest=0)
+        check_int("step", step, smallest=0, largest=_LARGEST_STEP)
+        with self._thread_lock:
+            self._thread = threading.get_ident() if self._thread is None else self._thread
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "Monitor.step was called from a thread other than the one that first called it: a Monitor "
+                "arms hooks on the model around each step, and two threads would interleave them; use one "
+                "Monitor per thread, each on its own model"
+            )
         if self._previous_step is not None and step < self._previous_step:
             raise ValueError(
                 f"step must not go back: got {step} after {self._previous_step} (repeat a step for the "

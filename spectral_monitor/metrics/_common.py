@@ -10,6 +10,9 @@ ENERGY_LEVEL = 0.99
 """Threshold rank keeps this fraction of the squared Frobenius norm (the threshold rank's definition)."""
 
 
+_LARGEST_SCALE_EXPONENT = 120
+
+
 def check_matrices(value: object, name: str) -> Tensor:
     if not isinstance(value, Tensor):
         raise ValueError(
@@ -52,6 +55,25 @@ def flat_mask(
             f"{name} of shape {tuple(mask.shape)} does not broadcast to {(*batch_shape, size)}"
         ) from error
     return full.reshape(-1, size)
+
+
+def power_of_two_exponents(matrices: Tensor) -> Tensor:
+    """(B,) int exponents e with each matrix of a (B, n, m) batch times 2⁻ᵉ having its largest entry in
+    [0.5, 1), within 2^±120 (a normal float32); 0 for a zero or non-finite matrix.
+
+    Sums of squares of finite float32 entries near 1e19 overflow (‖X‖_F, Gram matrices); of the scaled
+    matrix they cannot. A power of two multiplies exactly, so a norm scaled back, or a scale-invariant ratio,
+    is bit for bit what the unscaled matrix gives wherever that does not overflow or underflow.
+    """
+    largest = matrices.abs().amax(dim=(1, 2))
+    _, exponent = torch.frexp(largest)
+    usable = largest.isfinite() & (largest > 0)
+    return torch.where(usable, exponent.clamp(-_LARGEST_SCALE_EXPONENT, _LARGEST_SCALE_EXPONENT), 0)
+
+
+def powers_of_two(exponents: Tensor, dtype: torch.dtype) -> Tensor:
+    """2^``exponents`` in ``dtype``, exactly."""
+    return torch.ldexp(torch.ones(exponents.shape, dtype=dtype, device=exponents.device), exponents)
 
 
 def working_dtype_of(tensor: Tensor) -> torch.dtype:

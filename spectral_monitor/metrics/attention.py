@@ -671,6 +671,18 @@ def krylov_spectral_metrics(
         criterion="eigenvalue",
         relative_to="each",
     )
+    if warm is not None and not bool(top.values[frobenius_squared.isfinite()].isfinite().all()):
+        # A warm start that gave NaN where the matrices are finite is retried cold, before anything reads it.
+        top = top_singular(
+            operator,
+            2,
+            block_size=SINGULAR_BLOCK,
+            tol=SINGULAR_TOL,
+            generator=singular_draws,
+            return_vectors="right",
+            criterion="eigenvalue",
+            relative_to="each",
+        )
     if state is not None:
         state.vectors = top.right
     sigma = top.values

@@ -10,6 +10,8 @@ from spectral_monitor.metrics._common import (
     check_matrices,
     effective_rank_from_singular_values,
     flat_mask,
+    power_of_two_exponents,
+    powers_of_two,
     stable_rank,
     working_dtype_of,
 )
@@ -32,6 +34,9 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     states = x.reshape(-1, n, d).to(working_dtype_of(x))
     nonfinite = ~torch.isfinite(states).all(dim=2).all(dim=1)
     states = torch.where(nonfinite[:, None, None], torch.zeros_like(states), states) * mask[:, :, None]
+    # Every metric here is scale-invariant: scaled by a power of two (exact), finite states near 1e19 cannot
+    # overflow the sums of squares.
+    states = states * powers_of_two(-power_of_two_exponents(states), states.dtype)[:, None, None]
     count = mask.sum(dim=1).to(states.dtype)
 
     norms = states.norm(dim=2, keepdim=True)

@@ -86,6 +86,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
+from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.linalg import lanczos_eigsh
 from spectral_monitor.linalg.operators import (
     DenseOperator,
@@ -94,7 +95,7 @@ from spectral_monitor.linalg.operators import (
     default_generator,
     working_dtype,
 )
-from spectral_monitor.metrics._common import stable_rank
+from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
 from spectral_monitor.probes.attention import ROOT_LAYER_NAME
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
@@ -476,24 +477,33 @@ class WeightProbe:
             "generator": self._generator.get_state(),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output.
+    def load_state_dict(self, state_dict: Mapping[str, Any] | StateEntries) -> list[str]:
+        """Restore :meth:`state_dict`'s output, entry by entry (:meth:`usable_state`).
 
         Weights without an entry start cold; entries for absent weights, and vectors whose length no longer
         fits their weight, are dropped at the next :meth:`measure`.
+
+        Returns:
+            The entries dropped, each named with why (the session warns of them).
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        vectors = state_dict.get("right_vectors", {})
-        if not isinstance(vectors, Mapping) or not all(
-            isinstance(key, str) and isinstance(vector, Tensor) and vector.ndim == 2
-            for key, vector in vectors.items()
-        ):
-            raise ValueError("state_dict['right_vectors'] must map layer names to (n, r) tensors")
-        self._warm_vectors = {key: vector.detach().clone() for key, vector in vectors.items()}
-        if "generator" in state_dict:
-            self._generator.set_state(state_dict["generator"])
+        entries = state_dict if isinstance(state_dict, StateEntries) else StateEntries(state_dict)
+        state = self.usable_state(entries)
+        self._warm_vectors = state["right_vectors"]
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
         self._latest_histograms = None
+        return entries.dropped
+
+    @staticmethod
+    def usable_state(entries: StateEntries) -> dict[str, Any]:
+        """The entries of a checkpoint's state that :meth:`load_state_dict` can use: warm vectors that are
+        2-D tensors of finite floats with unit columns, and a generator state a CPU generator takes. The
+        others are dropped, named in ``entries.dropped``."""
+        state: dict[str, Any] = {"right_vectors": entries.unit_vectors("right_vectors", ndim=2)}
+        generator = entries.generator_state("generator")
+        if generator is not None:
+            state["generator"] = generator
+        return state
 
     # ----------------------------------------------------------------------------------------------------
     # Finding the weights
@@ -634,12 +644,10 @@ class WeightProbe:
                         per_head.setdefault((metric, target.layer), []).append(value)
             if isinstance(item, _AttentionSite):
                 weights = item.weights
-                norms = query_key_spectral_norms(
-                    _working_copy(weights.query),
-                    _working_copy(weights.key),
-                    weights.num_heads,
-                    weights.key_value_heads,
-                ).tolist()
+                (query,), query_scale = _scaled_copy([weights.query])
+                (key,), key_scale = _scaled_copy([weights.key])
+                norms = query_key_spectral_norms(query, key, weights.num_heads, weights.key_value_heads)
+                norms = (norms.double() * query_scale * key_scale).tolist()
                 if self.per_head:
                     measurements.extend(
                         Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm", item.layer, value, head=h)
@@ -677,20 +685,21 @@ class WeightProbe:
         """
         estimates: dict[str, _Estimate] = {}
         vectors: dict[str, Tensor] = {}
-        waiting: list[tuple[list[_Target], Tensor, Tensor]] = []  # (targets, their copies, ‖·‖_F)
+        # (targets, their scaled copies, ‖·‖_F of those, the scales)
+        waiting: list[tuple[list[_Target], Tensor, Tensor, Tensor]] = []
         waiting_bytes = 0
         for group in _batches(targets):
-            matrices = _stacked_copy([target.matrix for target in group])
+            matrices, scale = _scaled_copy([target.matrix for target in group])
             frobenius = torch.linalg.matrix_norm(matrices)
             if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
                 sigma = _largest_singular_values(matrices)
-                estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma)))
+                estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma), scale))
                 continue
             size = matrices.numel() * matrices.element_size()
             if waiting and waiting_bytes + size > _MAX_BATCH_BYTES:
                 estimates.update(self._solve(waiting, vectors))
                 waiting, waiting_bytes = [], 0
-            waiting.append((group, matrices, frobenius))
+            waiting.append((group, matrices, frobenius, scale))
             waiting_bytes += size
         if waiting:
             estimates.update(self._solve(waiting, vectors))
@@ -698,51 +707,60 @@ class WeightProbe:
         return estimates
 
     def _solve(
-        self, waiting: list[tuple[list[_Target], Tensor, Tensor]], vectors: dict[str, Tensor]
+        self, waiting: list[tuple[list[_Target], Tensor, Tensor, Tensor]], vectors: dict[str, Tensor]
     ) -> dict[str, _Estimate]:
         """σ₁ of every finite matrix of ``waiting`` by one Lanczos run per Gram size and warmth; the new warm
         vectors go into ``vectors``. A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN,
         and it restarts cold."""
-        sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius in waiting]
-        residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius in waiting]
+        sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
+        residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
         runs: dict[tuple[int, bool], dict[int, list[int]]] = {}  # (size, warm) -> item -> its elements
-        for item, (group, matrices, _) in enumerate(waiting):
+        for item, (group, matrices, _, _) in enumerate(waiting):
             finite = _finite_matrices(matrices).tolist()
             size = min(matrices.shape[1:])
             for element, target in enumerate(group):
                 if finite[element]:
                     warm = self._fits(target.key, size)
                     runs.setdefault((size, warm), {}).setdefault(item, []).append(element)
-        for (_, warm), members in runs.items():
-            order = [(item, element) for item, elements in members.items() for element in elements]
-            operator = StackedOperator(
-                [
-                    GramOperator(DenseOperator(_rows(waiting[item][1], elements)))
-                    for item, elements in members.items()
-                ]
-            )
-            init = None
-            if warm:
-                init = torch.stack(
-                    [self._warm_vectors[waiting[item][0][element].key] for item, element in order]
+        # Warm runs first: an element whose warm start gave no finite σ₁ is retried cold, before anything is
+        # reported (a NaN here would read as a non-finite weight).
+        for warm_pass in (True, False):
+            for (size, warm), members in list(runs.items()):
+                if warm != warm_pass:
+                    continue
+                order = [(item, element) for item, elements in members.items() for element in elements]
+                operator = StackedOperator(
+                    [
+                        GramOperator(DenseOperator(_rows(waiting[item][1], elements)))
+                        for item, elements in members.items()
+                    ]
                 )
-                init = init.to(device=operator.device, dtype=operator.dtype)
-            result = lanczos_eigsh(
-                operator,
-                1,
-                tol=self.tol,
-                max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
-                init=init,
-                generator=self._generator,
-            )
-            values = result.values[:, 0].clamp_min(0).sqrt()
-            for position, (item, element) in enumerate(order):
-                sigma[item][element] = values[position]
-                residual[item][element] = result.info.residual[position, 0]
-                vectors[waiting[item][0][element].key] = result.vectors[position].clone()
+                init = None
+                if warm:
+                    init = torch.stack(
+                        [self._warm_vectors[waiting[item][0][element].key] for item, element in order]
+                    )
+                    init = init.to(device=operator.device, dtype=operator.dtype)
+                result = lanczos_eigsh(
+                    operator,
+                    1,
+                    tol=self.tol,
+                    max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
+                    init=init,
+                    generator=self._generator,
+                )
+                values = result.values[:, 0].clamp_min(0).sqrt()
+                usable = (values.isfinite() & result.vectors.isfinite().flatten(1).all(dim=1)).tolist()
+                for position, (item, element) in enumerate(order):
+                    if warm and not usable[position]:
+                        runs.setdefault((size, False), {}).setdefault(item, []).append(element)
+                        continue
+                    sigma[item][element] = values[position]
+                    residual[item][element] = result.info.residual[position, 0]
+                    vectors[waiting[item][0][element].key] = result.vectors[position].clone()
         estimates: dict[str, _Estimate] = {}
-        for item, (group, _, frobenius) in enumerate(waiting):
-            estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item]))
+        for item, (group, _, frobenius, scale) in enumerate(waiting):
+            estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item], scale))
         return estimates
 
     def _fits(self, key: str, size: int) -> bool:
@@ -942,14 +960,26 @@ def _rows(matrices: Tensor, elements: list[int]) -> Tensor:
 
 
 def _estimates_of(
-    targets: list[_Target], sigma: Tensor, frobenius: Tensor, residual: Tensor
+    targets: list[_Target], sigma: Tensor, frobenius: Tensor, residual: Tensor, scale: Tensor
 ) -> dict[str, _Estimate]:
-    columns = torch.stack([sigma, frobenius, stable_rank(frobenius.square(), sigma), residual], dim=1)
+    """The estimates of ``targets`` from σ₁ and ‖·‖_F of their copies scaled down by ``scale``: the norms
+    are scaled back in float64, the stable rank is a ratio of the scaled ones."""
+    ratio = stable_rank(frobenius.square(), sigma)
+    columns = torch.stack(
+        [sigma.double() * scale, frobenius.double() * scale, ratio.double(), residual.double()], dim=1
+    )
     return {target.key: _Estimate(*values) for target, values in zip(targets, columns.tolist(), strict=True)}
 
 
-def _working_copy(matrix: Tensor) -> Tensor:
-    return _stacked_copy([matrix])[0]
+def _scaled_copy(matrices: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`_stacked_copy` of ``matrices``, each divided by the power of two that brings its largest entry
+    into [0.5, 1) (:func:`~spectral_monitor.metrics._common.power_of_two_exponents`: exact, and no sum of
+    squares of a finite float32 weight overflows), and those powers as float64 (batch,). A non-finite matrix
+    stays as it is."""
+    stacked = _stacked_copy(matrices)
+    exponents = power_of_two_exponents(stacked)
+    stacked.mul_(powers_of_two(-exponents, stacked.dtype)[:, None, None])
+    return stacked, powers_of_two(exponents, torch.float64)
 
 
 def _stacked_copy(matrices: list[Tensor]) -> Tensor:

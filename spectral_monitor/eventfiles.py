@@ -1,0 +1,150 @@
+"""TensorBoard event files read as TensorBoard's loader reads them, and past the damage a killed run or a bad
+disk leaves, saying where each file was cut and why.
+
+An event file is a sequence of TFRecords: an 8-byte little-endian length, the masked CRC-32C of those 8
+bytes, the serialised ``Event``, and the masked CRC-32C of the event. TensorBoard's loader stops at the first
+record it cannot read, silently: every later step of that file is lost, and the last step before the damage
+looks like the run's latest. Here each damage is a :class:`Cut`, and reading goes on where the framing
+allows:
+
+- a record whose event fails its CRC (or does not parse) while its length passed its own CRC: the length is
+  trusted, that one record is skipped and reading goes on after it;
+- a length that fails its CRC, or points past the end of the file while more records could follow: the
+  length cannot be trusted, so reading resynchronises at the next offset where a whole record checks (a
+  length whose CRC matches, and an event of that length whose CRC matches too: two 32-bit checks, so a false
+  match is about one in 2⁶⁴ offsets), and says how many bytes it skipped;
+- a file that ends inside a record (a run killed while writing): nothing follows, reading stops there.
+
+Memory is bounded whatever a length field says: the file is read through ``mmap`` and a record is sliced
+out only once its end is known to lie inside the file. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+from tensorboard.compat.proto.event_pb2 import Event
+
+from spectral_monitor.checksum import masked_crc32c
+
+__all__ = ["Cut", "EventFile", "read_event_file"]
+
+_HEADER = 12  # length (8 bytes) and its masked CRC (4)
+_FOOTER = 4  # the event's masked CRC
+_LENGTH = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a file was damaged: at byte ``offset``, after ``after_step`` (the step of the last event read
+    before it; None when none was), ``why`` (``"truncated"``, ``"bad length CRC"``, ``"bad data CRC"``,
+    ``"oversized length"``, ``"unparseable event"``), and the byte reading resumed at (None: it could not)."""
+
+    offset: int
+    after_step: int | None
+    why: str
+    resumed_at: int | None
+
+    def describe(self) -> str:
+        """One line: where, why, and what was lost."""
+        after = "before any step" if self.after_step is None else f"after step {self.after_step}"
+        if self.resumed_at is None:
+            lost = "nothing after it could be read"
+        else:
+            lost = f"skipped {self.resumed_at - self.offset} bytes, read on from byte {self.resumed_at}"
+        return f"cut at byte {self.offset} ({after}): {self.why}; {lost}"
+
+
+@dataclass
+class EventFile:
+    """The events of one file, in file order, and the cuts found in it."""
+
+    path: Path
+    events: list[Event] = field(default_factory=list)
+    cuts: list[Cut] = field(default_factory=list)
+
+
+def read_event_file(path: str | os.PathLike[str]) -> EventFile:
+    """Every event of the event file ``path`` that can be read, and a :class:`Cut` for each damage.
+
+    Raises:
+        OSError: if the file cannot be opened or read.
+    """
+    result = EventFile(Path(path))
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            return result
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for event, cut in _records(data, size):
+                if cut is not None:
+                    last = result.events[-1].step if result.events else None
+                    result.cuts.append(Cut(cut[0], last, cut[1], cut[2]))
+                if event is not None:
+                    result.events.append(event)
+    return result
+
+
+def _records(data: mmap.mmap, size: int) -> Iterator[tuple[Event | None, tuple[int, str, int | None] | None]]:
+    """(event, None) for each readable record; (None, (offset, why, resumed at)) for each damage."""
+    offset = 0
+    while offset < size:
+        if size - offset < _HEADER + _FOOTER:
+            yield None, (offset, f"truncated: {size - offset} bytes, less than a record's framing", None)
+            return
+        header = data[offset : offset + 8]
+        (length,) = _LENGTH.unpack(header)
+        end = offset + _HEADER + length + _FOOTER
+        if not _header_checks(data, offset):
+            why = "bad length CRC"
+        elif end > size:
+            why = f"a record of {length} bytes runs past the end of the file"
+        else:
+            payload = data[offset + _HEADER : end - _FOOTER]
+            if masked_crc32c(payload) != _CRC.unpack(data[end - _FOOTER : end])[0]:
+                # The length passed its CRC: trusted, so only this record is lost.
+                yield None, (offset, "bad data CRC", end)
+            else:
+                event = Event()
+                try:
+                    event.ParseFromString(payload)
+                except DecodeError:
+                    yield None, (offset, "unparseable event", end)
+                else:
+                    yield event, None
+            offset = end
+            continue
+        resumed = _resynchronised(data, size, offset + 1)
+        if resumed is None and why.startswith("a record"):
+            why = f"truncated: {why}"
+        elif resumed is not None and why.startswith("a record"):
+            why = f"oversized length: {why}, yet a whole record follows"
+        yield None, (offset, why, resumed)
+        if resumed is None:
+            return
+        offset = resumed
+
+
+def _header_checks(data: mmap.mmap, offset: int) -> bool:
+    """Whether the length at ``offset`` matches its masked CRC."""
+    return masked_crc32c(data[offset : offset + 8]) == _CRC.unpack(data[offset + 8 : offset + _HEADER])[0]
+
+
+def _resynchronised(data: mmap.mmap, size: int, start: int) -> int | None:
+    """The first offset from ``start`` where a whole record checks (a length inside the file, its CRC, then
+    the event's CRC); None if there is none before the end."""
+    for offset in range(start, size - _HEADER - _FOOTER + 1):
+        (length,) = _LENGTH.unpack(data[offset : offset + 8])
+        end = offset + _HEADER + length + _FOOTER
+        if end > size or not _header_checks(data, offset):
+            continue
+        if masked_crc32c(data[offset + _HEADER : end - _FOOTER]) == _CRC.unpack(data[end - _FOOTER : end])[0]:
+            return offset
+    return None
