@@ -130,10 +130,15 @@ def orthonormal_rows(
     row carried, so the projected matrix stays exact.
     """
     n = block.shape[2]
-    q, r = torch.linalg.qr(block.mT)
-    q = q.mT.contiguous()
     threshold = 10 * n**0.5 * torch.finfo(block.dtype).eps * scale[:, None]
-    tiny = r.diagonal(dim1=1, dim2=2).abs() <= threshold
+    if block.shape[1] == 1:  # one row: a norm, not a QR factorisation
+        norm = block.norm(dim=2, keepdim=True)
+        tiny = norm[:, :, 0] <= threshold
+        q = block / torch.where(tiny[:, :, None], torch.ones_like(norm), norm)
+    else:
+        q, r = torch.linalg.qr(block.mT)
+        q = q.mT.contiguous()
+        tiny = r.diagonal(dim1=1, dim2=2).abs() <= threshold
     if bool(tiny.any()):
         # A dependent row's Householder direction is arbitrary and the rows after it can lean on that
         # direction, so replacing it alone would drop part of the block: the block's span is taken from its
@@ -312,18 +317,19 @@ def lanczos_eigsh(
         # A non-finite product (a NaN in a Hessian, a poisoned matrix) ends that element with NaN values;
         # zeroing its block, at every iteration it stays in the batch, keeps the batched small eigenproblems
         # finite for the others.
-        non_finite = ~torch.isfinite(w).flatten(1).all(dim=1)
+        norms = w.norm(dim=2).amax(dim=1)
+        non_finite = ~torch.isfinite(norms)
         broken = non_finite & ~settled
         if bool(non_finite.any()):
             w = torch.where(non_finite[:, None, None], torch.zeros_like(w), w)
-        if bool(broken.any()):
+            norms = torch.where(non_finite, torch.zeros_like(norms), norms)
             done = active[broken]
             residual[done] = float("nan")
             iterations[done] = iteration
             settled = settled | broken
             if bool(settled.all()):
                 break
-        scale = torch.maximum(scale, w.norm(dim=2).amax(dim=1))
+        scale = torch.maximum(scale, norms)
         alpha = w @ q.mT
         alpha = (alpha + alpha.mT) / 2
         w = torch.baddbmm(w, alpha, q, alpha=-1)
