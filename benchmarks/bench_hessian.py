@@ -1,29 +1,29 @@
-"""Top Hessian eigenvalues: spectral-monitor's curvature probe against PyHessian and hessian-eigenthings.
+"""Top Hessian eigenvalues over the events of a run: spectral-monitor's curvature probe against PyHessian and
+hessian-eigenthings, every method judged at every event against exact eigenvalues.
 
-Same model (the demo transformer, 2 layers, d = 64), same batch, eval mode, math SDPA kernel for everyone,
-in one process, at three points of training: after 20 AdamW steps (early, where power iteration does best),
-100 (mid) and 300 (trained, loss 0.005: one outlier eigenvalue over a bulk whose top values nearly
-coincide).
+Two runs, each a list of curvature events as a callback meets them:
 
-Accuracy first: each method's own knob (PyHessian's ``tol``,
-hessian-eigenthings' Lanczos ``max_iter``, our ``tol``) walks a ladder until the top-k is within 1e-3
-relative error of a float64 reference; the first setting that meets it is kept, with the products it used
-(counted by wrapping each method's own Hessian-vector product). Then time: every method at its setting, and
-one training step (forward + gradient), run interleaved ``--repeats`` times; each time is the median, each
-ratio the median of the per-round ratios (so load that comes and goes on a shared machine hits all sides
-alike), with their range in brackets. Every time includes building the graph the products need
-(PyHessian's and ours: one forward and a ``create_graph`` gradient, kept; hessian-eigenthings rebuilds it
-for every product).
+- ``eos``: full-batch gradient descent (η = 0.8) on a tanh MLP (8 → 32 → 32 → 4, 1,476 parameters) fitting a
+  random teacher by MSE, trained 1,000 steps to the edge of stability, then 20 events every 6 steps. The
+  reference is the explicit float64 Hessian of each event's parameters and a dense symmetric eigensolver.
+- ``trained``: the demo transformer (2 layers, d = 64, 110,400 parameters) after 300 AdamW steps on one batch
+  (loss 0.005: one outlier eigenvalue over a bulk whose top values nearly coincide), 5 events every 5 steps
+  up to step 300. The reference is the certified solve of the same weights in float64 to 1e-10, checked
+  against a second one from another start and block width.
 
-Warm rows start from Ritz vectors of an earlier event: on the same Hessian (the best case), and from the
-model five AdamW steps earlier (what a callback sees when it probes often). The float64 reference is the
-same weights in float64 (a float64 training run drifts away from the float32 one over 300 steps).
+Accuracy first, over ALL events: PyHessian's ``tol`` and hessian-eigenthings' Lanczos ``max_iter`` walk a
+ladder from loose to tight, and each method keeps the loosest setting at which every event's top-k is within
+1e-3 relative error of the reference. spectral-monitor runs as it does in training: its default ``tol``
+(1e-3, certified), warm-started from the previous event's Ritz vectors (and, for comparison, cold).
+Products are counted by wrapping each method's own Hessian-vector product. Then time: every method over the
+whole run, the methods interleaved, ``--repeats`` rounds; per-event time is the median round's total over
+the events, each ratio the median of the per-round ratios against PyHessian, with its range (load on a
+shared machine hits all sides alike). Every time includes building the graph the products need (PyHessian's
+and ours: one forward and a ``create_graph`` gradient per event, kept; hessian-eigenthings rebuilds it for
+every product).
 
-A second table times one block product per vector against the block width: whether batching the products
-of a Lanczos block pays on this machine.
-
-    PYTHONPATH=$PWD python benchmarks/bench_hessian.py --threads 1 --repeats 5
-    PYTHONPATH=$PWD python benchmarks/bench_hessian.py --training-steps 300   # one model only
+    PYTHONPATH=$PWD python benchmarks/bench_hessian.py --threads 1 --repeats 3
+    PYTHONPATH=$PWD python benchmarks/bench_hessian.py --runs eos --device cuda
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from _common import describe_machine, markdown_table
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from spectral_monitor.demo import DemoTransformer
@@ -51,261 +52,119 @@ from spectral_monitor.probes.curvature import (
 )
 
 TARGET = 1e-3
-TOLERANCES = (1e-3, 5e-4, 2e-4, 1e-4, 5e-5, 2e-5, 1e-5, 1e-6)
-TRAINING_STEPS = (20, 100, 300)
-WARM_LAG = 5
-
-
-def build(dtype: torch.dtype, steps: int) -> tuple[DemoTransformer, torch.Tensor, torch.Tensor]:
-    """The demo transformer after ``steps`` AdamW steps on one batch (the same steps give the same model)."""
-    model = DemoTransformer(vocab_size=64, d_model=64, n_layers=2, n_heads=4, seq_len=32, seed=0).to(dtype)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(64, (16, 32), generator=generator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with sdpa_kernel(SDPBackend.MATH):
-        for _ in range(steps):
-            optimizer.zero_grad()
-            criterion(model(tokens), tokens.roll(1, 1)).backward()
-            optimizer.step()
-    model.zero_grad(set_to_none=True)
-    return model.eval(), tokens, tokens.roll(1, 1)
-
-
-def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+MONITOR_TOL = 1e-3
+PYHESSIAN_TOLERANCES = (1e-1, 5e-2, 2e-2, 1e-2, 5e-3, 2e-3, 1e-3, 5e-4, 2e-4, 1e-4, 5e-5, 2e-5, 1e-5, 1e-6)
+EIGENTHINGS_STEPS = (4, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100)
 
 
 @dataclass
-class Case:
-    """One method on one question, at the first setting of its ladder that meets the target."""
+class Run:
+    """A model whose parameters are set to each event's in turn, the loss on its batch, the references."""
 
-    label: str
-    run: Callable[[], object]
-    products: int
-    error: float
-    setting: str
+    name: str
+    model: nn.Module
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    events: list[dict[str, torch.Tensor]]
+    reference: list[list[float]]  # per event, the top-3 descending
 
+    def load(self, event: int) -> None:
+        with torch.no_grad():
+            for name, parameter in self.model.named_parameters():
+                parameter.copy_(self.events[event][name])
 
-def first_meeting(
-    label: str, settings: list, run_at: Callable, error_of: Callable, products_of: Callable
-) -> Case:
-    for setting in settings:
-        output = run_at(setting)
-        error, products = error_of(output), products_of(output)
-        if error <= TARGET:
-            return Case(label, lambda s=setting: run_at(s), products, error, str(setting))
-    return Case(label, lambda s=setting: run_at(s), products, error, f"{setting} (target missed)")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--training-steps", type=int, nargs="+", default=list(TRAINING_STEPS))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    import hessian_eigenthings  # noqa: F401  (the bench extra)
-    import pyhessian  # noqa: F401  (registers pyhessian.hessian)
-
-    print(describe_machine())
-    for steps in args.training_steps:
-        compare(steps, args.repeats, widths=steps == args.training_steps[0])
+    def loss(self) -> torch.Tensor:
+        return self.criterion(self.model(self.inputs), self.targets)
 
 
-def compare(training_steps: int, repeats: int, widths: bool) -> None:
-    """The top-1 and top-3 table of the model after ``training_steps`` AdamW steps (and, if ``widths``, the
-    block-width table)."""
-    import hessian_eigenthings as eigenthings
-
-    pyhessian_module = sys.modules["pyhessian.hessian"]
-    with sdpa_kernel(SDPBackend.MATH):
-        model, tokens, targets = build(torch.float32, training_steps)
-        reference = float64_reference(model, tokens, targets)
-        space = ParameterSpace.of(model)
-        loss = lambda: criterion(model(tokens), targets)  # noqa: E731
-
-        def error(values: list[float], k: int) -> float:
-            top = sorted(values, reverse=True)[:k]
-            return max(abs(v - r) / abs(r) for v, r in zip(top, reference[:k], strict=True))
-
-        counter = {"products": 0}
-        hessian_vector_product = pyhessian_module.hessian_vector_product
-
-        def counted_product(*arguments):
-            counter["products"] += 1
-            return hessian_vector_product(*arguments)
-
-        pyhessian_module.hessian_vector_product = counted_product
-
-        def pyhessian_at(tol: float, k: int):
-            counter["products"] = 0
-            torch.manual_seed(0)
-            h = pyhessian_module.hessian(model, criterion, data=(tokens, targets), cuda=False)
-            values, _ = h.eigenvalues(maxIter=200, tol=tol, top_n=k)
-            model.zero_grad(set_to_none=True)  # PyHessian leaves graph-attached tensors in .grad
-            return values, counter["products"]
-
-        operator = eigenthings.HessianOperator(
-            model, [(tokens, targets)], lambda m, b: criterion(m(b[0]), b[1])
-        )
-        matvec = operator.matvec
-
-        def counted_matvec(vector):
-            counter["products"] += 1
-            return matvec(vector)
-
-        operator.matvec = counted_matvec
-
-        def eigenthings_at(steps: int, k: int):
-            counter["products"] = 0
-            result = eigenthings.lanczos(operator, k=k, max_iter=steps, which="LA", seed=0)
-            return result.eigenvalues.tolist(), counter["products"]
-
-        def ours_at(tol: float, k: int, warm: CurvatureWarmStart | None = None):
-            estimate = measure_curvature(model, loss, top_k=k, tol=tol, max_products=400, warm=warm)
-            return estimate.eigenvalues.tolist(), estimate.products
-
-        earlier, _, _ = build(torch.float32, training_steps - WARM_LAG)
-        lagged_warm = {
-            k: measure_curvature(
-                earlier, lambda: criterion(earlier(tokens), targets), top_k=k, tol=TARGET
-            ).warm
-            for k in (1, 3)
-        }
-
-        sections = []
-        for k in (1, 3):
-            same_warm = measure_curvature(model, loss, top_k=k, tol=TARGET, max_products=400).warm
-
-            def choose(label, settings, run_at, k=k):
-                return first_meeting(
-                    label, settings, lambda s: run_at(s, k), lambda o: error(o[0], k), lambda o: o[1]
-                )
-
-            cases = [
-                choose("PyHessian", list(TOLERANCES), pyhessian_at),
-                choose("hessian-eigenthings", list(range(max(k, 2), 61)), eigenthings_at),
-                choose("spectral-monitor cold", list(TOLERANCES), ours_at),
-                choose(
-                    f"spectral-monitor warm, from {WARM_LAG} steps earlier",
-                    list(TOLERANCES),
-                    lambda s, k: ours_at(s, k, lagged_warm[k]),
-                ),
-                choose(
-                    "spectral-monitor warm, same Hessian",
-                    list(TOLERANCES),
-                    lambda s, k, warm=same_warm: ours_at(s, k, warm),
-                ),
-            ]
-            step = lambda: torch.autograd.grad(loss(), space.parameters)  # noqa: E731
-            seconds = {case.label: [] for case in cases}
-            steps = []
-            for _ in range(repeats):
-                steps.append(timed(step))
-                for case in cases:
-                    seconds[case.label].append(timed(case.run))
-            sections.append((k, cases, seconds, steps))
-
-        pyhessian_module.hessian_vector_product = hessian_vector_product  # the next model counts afresh
-        width_rows = []
-        if widths:
-            width_rows = block_width_costs(model, loss, space, pyhessian_module, tokens, targets, repeats)
-
-    print(
-        f"\nAfter {training_steps} AdamW steps (loss {float(loss()):.3g}). Reference (float64) top-3: "
-        f"{', '.join(f'{v:.6g}' for v in reference)}; torch {torch.__version__}; "
-        f"{repeats} interleaved rounds.\n"
-    )
-    headers = [
-        "case",
-        "method",
-        "products",
-        "median time (s)",
-        "/ PyHessian",
-        "/ training step",
-        "rel. error",
-        "setting",
-    ]
-    rows = []
-    for k, cases, seconds, steps in sections:
-        baseline = seconds[cases[0].label]
-        for case in cases:
-            times = seconds[case.label]
-            rows.append(
-                [
-                    f"top-{k}",
-                    case.label,
-                    str(case.products),
-                    f"{statistics.median(times):.3f}",
-                    _median_and_range([t / b for t, b in zip(times, baseline, strict=True)]),
-                    f"{statistics.median(t / s for t, s in zip(times, steps, strict=True)):.1f}",
-                    f"{case.error:.1e}",
-                    f"max_iter={case.setting}"
-                    if case.label == "hessian-eigenthings"
-                    else f"tol={case.setting}",
-                ]
-            )
-        rows.append(
-            [f"top-{k}", "one training step", "", f"{statistics.median(steps):.4f}", "", "1.0", "", ""]
-        )
-    print(markdown_table(headers, rows))
-    if width_rows:
-        print(
-            "\nOne block product per vector (ms), against the block width; median of the rounds; one "
-            "training step for scale:\n"
-        )
-        print(markdown_table(["products", *(f"width {b}" for b in BLOCK_WIDTHS)], width_rows))
+def mse(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs - targets).square().mean()
 
 
-BLOCK_WIDTHS = (1, 2, 4, 8)
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def block_width_costs(model, loss, space, pyhessian_module, tokens, targets, repeats: int) -> list[list[str]]:
-    """Milliseconds per vector of one block product for each way of forming it, against the block width."""
-    generator = torch.Generator().manual_seed(0)
-    vectors = torch.randn(1, space.size, max(BLOCK_WIDTHS), generator=generator)
-    with probing(model):
-        operators = {
-            f"spectral-monitor {method}": HessianOperator(loss, space, method, model)
-            for method in ("func", "autograd")
-        }
-        h = pyhessian_module.hessian(model, criterion, data=(tokens, targets), cuda=False)
-        runs = {}
-        for label, op in operators.items():
-            for b in BLOCK_WIDTHS:
-                runs[(label, b)] = lambda op=op, b=b: op.matmat(vectors[:, :, :b])
-        single = [v[0] for v in space.unflatten(vectors[0, :, :1].T)]
-        runs[("PyHessian (one vector at a time)", 1)] = lambda: pyhessian_module.hessian_vector_product(
-            h.gradsH, h.params, single
-        )
-        runs[("training step (forward + gradient)", 1)] = lambda: torch.autograd.grad(
-            loss(), space.parameters
-        )
-        seconds = {key: [] for key in runs}
-        for _ in range(repeats):
-            for key, run in runs.items():
-                seconds[key].append(timed(run) / key[1])
+def edge_of_stability_run(device: torch.device, warmup: int = 1000, events: int = 20, every: int = 6) -> Run:
+    """Gradient descent at η = 0.8 on the tanh MLP, events after ``warmup`` steps, every ``every`` steps."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    with torch.no_grad():
+        y = 3 * teacher(x)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.8)
+    snapshots = []
+    for step in range(warmup + events * every):
+        if step >= warmup and (step - warmup) % every == 0:
+            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        optimizer.zero_grad()
+        mse(model(x), y).backward()
+        optimizer.step()
+    reference = [explicit_top(model, x, y, snapshot) for snapshot in snapshots]
     model.zero_grad(set_to_none=True)
-    labels = dict.fromkeys(label for label, _ in runs)
-    return [
-        [label]
-        + [
-            f"{1000 * statistics.median(seconds[(label, b)]):.1f}" if (label, b) in seconds else ""
-            for b in BLOCK_WIDTHS
-        ]
-        for label in labels
-    ]
+    return Run("eos", model.to(device), x.to(device), y.to(device), mse, _to(snapshots, device), reference)
 
 
-def float64_reference(model: DemoTransformer, tokens: torch.Tensor, targets: torch.Tensor) -> list[float]:
-    """Top-3 of ``model``'s weights in float64 to 1e-10, checked against a second run from another start and
+def explicit_top(model: nn.Module, x: torch.Tensor, y: torch.Tensor, parameters: dict) -> list[float]:
+    """The top-3 eigenvalues of the explicit float64 Hessian of the MSE at ``parameters``."""
+    net = copy.deepcopy(model).double()
+    names = list(parameters)
+    shapes = [parameters[name].shape for name in names]
+    flat = torch.cat([parameters[name].double().reshape(-1) for name in names])
+
+    def loss_of(vector: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(vector, [s.numel() for s in shapes])
+        swapped = {n: p.reshape(s) for n, p, s in zip(names, pieces, shapes, strict=True)}
+        return mse(torch.func.functional_call(net, swapped, (x.double(),)), y.double())
+
+    hessian = torch.autograd.functional.hessian(loss_of, flat, vectorize=True)
+    return torch.linalg.eigvalsh(hessian)[-3:].flip(0).tolist()
+
+
+def trained_transformer_run(device: torch.device, steps: int = 300, events: int = 5, every: int = 5) -> Run:
+    """The demo transformer under AdamW on one batch; events at the last ``events`` multiples of ``every``."""
+    model = DemoTransformer(vocab_size=64, d_model=64, n_layers=2, n_heads=4, seq_len=32, seed=0)
+    tokens = torch.randint(64, (16, 32), generator=torch.Generator().manual_seed(0))
+    targets = tokens.roll(1, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    snapshots = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for step in range(1, steps + 1):
+            optimizer.zero_grad()
+            token_cross_entropy(model(tokens), targets).backward()
+            optimizer.step()
+            if step > steps - events * every and step % every == 0:
+                snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    reference = [float64_reference(model, tokens, targets, snapshot) for snapshot in snapshots]
+    return Run(
+        "trained",
+        model.to(device),
+        tokens.to(device),
+        targets.to(device),
+        token_cross_entropy,
+        _to(snapshots, device),
+        reference,
+    )
+
+
+def float64_reference(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, parameters: dict
+) -> list:
+    """Top-3 of ``parameters`` in float64 to 1e-10, checked against a second run from another start and
     width."""
     model = copy.deepcopy(model).double()
-    loss = lambda: criterion(model(tokens), targets)  # noqa: E731
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(parameters[name])
     runs = [
         measure_curvature(
             model,
-            loss,
+            lambda: token_cross_entropy(model(tokens), targets),
             top_k=3,
             tol=1e-10,
             max_products=2000,
@@ -321,15 +180,253 @@ def float64_reference(model: DemoTransformer, tokens: torch.Tensor, targets: tor
     return first.tolist()
 
 
+def _to(snapshots: list[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    return [{name: value.to(device) for name, value in snapshot.items()} for snapshot in snapshots]
+
+
+@dataclass
+class Method:
+    """One method at one setting: ``solve(event, k)`` returns (values, products) for the loaded event."""
+
+    label: str
+    setting: str
+    solve: Callable[[int, int], tuple[list[float], int]]
+    reset: Callable[[], None] = lambda: None
+
+
+def worst_error(run: Run, method: Method, k: int) -> tuple[float, float]:
+    """The largest relative error of the top-k over every event, and the mean products per event."""
+    method.reset()
+    worst, products = 0.0, 0
+    for event in range(len(run.events)):
+        run.load(event)
+        values, spent = method.solve(event, k)
+        top = sorted(values, reverse=True)[:k]
+        reference = run.reference[event][:k]
+        worst = max(worst, *(abs(v - r) / abs(r) for v, r in zip(top, reference, strict=True)))
+        products += spent
+    return worst, products / len(run.events)
+
+
+def loosest(run: Run, label: str, settings, make: Callable, k: int) -> tuple[Method, float, float]:
+    """The first setting of the ladder (loose to tight) at which every event meets the target."""
+    for setting in settings:
+        method = make(setting)
+        worst, products = worst_error(run, method, k)
+        if worst <= TARGET:
+            return method, worst, products
+    return Method(f"{label} (target missed)", method.setting, method.solve, method.reset), worst, products
+
+
+def methods_for(run: Run, device: torch.device) -> dict[str, Callable]:
+    import hessian_eigenthings as eigenthings
+
+    pyhessian_module = sys.modules["pyhessian.hessian"]
+    counter = {"products": 0}
+    hessian_vector_product = pyhessian_module.hessian_vector_product
+
+    def counted_product(*arguments):
+        counter["products"] += 1
+        return hessian_vector_product(*arguments)
+
+    pyhessian_module.hessian_vector_product = counted_product
+    cuda = device.type == "cuda"
+
+    def pyhessian_at(tol: float) -> Method:
+        def solve(event: int, k: int):
+            counter["products"] = 0
+            torch.manual_seed(event)
+            h = pyhessian_module.hessian(run.model, run.criterion, data=(run.inputs, run.targets), cuda=cuda)
+            values, _ = h.eigenvalues(maxIter=500, tol=tol, top_n=k)
+            run.model.zero_grad(set_to_none=True)  # PyHessian leaves graph-attached tensors in .grad
+            return values, counter["products"]
+
+        return Method("PyHessian", f"tol={tol:g}", solve)
+
+    operator = eigenthings.HessianOperator(
+        run.model, [(run.inputs, run.targets)], lambda m, b: run.criterion(m(b[0]), b[1])
+    )
+    matvec = operator.matvec
+
+    def counted_matvec(vector):
+        counter["products"] += 1
+        return matvec(vector)
+
+    operator.matvec = counted_matvec
+
+    def eigenthings_at(steps: int) -> Method:
+        def solve(event: int, k: int):
+            counter["products"] = 0
+            result = eigenthings.lanczos(operator, k=k, max_iter=steps, which="LA", seed=event)
+            return result.eigenvalues.tolist(), counter["products"]
+
+        return Method("hessian-eigenthings", f"max_iter={steps}", solve)
+
+    def monitor(warm: bool, method: str = "autograd") -> Method:
+        state: dict[str, CurvatureWarmStart | None] = {"warm": None}
+
+        def solve(event: int, k: int):
+            estimate = measure_curvature(
+                run.model,
+                run.loss,
+                top_k=k,
+                tol=MONITOR_TOL,
+                max_products=400,
+                warm=state["warm"] if warm else None,
+                method=method,
+            )
+            state["warm"] = estimate.warm
+            return estimate.eigenvalues.tolist(), estimate.products
+
+        def reset() -> None:
+            state["warm"] = None
+
+        label = f"spectral-monitor {'warm' if warm else 'cold'}"
+        return Method(label, f"tol={MONITOR_TOL:g}", solve, reset)
+
+    return {"pyhessian": pyhessian_at, "eigenthings": eigenthings_at, "monitor": monitor}
+
+
+def compare(run: Run, device: torch.device, repeats: int) -> None:
+    makers = methods_for(run, device)
+    print(
+        f"\n### {run.name}: {len(run.events)} events; reference top-3 at the first event "
+        f"{', '.join(f'{v:.5g}' for v in run.reference[0])}, at the last "
+        f"{', '.join(f'{v:.5g}' for v in run.reference[-1])}\n"
+    )
+    rows = []
+    for k in (1, 3):
+        cases = [
+            loosest(run, "PyHessian", PYHESSIAN_TOLERANCES, makers["pyhessian"], k),
+            loosest(
+                run,
+                "hessian-eigenthings",
+                [s for s in EIGENTHINGS_STEPS if s >= k + 1],
+                makers["eigenthings"],
+                k,
+            ),
+        ]
+        for warm in (True, False):
+            method = makers["monitor"](warm)
+            cases.append((method, *worst_error(run, method, k)))
+        seconds: dict[str, list[float]] = {case[0].label: [] for case in cases}
+        steps: list[float] = []
+        for _ in range(repeats):
+            steps.append(timed(lambda: training_step(run), device))
+            for method, _, _ in cases:
+                seconds[method.label].append(timed(lambda m=method, k=k: whole_run(run, m, k), device))
+        baseline = seconds[cases[0][0].label]
+        per_event = len(run.events)
+        for method, worst, products in cases:
+            times = seconds[method.label]
+            rows.append(
+                [
+                    f"top-{k}",
+                    method.label,
+                    method.setting,
+                    f"{products:.1f}",
+                    f"{1000 * statistics.median(times) / per_event:.1f}",
+                    _median_and_range([t / b for t, b in zip(times, baseline, strict=True)]),
+                    f"{statistics.median(times) / per_event / statistics.median(steps):.1f}",
+                    f"{worst:.1e}",
+                ]
+            )
+    headers = [
+        "case",
+        "method",
+        "setting",
+        "products / event",
+        "ms / event",
+        "/ PyHessian",
+        "/ training step",
+        "max rel. error (all events)",
+    ]
+    print(markdown_table(headers, rows))
+
+
+def whole_run(run: Run, method: Method, k: int) -> None:
+    method.reset()
+    for event in range(len(run.events)):
+        run.load(event)
+        method.solve(event, k)
+
+
+def training_step(run: Run) -> None:
+    torch.autograd.grad(run.loss(), list(run.model.parameters()))
+
+
+def product_costs(run: Run, device: torch.device, repeats: int) -> None:
+    """Milliseconds per Hessian-vector product: the monitor's two methods against the hand-written double
+    backward (``torch.autograd.grad(grads, params, v)`` with ``grads`` kept with ``create_graph=True``)."""
+    run.load(len(run.events) - 1)
+    space = ParameterSpace.of(run.model)
+    vector = torch.randn(1, space.size, 1, generator=torch.Generator().manual_seed(0)).to(device)
+    with probing(run.model):
+        operators = {m: HessianOperator(run.loss, space, m, run.model) for m in ("autograd", "func")}
+        parameters = space.parameters
+        gradients = torch.autograd.grad(run.loss(), parameters, create_graph=True)
+        pieces = [v[0] for v in space.unflatten(vector[0].T)]
+        runs = {
+            "spectral-monitor autograd (default)": lambda: operators["autograd"].matmat(vector),
+            "spectral-monitor func": lambda: operators["func"].matmat(vector),
+            "double backward (PyHessian's)": lambda: torch.autograd.grad(
+                gradients, parameters, grad_outputs=pieces, retain_graph=True
+            ),
+        }
+        seconds: dict[str, list[float]] = {label: [] for label in runs}
+        for _ in range(repeats):
+            for label, product in runs.items():
+                seconds[label].append(timed(lambda p=product: [p() for _ in range(20)], device) / 20)
+    baseline = seconds["double backward (PyHessian's)"]
+    rows = [
+        [
+            label,
+            f"{1000 * statistics.median(times):.3f}",
+            _median_and_range([t / b for t, b in zip(times, baseline, strict=True)]),
+        ]
+        for label, times in seconds.items()
+    ]
+    print(f"\nOne Hessian-vector product on the {run.name} model (last event):\n")
+    print(markdown_table(["product", "ms", "/ double backward"], rows))
+
+
 def _median_and_range(ratios: list[float]) -> str:
     """The median of per-round ratios and their range: the spread a shared machine puts on them."""
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
-def timed(run: Callable[[], object]) -> float:
+def timed(run: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+RUNS = {"eos": edge_of_stability_run, "trained": trained_transformer_run}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runs", nargs="+", choices=tuple(RUNS), default=list(RUNS))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import hessian_eigenthings  # noqa: F401  (the bench extra)
+    import pyhessian  # noqa: F401  (registers pyhessian.hessian)
+
+    device = torch.device(args.device)
+    print(describe_machine())
+    print(f"torch {torch.__version__}, device {device}, {args.repeats} interleaved rounds")
+    for name in args.runs:
+        with sdpa_kernel(SDPBackend.MATH):
+            run = RUNS[name](device)
+            product_costs(run, device, args.repeats)
+            compare(run, device, args.repeats)
 
 
 if __name__ == "__main__":

@@ -54,11 +54,16 @@ def test_an_invariant_krylov_space_is_extended_by_filler_directions_not_a_breakd
     torch.testing.assert_close(gram, torch.eye(3, dtype=torch.float64).expand(2, 3, 3), atol=1e-10, rtol=0)
 
 
-def test_warm_vectors_that_span_the_answer_converge_in_one_block() -> None:
+def test_without_the_certificate_warm_vectors_that_span_the_answer_converge_in_one_block() -> None:
     matrices = indefinite_batch(2, 50, seed=4)
     cold = lanczos_eigsh(matrices, 2, tol=1e-10, generator=torch.Generator().manual_seed(5))
     warm = lanczos_eigsh(
-        matrices, 2, tol=1e-10, init=cold.vectors, generator=torch.Generator().manual_seed(6)
+        matrices,
+        2,
+        tol=1e-10,
+        init=cold.vectors,
+        generator=torch.Generator().manual_seed(6),
+        failure_probability=None,
     )
     assert warm.info.iterations.tolist() == [1, 1]
     torch.testing.assert_close(warm.values, cold.values, atol=1e-9, rtol=0)
@@ -149,3 +154,126 @@ def test_growing_rows_hold_what_concatenation_would_past_their_first_capacity() 
     rows.keep(kept)
     rows.append(blocks[0][kept])
     torch.testing.assert_close(rows.rows, torch.cat(blocks + [blocks[0]], dim=1)[kept], rtol=0, atol=0)
+
+
+def spectrum_operator(top: list[float], n: int = 300, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (1, n, n) float64 symmetric matrix with eigenvalues ``top`` over a bulk in [-0.3, 0.6]; its basis."""
+    generator = torch.Generator().manual_seed(seed)
+    bulk = torch.rand(n - len(top), generator=generator, dtype=torch.float64) * 0.9 - 0.3
+    spectrum = torch.cat([torch.tensor(top, dtype=torch.float64), bulk])
+    basis, _ = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    return ((basis * spectrum) @ basis.T)[None], basis
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prepended_stale_warm_vector_is_never_returned_as_a_converged_top(seed: int) -> None:
+    """The warm vector is λ₂'s exact eigenvector (the top one before two eigenvalues crossed): the Ritz pair
+    it gives has residual 0, so only the certificate over the random start can tell that λ₁ is missing."""
+    matrices, basis = spectrum_operator([1.0, 0.9])
+    result = lanczos_eigsh(
+        matrices, 1, tol=1e-4, init=basis[None, :, 1:2], generator=torch.Generator().manual_seed(seed)
+    )
+    assert bool(result.info.converged[0])
+    assert float(result.values[0, 0]) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_a_non_finite_operator_in_a_batch_without_restrict_leaves_the_others_their_answer() -> None:
+    matrices, _ = spectrum_operator([1.0, 0.5], n=60)
+    batch = torch.cat([matrices, matrices.clone()])
+    batch[1, 3, 4] = float("nan")
+    op = FunctionOperator(lambda x: batch @ x, batch=2, rows=60, cols=60, dtype=batch.dtype, symmetric=True)
+    result = lanczos_eigsh(op, 1, tol=1e-8, generator=torch.Generator().manual_seed(0))
+    assert result.info.converged.tolist() == [True, False]
+    assert float(result.values[0, 0]) == pytest.approx(1.0, rel=1e-8)
+    assert bool(result.values[1].isnan().all())
+
+
+def test_without_a_generator_every_call_draws_a_fresh_start() -> None:
+    """An operator built so that the seed-0 Gaussian start is orthogonal to its top eigenvector: the Krylov
+    space of that start never sees λ₁ = 1.05 (the rest lie in [-1, 1]), which a start drawn afresh sees
+    with probability one."""
+    n = 80
+    start = torch.randn((1, n, 1), generator=torch.Generator().manual_seed(0), dtype=torch.float64)[0, :, 0]
+    top = torch.randn(n, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    top = top - (top @ start) / (start @ start) * start
+    top = top / top.norm()
+    rest = torch.linspace(-1, 1, n, dtype=torch.float64)
+    complement = torch.eye(n, dtype=torch.float64) - torch.outer(top, top)
+    basis = torch.linalg.qr(
+        complement @ torch.randn(n, n, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    )[0]
+    matrix = complement @ (basis * rest) @ basis.T @ complement + 1.05 * torch.outer(top, top)
+    matrix = ((matrix + matrix.T) / 2)[None]
+    values = [float(lanczos_eigsh(matrix, 1, block_size=1, tol=1e-6).values[0, 0]) for _ in range(3)]
+    assert values == pytest.approx([1.05] * 3, rel=1e-6)
+    # A generator the caller passes makes the start reproducible.
+    seeded = [
+        lanczos_eigsh(matrix, 1, block_size=1, tol=1e-6, generator=torch.Generator().manual_seed(9))
+        for _ in range(2)
+    ]
+    assert seeded[0].info.products == seeded[1].info.products
+    assert float(seeded[0].values[0, 0]) == float(seeded[1].values[0, 0])
+
+
+@pytest.mark.parametrize(
+    ("top", "k", "expected"),
+    [
+        ([1.0, 1.0 - 1e-6], 1, [1.0]),  # a near-degenerate top: the two are one cluster within tol
+        ([3.0], 2, [3.0, 0.0]),  # rank one: the second is 0, as are all the others
+    ],
+    ids=["near-degenerate", "rank-one-top-2"],
+)
+def test_clusters_within_the_tolerance_certify_within_the_budget(
+    top: list[float], k: int, expected: list[float]
+) -> None:
+    n = 200
+    if top == [3.0]:
+        u = torch.nn.functional.normalize(
+            torch.randn(1, n, 1, generator=torch.Generator().manual_seed(2)), dim=1
+        )
+        matrices = 3.0 * u @ u.mT  # float32: the second value is 0 to float32 rounding only
+    else:
+        matrices, _ = spectrum_operator(top, n=n)
+    result = lanczos_eigsh(
+        matrices,
+        k,
+        block_size=1,
+        tol=1e-4,
+        max_iters=128,
+        criterion="eigenvalue",
+        relative_to="each",
+        failure_probability=0.01,
+        generator=torch.Generator().manual_seed(3),
+    )
+    assert bool(result.info.converged[0])
+    assert result.info.products < 128
+    torch.testing.assert_close(
+        result.values[0].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_a_zero_operator_certifies_at_once() -> None:
+    result = lanczos_eigsh(
+        torch.zeros(1, 50, 50), 1, block_size=1, tol=1e-4, max_iters=128, failure_probability=0.01
+    )
+    assert bool(result.info.converged[0]) and result.info.products < 20
+    assert float(result.values[0, 0]) == 0.0
+
+
+def test_a_certificate_that_needs_more_than_the_budget_stops_early_and_says_so() -> None:
+    """λ₁ = 1, λ₂ = 0.995: certifying a 0.5% gap to 1e-4 takes far more than 12 products; the solver sees
+    that from the degree it needs, stops before spending them, and says why."""
+    matrices, _ = spectrum_operator([1.0, 0.995, 0.99], n=400)
+    result = lanczos_eigsh(
+        matrices,
+        1,
+        block_size=1,
+        tol=1e-4,
+        max_iters=40,
+        criterion="eigenvalue",
+        failure_probability=0.01,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert not bool(result.info.converged[0])
+    assert bool(result.info.out_of_budget[0])
+    assert result.info.products < 40

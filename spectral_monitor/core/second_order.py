@@ -122,7 +122,8 @@ class CurvatureOptions:
             cluster past it resolved and the gap certified from the random start: ``docs/curvature.md``).
             Every event also writes ``converged`` (1 or 0) and ``hessian_products``; the alerts never read
             a layer's values at an event that did not converge.
-        method: how Hessian-vector products are formed: ``"func"`` or ``"autograd"``.
+        method: how Hessian-vector products are formed: ``"autograd"`` (a double backward through the
+            gradient's kept graph) or ``"func"`` (``torch.func``).
         checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
             resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
             (``"model"`` and each block) ``top_k`` vectors, one more with ``min_eigenvalue``, one more under
@@ -143,7 +144,7 @@ class CurvatureOptions:
     whole_model: bool = True
     max_products: int = 128
     tol: float = 1e-3
-    method: HessianMethod = "func"
+    method: HessianMethod = "autograd"
     checkpoint_warm_vectors: bool = True
 
     def __post_init__(self) -> None:

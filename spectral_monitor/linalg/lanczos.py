@@ -36,6 +36,7 @@ is accepted only by the same test as a cold one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,7 +48,6 @@ from spectral_monitor.linalg.operators import (
     DenseOperator,
     GramOperator,
     as_operator,
-    default_generator,
     gaussian,
     working_dtype,
 )
@@ -64,6 +64,9 @@ INITIAL_BASIS_BLOCKS = 12
 CERTAINTY = 0.01
 """The ``failure_probability`` the probes' solves certify their answers to: the chance, over the random
 start, that an eigenvalue above a reported one was never seen (:func:`lanczos_eigsh`)."""
+ROUNDING_FLOOR = 100
+"""A residual below this many units of rounding of the operator's dtype, times the largest product norm seen,
+meets any tolerance: float rounding of the products, not the solver, sets the error there."""
 EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
 instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
@@ -76,13 +79,16 @@ class ConvergenceInfo:
     ``iterations``: block iterations used; ``residual``: Ritz residual norms ‖Op y − θ y‖ of the returned
     pairs, relative to max |θ|; ``converged``: every returned pair passed the test of
     :func:`lanczos_eigsh`; ``products``: total
-    operator-vector products spent on the whole batch (one block product of width b counts b per element).
+    operator-vector products spent on the whole batch (one block product of width b counts b per element);
+    ``out_of_budget``: the element stopped before ``max_iters`` because the certificate needs a Krylov degree
+    beyond it (not converged; its values are the best the space held).
     """
 
     iterations: Tensor
     residual: Tensor
     converged: Tensor
     products: int
+    out_of_budget: Tensor | None = None
 
 
 @dataclass
@@ -105,6 +111,14 @@ class SingularResult:
     info: ConvergenceInfo
 
 
+def fresh_generator() -> torch.Generator:
+    """A private CPU generator with a seed of its own (from the operating system), so a solver that was not
+    given one starts from a new random block at every call and never consumes the user's global RNG stream."""
+    generator = torch.Generator()
+    generator.seed()
+    return generator
+
+
 def orthonormal_rows(
     block: Tensor, basis: Tensor | None, scale: Tensor, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
@@ -116,15 +130,26 @@ def orthonormal_rows(
     row carried, so the projected matrix stays exact.
     """
     n = block.shape[2]
-    q, r = torch.linalg.qr(block.mT)
-    q = q.mT.contiguous()
-    tiny = r.diagonal(dim1=1, dim2=2).abs() <= 10 * n**0.5 * torch.finfo(block.dtype).eps * scale[:, None]
+    threshold = 10 * n**0.5 * torch.finfo(block.dtype).eps * scale[:, None]
+    if block.shape[1] == 1:  # one row: a norm, not a QR factorisation
+        norm = block.norm(dim=2, keepdim=True)
+        tiny = norm[:, :, 0] <= threshold
+        q = block / torch.where(tiny[:, :, None], torch.ones_like(norm), norm)
+    else:
+        q, r = torch.linalg.qr(block.mT)
+        q = q.mT.contiguous()
+        tiny = r.diagonal(dim1=1, dim2=2).abs() <= threshold
     if bool(tiny.any()):
-        filler = gaussian(block.mT.shape, dtype=block.dtype, device=block.device, generator=generator).mT
-        q = torch.where(tiny[:, :, None], filler, q)
+        # A dependent row's Householder direction is arbitrary and the rows after it can lean on that
+        # direction, so replacing it alone would drop part of the block: the block's span is taken from its
+        # singular vectors instead (the kept ones first), and the fillers are orthogonalised after them.
+        left, singular, _ = torch.linalg.svd(block.mT, full_matrices=False)
+        kept = singular > threshold
+        filler = gaussian(block.mT.shape, dtype=block.dtype, device=block.device, generator=generator)
+        q = torch.where(kept[:, None, :], left, filler).mT
         for _ in range(2):
             if basis is not None:
-                q = torch.baddbmm(q, q @ basis.mT, basis, alpha=-1)
+                q = torch.where(kept[:, :, None], q, torch.baddbmm(q, q @ basis.mT, basis, alpha=-1))
             q = torch.linalg.qr(q.mT).Q.mT.contiguous()
     return q, q @ block.mT
 
@@ -196,7 +221,7 @@ def lanczos_eigsh(
     criterion: StopCriterion = "residual",
     relative_to: RelativeTo = "largest",
     init_mode: InitMode = "prepend",
-    failure_probability: float | None = None,
+    failure_probability: float | None = CERTAINTY,
 ) -> EigenResult:
     """The ``k`` largest- (or smallest-) algebraic eigenpairs of a batch of symmetric operators.
 
@@ -237,7 +262,7 @@ def lanczos_eigsh(
         raise ValueError(f"failure_probability must be None or in (0, 1), got {failure_probability!r}")
     work = working_dtype(op.dtype, dtype)
     sign = 1.0 if which == "largest" else -1.0
-    generator = generator if generator is not None else default_generator(op.device)
+    generator = generator if generator is not None else fresh_generator()
     width = min(block_size if block_size is not None else max(2 * k, 4), n)
     if width < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -270,6 +295,7 @@ def lanczos_eigsh(
     residual = torch.full((batch, k), float("inf"), dtype=work, device=op.device)
     iterations = torch.zeros(batch, dtype=torch.long, device=op.device)
     converged = torch.zeros(batch, dtype=torch.bool, device=op.device)
+    out_of_budget = torch.zeros(batch, dtype=torch.bool, device=op.device)
     products = 0
 
     active = torch.arange(batch, device=op.device)
@@ -281,22 +307,29 @@ def lanczos_eigsh(
     previous: Tensor | None = None
     coupling: Tensor | None = None
     tridiagonal = torch.zeros((batch, 0, 0), dtype=work, device=op.device)
+    # The certificate cannot pass below this degree (the gap is at most the spread and the tolerance at most
+    # the spread), so the small eigenproblem is not solved before it.
+    next_check = 1 if failure_probability is None else 1 + int(_least_degree(n, failure_probability))
 
     for iteration in range(1, max_iters + 1):
         w = apply(active_op, q)
         products += q.shape[1] * active.numel()
         # A non-finite product (a NaN in a Hessian, a poisoned matrix) ends that element with NaN values;
-        # zeroing its block keeps the batched small eigenproblems finite for the others.
-        broken = ~torch.isfinite(w).flatten(1).all(dim=1) & ~settled
-        if bool(broken.any()):
-            w = torch.where(broken[:, None, None], torch.zeros_like(w), w)
+        # zeroing its block, at every iteration it stays in the batch, keeps the batched small eigenproblems
+        # finite for the others.
+        norms = w.norm(dim=2).amax(dim=1)
+        non_finite = ~torch.isfinite(norms)
+        broken = non_finite & ~settled
+        if bool(non_finite.any()):
+            w = torch.where(non_finite[:, None, None], torch.zeros_like(w), w)
+            norms = torch.where(non_finite, torch.zeros_like(norms), norms)
             done = active[broken]
             residual[done] = float("nan")
             iterations[done] = iteration
             settled = settled | broken
             if bool(settled.all()):
                 break
-        scale = torch.maximum(scale, w.norm(dim=2).amax(dim=1))
+        scale = torch.maximum(scale, norms)
         alpha = w @ q.mT
         alpha = (alpha + alpha.mT) / 2
         w = torch.baddbmm(w, alpha, q, alpha=-1)
@@ -321,7 +354,12 @@ def lanczos_eigsh(
             grown[:, size:, size - coupling.shape[2] : size] = coupling
             grown[:, size - coupling.shape[2] : size, size:] = coupling.transpose(1, 2)
         tridiagonal = grown
-        if tridiagonal.shape[1] < k:  # a block narrower than k: not yet k Ritz values
+        exhausted = room <= 0
+        last = exhausted or iteration == max_iters
+        if tridiagonal.shape[1] < k or (iteration < next_check and not last):
+            # Not yet k Ritz values, or a degree the certificate cannot pass at: every party sharing the
+            # operator still takes this iteration's (negative) decision, so collectives stay in step.
+            active_op.agreed(torch.zeros(active.numel(), dtype=torch.bool, device=op.device))
             previous, q, coupling = q, next_q, next_coupling
             basis.append(next_q)
             continue
@@ -330,22 +368,24 @@ def lanczos_eigsh(
         wanted_theta = theta[:, -k:].flip(1)
         wanted_vectors = ritz[:, :, -k:].flip(2)
         every_residual = (next_coupling @ ritz[:, -width_now:, :]).norm(dim=1)
-        res = every_residual[:, -k:].flip(1)
         magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
-        relative = res / magnitude[:, None]
-        judged_against = magnitude[:, None]
+        relative = every_residual[:, -k:].flip(1) / magnitude[:, None]
+        judged_against = magnitude[:, None].expand(-1, k)
         if relative_to == "each":
             judged_against = torch.maximum(wanted_theta.abs(), EACH_FLOOR * judged_against)
-        estimate = res if criterion == "residual" else _eigenvalue_error(theta, every_residual, k)
-        error = estimate / judged_against
-        exhausted = room <= 0
-        resolved = _resolves_past_wanted(theta, every_residual, k, tol * judged_against[:, -1])
-        if failure_probability is not None:
-            resolved &= _krylov_certifies(
-                theta, every_residual, k, tol * judged_against, iteration - 1, n, failure_probability
-            )
-        met = active_op.agreed((error <= tol).all(dim=1) & resolved)
-        finishing = (met | exhausted | (iteration == max_iters)) & ~settled
+        # Below float rounding of the products no residual can be asserted: that is the tolerance's floor.
+        floor = ROUNDING_FLOOR * torch.finfo(op.dtype if op.dtype.is_floating_point else work).eps * scale
+        tolerance = torch.maximum(tol * judged_against, floor[:, None])
+        verdict = _judge(
+            theta, every_residual, k, tolerance, criterion, iteration - 1, n, failure_probability
+        )
+        # Every product exactly zero: the random start lies in the operator's null space, which for a
+        # non-zero operator has probability zero.
+        met = active_op.agreed(verdict.met | (scale == 0))
+        # The budget is short only if it also cannot exhaust the space (which makes the answer exact).
+        exhaustible = iteration + -(-room // max(next_q.shape[1], 1)) <= max_iters
+        unreachable = ~met & (verdict.least_degree > max_iters - 1) & (not exhausted and not exhaustible)
+        finishing = (met | unreachable | last) & ~settled
 
         if bool(finishing.any()):
             done = active[finishing]
@@ -354,9 +394,15 @@ def lanczos_eigsh(
             residual[done] = relative[finishing]
             iterations[done] = iteration
             converged[done] = met[finishing] | exhausted
+            out_of_budget[done] = unreachable[finishing]
             settled = settled | finishing
         if bool(settled.all()):
             break
+        if failure_probability is not None:
+            waiting = verdict.least_degree[~settled]
+            next_check = iteration + 1
+            if waiting.numel():
+                next_check = max(next_check, 1 + int(waiting.min().ceil()))
 
         previous, q, coupling = q, next_q, next_coupling
         basis.append(next_q)
@@ -375,7 +421,13 @@ def lanczos_eigsh(
                 tridiagonal, scale = tridiagonal[remaining], scale[remaining]
                 settled = settled[remaining]
 
-    info = ConvergenceInfo(iterations=iterations, residual=residual, converged=converged, products=products)
+    info = ConvergenceInfo(
+        iterations=iterations,
+        residual=residual,
+        converged=converged,
+        products=products,
+        out_of_budget=out_of_budget,
+    )
     return EigenResult(values=values, vectors=vectors, info=info)
 
 
@@ -390,73 +442,95 @@ def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
     return start
 
 
-def _eigenvalue_error(theta: Tensor, residual: Tensor, k: int) -> Tensor:
-    """min(r, r²/δ) for the top ``k`` of the ascending Ritz values ``theta`` (B, m), from the residuals of
-    every Ritz pair ``residual`` (B, m); returned top first (B, k).
+@dataclass
+class _Verdict:
+    """The stop test of one iteration, per batch element: ``met``, and ``least_degree``, a Krylov degree
+    below which the certificate cannot pass (0 when it does not apply or has passed)."""
 
-    δ is the gap from θᵢ to the nearest *interval* [θⱼ − rⱼ, θⱼ + rⱼ] of another Ritz pair (each holds an
-    eigenvalue), not to θⱼ itself: a Ritz value still moving through a cluster has a wide interval, so it
-    narrows the gap instead of making it look as wide as the distance between two unresolved values. A
-    pair with no other Ritz value, or whose neighbour's interval reaches it, is judged by r alone.
-    """
-    distance = (theta[:, :, None] - theta[:, None, :]).abs() - residual[:, None, :]
-    distance.diagonal(dim1=1, dim2=2).fill_(float("inf"))
-    gap = distance.amin(dim=2).clamp_min(0)[:, -k:].flip(1)
-    wanted = residual[:, -k:].flip(1)
-    estimate = wanted.square() / gap.clamp_min(torch.finfo(theta.dtype).tiny)
-    return torch.minimum(wanted, estimate)
+    met: Tensor
+    least_degree: Tensor
 
 
-def _krylov_certifies(
+def _judge(
     theta: Tensor,
     residual: Tensor,
     k: int,
     tolerance: Tensor,
+    criterion: StopCriterion,
     degree: int,
     n: int,
-    failure_probability: float,
-) -> Tensor:
-    """Whether a Krylov polynomial of ``degree`` from a random start would have shown, with probability
-    1 − ``failure_probability``, an eigenvalue hidden above each wanted Ritz value θᵢ by its gap δᵢ (B,).
+    failure_probability: float | None,
+) -> _Verdict:
+    """The stop test of :func:`lanczos_eigsh` on the ascending Ritz values ``theta`` (B, m) and the residuals
+    of every Ritz pair ``residual`` (B, m), for the top ``k`` with absolute tolerances ``tolerance`` (B, k).
 
-    The Kaniel–Paige–Saad bound: λ − θ ≤ S (tan φ₀ / T_d(1 + 2γ))² for the eigenvalue λ that the start
-    vector makes an angle φ₀ with, γ = δ/S its gap relative to the spread S of the spectrum and T_d the
-    Chebyshev polynomial of degree d. A random start (or a warm vector plus a random one, whose component
-    along any fixed direction has the same density, twice the norm) has cos φ₀ ≥ p/√n with probability at
-    least 1 − p·√(2/π), so tan φ₀ ≤ 2√n/p. The test asks T_d(1 + 2δᵢ/S) ≥ (2√n/p)·√(S/τᵢ): an eigenvalue
-    δᵢ or more above θᵢ would then have pulled a Ritz value to within τᵢ (the tolerance) of it. δᵢ is the
-    Kato–Temple gap the error bound used (to the nearest other Ritz interval), at least τᵢ; S is the span of
-    the Ritz values widened by the end ones' residuals, which can only underestimate the true spread where
-    the far end of the spectrum has not converged.
+    Ritz values within the tolerance of a wanted one form its cluster: the answer is right to the tolerance
+    whichever of them is on top, so the gaps below are measured to the nearest Ritz value outside it.
+
+    1. The error bound: r, or with ``criterion="eigenvalue"`` min(r, r²/δ) with δ the gap from θᵢ to the
+       nearest *interval* [θⱼ − rⱼ, θⱼ + rⱼ] outside its cluster (Kato–Temple; a Ritz value still moving
+       narrows the gap instead of widening it), within the tolerance.
+    2. The first Ritz pair below the k-th wanted one's cluster resolved: its residual at most half its
+       distance to it, or within the tolerance.
+    3. With ``failure_probability`` p, the Kaniel–Paige–Saad degree test: T_d(1 + 2δᵢ/S) ≥ (2√n/p)·√(S/τᵢ),
+       with δᵢ floored at τᵢ and S the span of the Ritz values widened by the end residuals. A random start
+       has a component above p/√n along any fixed eigenvector with probability 1 − p·√(2/π) (a warm vector
+       added to it keeps that density, at twice the norm), and a Krylov polynomial of degree d then pulls a
+       Ritz value to within τᵢ of any eigenvalue δᵢ or more above θᵢ: none exists, or θᵢ would not be the
+       top of the Ritz values.
     """
-    if theta.shape[1] <= k:
-        return torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
+    batch, m = theta.shape
     tiny = torch.finfo(theta.dtype).tiny
     wanted = theta[:, -k:].flip(1)
+    wanted_residual = residual[:, -k:].flip(1)
+    own = torch.arange(m - 1, m - k - 1, -1, device=theta.device)
+    centre_distance = (wanted[:, :, None] - theta[:, None, :]).abs()
+    outside = centre_distance > tolerance[:, :, None]
+    outside[:, torch.arange(k, device=theta.device), own] = False
+    inf = torch.tensor(float("inf"), dtype=theta.dtype, device=theta.device)
+    interval_gap = torch.where(outside, centre_distance - residual[:, None, :], inf).amin(dim=2).clamp_min(0)
+
+    error = wanted_residual
+    if criterion == "eigenvalue":
+        error = torch.minimum(wanted_residual, wanted_residual.square() / interval_gap.clamp_min(tiny))
+    met = (error <= tolerance).all(dim=1)
+
+    below = theta[:, : m - k]
+    past = below < (wanted[:, -1:] - tolerance[:, -1:])
+    if m > k:
+        index = torch.where(past, torch.arange(m - k, device=theta.device), -1).amax(dim=1)
+        some = index >= 0
+        first = index.clamp_min(0)[:, None]
+        distance = wanted[:, -1] - below.gather(1, first)[:, 0]
+        resolved = residual.gather(1, first)[:, 0] <= torch.maximum(distance / 2, tolerance[:, -1])
+        met &= ~some | resolved
+    else:
+        met = torch.zeros_like(met)
+    least_degree = torch.zeros(batch, dtype=theta.dtype, device=theta.device)
+    if failure_probability is None:
+        return _Verdict(met, least_degree)
+    if m <= k:
+        return _Verdict(met, least_degree)
     spread = (theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None].clamp_min(tiny)
-    distance = (wanted[:, :, None] - theta[:, None, :]).abs() - residual[:, None, :]
-    own = torch.arange(theta.shape[1] - 1, theta.shape[1] - k - 1, -1, device=theta.device)
-    distance[:, torch.arange(k, device=theta.device), own] = float("inf")
-    gap = torch.maximum(distance.amin(dim=2), tolerance)
-    needed = (2 * n**0.5 / failure_probability) * (spread / tolerance.clamp_min(tiny)).sqrt()
-    reached = degree * torch.acosh(1 + 2 * gap / spread)
-    return (reached >= torch.acosh(needed.clamp_min(1))).all(dim=1)
+    certain = 2 * n**0.5 / failure_probability
+    gap = torch.maximum(interval_gap, tolerance)
+    needed = torch.acosh((certain * (spread / tolerance.clamp_min(tiny)).sqrt()).clamp_min(1))
+    certified = (degree * torch.acosh(1 + 2 * gap / spread) >= needed).all(dim=1)
+    # Once the error bounds are met the wanted values have converged; the Ritz values below them only rise
+    # and the span only widens, so the gap to the next Ritz value's centre (plus the tolerance) and the span
+    # of today's values bound the degree the test will ever need from below.
+    centre_gap = torch.where(outside, centre_distance, inf).amin(dim=2) + tolerance
+    bare_spread = (theta[:, -1] - theta[:, 0])[:, None].clamp_min(tiny)
+    lower = torch.acosh((certain * (bare_spread / tolerance.clamp_min(tiny)).sqrt()).clamp_min(1))
+    least = (lower / torch.acosh(1 + 2 * centre_gap / bare_spread)).amax(dim=1)
+    least_degree = torch.where(met & ~certified, least, least_degree)
+    return _Verdict(met & certified, torch.nan_to_num(least_degree, nan=0.0, posinf=float(2**31)))
 
 
-def _resolves_past_wanted(theta: Tensor, residual: Tensor, k: int, negligible: Tensor) -> Tensor:
-    """Whether the Krylov space has resolved the first Ritz pair past the ``k`` wanted ones (B,): its
-    residual is at most half its distance to the k-th wanted value, or ``negligible`` (B,) (it has converged
-    itself, as an exactly repeated eigenvalue does).
-
-    Without it a space whose wanted values converged first, a warm vector that is an eigenvector of the
-    second eigenvalue, or a few steps that have not yet separated a cluster, would be accepted while the
-    random part of the space still holds an unresolved value next to them: the one that would have moved
-    above them.
-    """
-    if theta.shape[1] <= k:
-        return torch.zeros(theta.shape[0], dtype=torch.bool, device=theta.device)
-    below = theta[:, -k - 1]
-    return residual[:, -k - 1] <= torch.maximum((theta[:, -k] - below) / 2, negligible)
+def _least_degree(n: int, failure_probability: float) -> float:
+    """The degree below which the certificate of :func:`_judge` fails whatever the spectrum: its gap is at
+    most the span of the spectrum and its tolerance at most that span."""
+    return math.acosh(2 * n**0.5 / failure_probability) / math.acosh(3)
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:

@@ -41,7 +41,7 @@ from spectral_monitor.linalg import (
     lanczos_eigsh,
     lanczos_quadrature,
 )
-from spectral_monitor.linalg.lanczos import CERTAINTY
+from spectral_monitor.linalg.lanczos import CERTAINTY, fresh_generator
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 
 __all__ = [
@@ -199,19 +199,21 @@ class ParameterSpace:
         return self.flatten([p.detach()[None] for p in self.parameters])[0]
 
 
-HessianMethod = Literal["func", "autograd"]
-HESSIAN_METHODS = ("func", "autograd")
+HessianMethod = Literal["autograd", "func"]
+HESSIAN_METHODS = ("autograd", "func")
 
 
 class HessianOperator(BatchedOperator):
     """The Hessian of ``loss_fn()`` over ``space``, as a symmetric operator with a batch of one.
 
     The forward and the gradient's graph are built once and kept, so each product is one backward through
-    the cached graph, batched over the block of vectors. ``method="func"``: ``torch.func.vjp`` of
-    ``torch.func.grad`` over the chosen parameters, products batched by ``vmap`` (fastest measured, see
-    ``benchmarks/bench_hessian.py``); ``"autograd"``: ``torch.autograd.grad`` with ``create_graph`` and
-    ``is_grads_batched``, also taken when ``torch.func`` cannot transform the forward (``method`` then
-    says ``"autograd"``). ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
+    the cached graph, batched over the block of vectors. ``method="autograd"`` (the default): the gradient
+    with ``create_graph`` once, then each product one ``torch.autograd.grad`` of it (a block by
+    ``is_grads_batched``); a single vector over whole parameters goes in and out by views, so a product
+    costs what the hand-written double backward does (``benchmarks/bench_hessian.py`` measures both).
+    ``"func"``: ``torch.func.vjp`` of ``torch.func.grad``, products batched by ``vmap``; the autograd path
+    is taken instead when ``torch.func`` cannot transform the forward (``method`` then says
+    ``"autograd"``). ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
     free the graph.
 
     ``average_over_ranks``: under ``torch.distributed`` (DDP) the gradient and every block of products are
@@ -225,7 +227,7 @@ class HessianOperator(BatchedOperator):
         self,
         loss_fn: Callable[[], Tensor],
         space: ParameterSpace,
-        method: HessianMethod = "func",
+        method: HessianMethod = "autograd",
         module: nn.Module | None = None,
         average_over_ranks: bool = False,
     ) -> None:
@@ -259,17 +261,27 @@ class HessianOperator(BatchedOperator):
             torch.zeros_like(p) if g is None else g for g, p in zip(gradients, space.parameters, strict=True)
         ]
         self.gradient = self._averaged(space.flatten([g.detach()[None] for g in self._gradients])[0])
+        # A space of whole, distinct parameters maps a flat vector to them by views (split, no copies), and
+        # a single product is then one backward with nothing around it, as a hand-written one is.
+        self._whole = len(space.parameters) == len(space.coordinates) and all(
+            c.rows is None for c in space.coordinates
+        )
+        self._live = [i for i, g in enumerate(self._gradients) if g.requires_grad]
 
     def matmat(self, x: Tensor) -> Tensor:
         vectors = x[0].transpose(0, 1)  # (k, n)
-        cotangents = self.space.unflatten(vectors)
         if self.method == "func" and vectors.shape[0] == 1:  # vmap over one vector only adds overhead
+            cotangents = self.space.unflatten(vectors)
             products = self.space.flatten([p[None] for p in self._vjp(tuple(c[0] for c in cotangents))[0]])
         elif self.method == "func":
+            cotangents = self.space.unflatten(vectors)
             products = self.space.flatten(list(torch.func.vmap(self._vjp)(tuple(cotangents))[0]))
-        elif not any(g.requires_grad for g in self._gradients):  # a loss linear in these parameters
+        elif not self._live:  # a loss linear in these parameters
             products = torch.zeros_like(vectors)
+        elif self._whole and vectors.shape[0] == 1:
+            products = self._single_product(vectors[0])[None]
         else:
+            cotangents = self.space.unflatten(vectors)
             pairs = [(g, v) for g, v in zip(self._gradients, cotangents, strict=True) if g.requires_grad]
             grads = batched_grad([g for g, _ in pairs], self.space.parameters, [v for _, v in pairs])
             products = self.space.flatten(grads)
@@ -278,6 +290,23 @@ class HessianOperator(BatchedOperator):
 
     def agreed(self, flags: Tensor) -> Tensor:
         return on_every_rank(flags) if self.average_over_ranks else flags
+
+    def _single_product(self, vector: Tensor) -> Tensor:
+        """H v for one flat vector (size,) over a space of whole parameters: views in, one backward."""
+        pieces = vector.split(self.space.sizes)
+        products = torch.autograd.grad(
+            [self._gradients[i] for i in self._live],
+            self.space.parameters,
+            grad_outputs=[pieces[i].view_as(self._gradients[i]) for i in self._live],
+            retain_graph=True,
+            allow_unused=True,
+        )
+        return torch.cat(
+            [
+                piece.new_zeros(piece.shape) if g is None else g.reshape(-1)
+                for g, piece in zip(products, pieces, strict=True)
+            ]
+        )
 
     def _averaged(self, tensor: Tensor) -> Tensor:
         if self.average_over_ranks:
@@ -376,7 +405,6 @@ def hessian_eigenvalues(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     width = min(block_size, op.cols)
-    generator = generator if generator is not None else torch.Generator().manual_seed(0)
     return lanczos_eigsh(
         op,
         k,
@@ -534,7 +562,7 @@ def measure_curvature(
     block_size: int = 1,
     warm: CurvatureWarmStart | None = None,
     mode: ProbeMode = "eval",
-    method: HessianMethod = "func",
+    method: HessianMethod = "autograd",
     generator: torch.Generator | None = None,
     average_over_ranks: bool = False,
 ) -> CurvatureEstimate:
@@ -558,7 +586,7 @@ def measure_curvature(
     check_unsharded(module, "the curvature probe")
     space = space if space is not None else ParameterSpace.of(module)
     warm = warm if warm is not None else CurvatureWarmStart()
-    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    generator = generator if generator is not None else fresh_generator()
     with probing(module, mode):
         hessian = HessianOperator(loss_fn, space, method, module, average_over_ranks)
         top = hessian_eigenvalues(

@@ -52,10 +52,12 @@ changed, starts cold and is solved to ``tol``.
 A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
 the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov iteration buys nothing there.
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller): some singular value
-lies within about half of it (relative) of the estimate. It is σ₁ when the Krylov space has seen σ₁'s
-vector, which a cold start's random block does with high probability; a warm estimate runs a fixed
-``iterations_per_step`` and is not certified (``docs/curvature.md`` says what a certified solve costs), so
-after two singular values cross it can follow the one that was on top.
+lies within about half of it (relative) of the estimate. A cold start is certified to be σ₁ (the
+Kaniel–Paige–Saad test of :func:`~spectral_monitor.linalg.lanczos_eigsh`, failure probability 1% over its
+random start). A warm estimate runs a fixed ``iterations_per_step`` and is not certified
+(``docs/curvature.md`` says what a certified solve costs); its error is bounded on one side: it never exceeds
+σ₁ (a Ritz value of the Gram matrix is at most its top eigenvalue) and lies within its residual of some
+singular value, so after two singular values cross it can follow the one that was on top, from below.
 ‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
 
 Sharded models: under FSDP a weight is whole only inside ``spectral_monitor.distributed.full_parameters``
@@ -88,6 +90,7 @@ from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.linalg import lanczos_eigsh
+from spectral_monitor.linalg.lanczos import CERTAINTY
 from spectral_monitor.linalg.operators import (
     DenseOperator,
     GramOperator,
@@ -748,6 +751,9 @@ class WeightProbe:
                     max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
                     init=init,
                     generator=self._generator,
+                    # A cold start is certified to be σ₁; a warm one runs its fixed iterations, a lower bound
+                    # on σ₁ within its residual of some singular value (the module docstring).
+                    failure_probability=None if warm else CERTAINTY,
                 )
                 values = result.values[:, 0].clamp_min(0).sqrt()
                 usable = (values.isfinite() & result.vectors.isfinite().flatten(1).all(dim=1)).tolist()
