@@ -64,14 +64,15 @@ def test_lightning_fsdp_weights_equal_the_unsharded_model_under_plain_names(tmp_
     assert "attention/entropy/blocks.0.attention" in tags
     assert "tokens/cosine_similarity/blocks.1" in tags
     for record in WeightProbe(DemoTransformer(**MODEL)).measure(0):
-        if record.metric == "spectral_norm":
+        if record.metric == "spectral_norm" and record.tag in tags:
             assert step_zero(events, record.tag) == pytest.approx(record.value, rel=1e-4), record.tag
 
 
 def test_lightning_fp16_mixed_writes_what_a_float32_run_writes(tmp_path: Path) -> None:
     float32 = fit_step_zero(tmp_path / "32")
     fp16 = fit_step_zero(tmp_path / "16", precision="16-mixed")
-    tags = [tag for tag in float32.Tags()["scalars"] if tag.split("/")[1] in NORMALISED]
+    scalars = float32.Tags()["scalars"]
+    tags = [tag for tag in scalars if tag.count("/") >= 2 and tag.split("/")[1] in NORMALISED]
     assert tags
     for tag in tags:
         assert step_zero(fp16, tag) == pytest.approx(step_zero(float32, tag), abs=FP16_TOLERANCE), tag

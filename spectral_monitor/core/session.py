@@ -750,7 +750,7 @@ class MonitorSession:
             return call
         dtype = torch.float64
         if computed_spectra is not None:
-            call.spectra = computed_spectra.double()
+            call.spectra = computed_spectra.double().cpu()  # where attention_spectra puts them
         else:
             left = room - probs.numel() * probs.element_size() - DENSE_CALL_NBYTES
             dtype = next(

@@ -83,13 +83,12 @@ def working_dtype_of(tensor: Tensor) -> torch.dtype:
 def all_singular_values(matrices: Tensor) -> Tensor:
     """Every singular value of each matrix of a (B, n, m) batch, descending, in the batch's dtype.
 
-    Lower precisions on the CPU: the square roots of the eigenvalues of the smaller Gram matrix formed in
-    float64, whose errors (≈ 1e-16 σ₁²) put each σᵢ within ~1e-8 σ₁ of the truth, closer than float32
-    ``svdvals`` rounds it (≈ 6e-8 σ₁); it is also faster on the many small matrices of the exact path (4.8
-    against 6.3 ms for the demo's 32 attention heads of 64² per logging step). float64 batches, and other
-    devices (where this was not measured), use ``svdvals``.
+    Lower precisions: the square roots of the eigenvalues of the smaller Gram matrix formed in float64, whose
+    errors (≈ 1e-16 σ₁²) put each σᵢ within ~1e-8 σ₁ of the truth, closer than float32 ``svdvals`` rounds it
+    (≈ 6e-8 σ₁ on the CPU; CUDA's float32 ``svdvals`` is further off) and faster on the many small matrices
+    of the exact path. float64 batches use ``svdvals``.
     """
-    if matrices.dtype == torch.float64 or matrices.device.type != "cpu":
+    if matrices.dtype == torch.float64:
         return torch.linalg.svdvals(matrices)
     precise = matrices.double()
     if matrices.shape[1] > matrices.shape[2]:
