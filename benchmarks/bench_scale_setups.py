@@ -1,10 +1,9 @@
-"""What a logging step costs in the setups of docs/scale.md's "Verified setups": Gemma 2 with softcapping,
-GPT-NeoX and Phi-3 with fused projections, the demo model compiled (``Monitor(torch.compile(model))``) and
-run through a compiled forward (``Monitor(model)``, the loop calling ``torch.compile(model)``; both with
-the ``aot_eager`` backend, the first two steps, which compile, left out) (the plain-loop ``Monitor``, one
-process), the Hugging Face
-Trainer under two processes, and the plain loop around DDP and FSDP2 under two processes (``torchrun
---nproc_per_node 2``, gloo on CPUs; the runs of ``tests/test_scale_loops.py``).
+"""What a logging step costs in the setups of docs/scale.md's "Verified setups": in the plain-loop
+``Monitor``, one process, Gemma 2 with softcapping, GPT-NeoX and Phi-3 with fused projections, and the demo
+model given compiled (``Monitor(torch.compile(model))``) or run through a compiled forward
+(``Monitor(model)``, the loop calling ``torch.compile(model)``), both with the ``aot_eager`` backend; the
+Hugging Face Trainer under two processes, and the plain loop around DDP and FSDP2 under two processes
+(``torchrun --nproc_per_node 2``, gloo on CPUs; the runs of ``tests/test_scale_loops.py``).
 
 Every step is a logging step (``every_n_steps=1``; figures off, the preflight off). The time spent inside
 the monitor (``MonitorSession.begin_step``, ``end_forward`` and ``end_step``, which also run on every rank)
