@@ -18,6 +18,7 @@ SDPA model and on the demo model:
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -250,10 +251,13 @@ def assert_equal_to_float64(subject: Subject, run: CompiledRun) -> None:
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("make_subject", [nanogpt_subject, demo_subject], ids=["nanogpt", "demo"])
 def test_compiled_runs_log_every_metric_equal_to_float64_and_compile_nothing_after_the_first_logging_step(
-    tmp_path: Path, setup: str, make_subject: Callable[[], Subject]
+    tmp_path: Path, setup: str, make_subject: Callable[[], Subject], caplog: pytest.LogCaptureFixture
 ) -> None:
     subject = make_subject()
-    run = train_compiled(subject, setup, tmp_path)
+    with caplog.at_level(logging.INFO, logger="spectral_monitor"):
+        run = train_compiled(subject, setup, tmp_path)
+    said = [record for record in caplog.records if "measured by a forward" in record.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
     assert_equal_to_float64(subject, run)
     assert run.graphs_after_first_log >= 1
     assert run.graphs_at_end == run.graphs_after_first_log

@@ -363,7 +363,7 @@ class MonitorSession:
         """Disarm the captures, keeping what they recorded: call it after the forward, before the backward.
         A compiled model's probe forward runs here. Nothing happens off a logging step or when already
         disarmed."""
-        self._remove_forward_return_hook()
+        self._remove_step_hooks()
         progress = self._in_progress
         if progress is None:
             return
@@ -431,7 +431,7 @@ class MonitorSession:
 
     def abandon(self) -> None:
         """Drop the step in progress, if any: captures disarmed, recordings discarded, nothing written."""
-        self._remove_forward_return_hook()
+        self._remove_step_hooks()
         self._disarm_captures()
         self._in_progress = None
 
@@ -500,7 +500,7 @@ class MonitorSession:
     def _end_forward_on_return(self, module: nn.Module, args: Any, output: Any) -> None:
         self.end_forward()
 
-    def _remove_forward_return_hook(self) -> None:
+    def _remove_step_hooks(self) -> None:
         for handle in (self._forward_return_hook, self._compile_detector):
             if handle is not None:
                 handle.remove()
