@@ -13,6 +13,8 @@ SDPA model and on the demo model:
 - training with the monitor is bit-identical to training without it, dropout on;
 - Lightning's ``fit(torch.compile(model))`` logs the same metrics, equal to float64, compiling the graphs an
   unmonitored fit compiles.
+
+Blocks compiled in place (``block.compile()``) are measured the same way.
 """
 
 from __future__ import annotations
@@ -212,8 +214,13 @@ def train_compiled(
     torch._dynamo.reset()
     counters.clear()
     model = subject.model
-    compiled = torch.compile(model, backend=backend)
-    given = compiled if setup == "compiled model" else model
+    if setup == "blocks compiled in place":
+        for block in model.blocks:
+            block.compile(backend=backend)
+        compiled = given = model
+    else:
+        compiled = torch.compile(model, backend=backend)
+        given = compiled if setup == "compiled model" else model
     hooks_in_forward = {}
     graphs_after_first_log = -1
     options = {**MEASURED, **subject.options}
@@ -266,6 +273,16 @@ def test_compiled_runs_log_every_metric_equal_to_float64_and_compile_nothing_aft
     first_hooked = 2 if setup == "compiled forward" else 0
     assert all(hooks == 0 for step, hooks in run.hooks_in_forward.items() if step >= first_hooked)
     assert hook_count(subject.model) == 0
+
+
+def test_blocks_compiled_in_place_are_measured_equal_to_float64_without_new_graphs(tmp_path: Path) -> None:
+    subject = demo_subject()
+    run = train_compiled(subject, "blocks compiled in place", tmp_path)
+    assert_equal_to_float64(subject, run)
+    assert run.graphs_after_first_log >= 1
+    assert run.graphs_at_end == run.graphs_after_first_log
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert all(hooks == 0 for hooks in run.hooks_in_forward.values())
 
 
 def test_inductor_compiled_forward_is_measured_without_graph_breaks_or_new_graphs(tmp_path: Path) -> None:
