@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 from spectral_monitor import Monitor, SpectralMonitor
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.demo.model import IGNORE_INDEX
+from spectral_monitor.probes.wrappers import forward_on_batch, probe_forward
 from spectral_monitor.toolbox.length_scaling import attention_logit_scale
 
 sys.path.insert(0, str(Path(__file__).parent / "conformance"))
@@ -55,7 +56,7 @@ from conformance_harness import (  # noqa: E402
 )
 from conformance_models import nanogpt_family  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SETUPS = ("compiled model", "compiled forward")
 # init_std 0.3: peaked attention, so the float64 comparison tells definitions apart.
@@ -80,6 +81,44 @@ MEASURED = {
     "preflight": False,
     "strict": True,
 }
+
+
+def test_a_probe_forward_leaves_training_flags_random_streams_and_the_fast_path_as_they_were() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4))
+    model[2].eval()
+    flags = [module.training for module in model.modules()]
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    x = torch.randn(3, 4)
+    random_state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="inside"), probe_forward(model):
+        assert not any(module.training for module in model.modules())
+        assert not torch.is_grad_enabled()
+        assert not torch.backends.mha.get_fastpath_enabled()
+        torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)  # no dropout
+        torch.rand(5)
+        raise RuntimeError("an error inside the probe forward")
+    assert [module.training for module in model.modules()] == flags
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
+def test_the_probe_forward_calls_the_model_as_a_training_loop_feeds_it() -> None:
+    def inputs(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+    class Recorder(nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return inputs(*args, **kwargs)
+
+    tokens, targets = torch.ones(2, 3), torch.zeros(2, 3)
+    model = Recorder()
+    assert forward_on_batch(model, {"input_ids": tokens}) == inputs(input_ids=tokens)
+    assert forward_on_batch(model, (tokens, targets))[0][0] is tokens
+    assert forward_on_batch(model, [tokens, targets])[0][0] is tokens
+    assert forward_on_batch(model, tokens)[0][0] is tokens
+    for empty in (None, (), []):
+        with pytest.raises(ValueError, match="batch is"):
+            forward_on_batch(model, empty)
 
 
 class NanoGPTByKeywords(nn.Module):
@@ -255,6 +294,7 @@ def assert_equal_to_float64(subject: Subject, run: CompiledRun) -> None:
         previous = layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("make_subject", [nanogpt_subject, demo_subject], ids=["nanogpt", "demo"])
 def test_compiled_runs_log_every_metric_equal_to_float64_and_compile_nothing_after_the_first_logging_step(
@@ -275,6 +315,7 @@ def test_compiled_runs_log_every_metric_equal_to_float64_and_compile_nothing_aft
     assert hook_count(subject.model) == 0
 
 
+@pytest.mark.slow
 def test_blocks_compiled_in_place_are_measured_equal_to_float64_without_new_graphs(tmp_path: Path) -> None:
     subject = demo_subject()
     run = train_compiled(subject, "blocks compiled in place", tmp_path)
@@ -285,6 +326,7 @@ def test_blocks_compiled_in_place_are_measured_equal_to_float64_without_new_grap
     assert all(hooks == 0 for hooks in run.hooks_in_forward.values())
 
 
+@pytest.mark.slow
 def test_inductor_compiled_forward_is_measured_without_graph_breaks_or_new_graphs(tmp_path: Path) -> None:
     subject = nanogpt_subject()
     subject.batches = subject.batches[:4]
@@ -324,6 +366,7 @@ def demo_parameters_after_training(setup: str | None, logdir: Path) -> list[Tens
     return [parameter.detach().clone() for parameter in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", SETUPS)
 def test_training_compiled_with_the_monitor_is_bit_identical_to_training_without_it(
     tmp_path: Path, setup: str
@@ -368,6 +411,7 @@ def fit_compiled(logdir: Path, monitored: bool) -> tuple[QuietTransformer, list[
     return model, batches, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_lightning_fit_of_a_compiled_module_logs_every_metric_equal_to_float64(tmp_path: Path) -> None:
     model, batches, graphs = fit_compiled(tmp_path, monitored=True)
     _, _, unmonitored_graphs = fit_compiled(tmp_path / "unmonitored", monitored=False)

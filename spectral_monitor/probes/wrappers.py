@@ -96,8 +96,14 @@ def probe_forward(model: nn.Module) -> Iterator[None]:
     """The context of a forward of ``model`` that the training run does not see: compilation off
     (``torch.compiler.set_stance("force_eager")``: compiled modules run their plain code, nothing compiles),
     ``no_grad``, eval mode (no dropout), and the fused inference path of ``nn.MultiheadAttention`` off (the
-    path a training forward takes, whose kernel inputs the attention capture reads). On exit every module's
-    training flag and the CPU and CUDA random streams are as they were.
+    path a training forward takes, whose kernel inputs the attention capture reads). On exit, also on an
+    error, every module's training flag and the CPU and CUDA random streams are as they were.
+
+    Args:
+        model: the module the forward runs (wrapped or compiled: its wrapper's call runs eagerly).
+
+    Returns:
+        A context manager: the forward runs inside it.
     """
     training = [(module, module.training) for module in model.modules()]
     fastpath = torch.backends.mha.get_fastpath_enabled()
@@ -117,6 +123,13 @@ def forward_on_batch(model: nn.Module, batch: Any) -> Any:
     """``model``'s forward on ``batch`` as a training loop feeds it: ``model(**batch)`` for a mapping (a
     Hugging Face batch), ``model(batch[0])`` for a tuple or list (inputs, then targets), ``model(batch)``
     otherwise.
+
+    Args:
+        model: the module to call.
+        batch: the step's batch, as given to the monitor.
+
+    Returns:
+        What ``model`` returns.
 
     Raises:
         ValueError: if ``batch`` is None or an empty tuple or list (no inputs to run the model on).
