@@ -1,7 +1,9 @@
-"""What a logging step costs in the setups of docs/scale.md's "Verified setups": Gemma 2 with softcapping,
-GPT-NeoX and Phi-3 with fused projections (the plain-loop ``Monitor``, one process), the Hugging Face
-Trainer under two processes, and the plain loop around DDP and FSDP2 under two processes (``torchrun
---nproc_per_node 2``, gloo on CPUs; the runs of ``tests/test_scale_loops.py``).
+"""What a logging step costs in the setups of docs/scale.md's "Verified setups": in the plain-loop
+``Monitor``, one process, Gemma 2 with softcapping, GPT-NeoX and Phi-3 with fused projections, and the demo
+model given compiled (``Monitor(torch.compile(model))``) or run through a compiled forward
+(``Monitor(model)``, the loop calling ``torch.compile(model)``), both with the ``aot_eager`` backend; the
+Hugging Face Trainer under two processes, and the plain loop around DDP and FSDP2 under two processes
+(``torchrun --nproc_per_node 2``, gloo on CPUs; the runs of ``tests/test_scale_loops.py``).
 
 Every step is a logging step (``every_n_steps=1``; figures off, the preflight off). The time spent inside
 the monitor (``MonitorSession.begin_step``, ``end_forward`` and ``end_step``, which also run on every rank)
@@ -38,12 +40,14 @@ from _common import describe_machine  # noqa: E402
 STEPS = 12
 SKIPPED = 2
 OPTIONS: dict[str, Any] = {"every_n_steps": 1, "figures_every_n_logs": 0, "preflight": False}
-SINGLE = ("gemma2_softcap", "gpt_neox", "phi3")
+SINGLE = ("gemma2_softcap", "gpt_neox", "phi3", "compiled_model", "compiled_forward")
 DISTRIBUTED = ("trainer_2proc", "loop_ddp_2proc", "loop_fsdp2_2proc")
 LABELS = {
     "gemma2_softcap": "Gemma 2, softcapped eager attention (plain loop)",
     "gpt_neox": "GPT-NeoX, fused interleaved query_key_value (plain loop)",
     "phi3": "Phi-3, fused qkv_proj with grouped keys (plain loop)",
+    "compiled_model": "demo model, Monitor(torch.compile(model)) (plain loop)",
+    "compiled_forward": "demo model, Monitor(model), forward through torch.compile(model) (plain loop)",
     "trainer_2proc": "Trainer, 2 processes (GPT-2)",
     "loop_ddp_2proc": "plain loop, DDP, 2 processes (demo model)",
     "loop_fsdp2_2proc": "plain loop, FSDP2, 2 processes (demo model)",
@@ -100,15 +104,32 @@ def single_process(name: str) -> list[tuple[float, float]]:
     from spectral_monitor import Monitor
 
     clock = MonitorClock()
-    model = hugging_face_model(name).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(1, 128, (STEPS, 4, 64), generator=torch.Generator().manual_seed(0))
+    if name.startswith("compiled"):
+        from spectral_monitor.demo import DemoTransformer
+
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = DemoTransformer(vocab_size=128, d_model=64, n_layers=2, n_heads=4, seq_len=64)
+        trained = torch.compile(model, backend="aot_eager")
+        given = trained if name == "compiled_model" else model
+
+        def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+            logits = trained(tokens)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    else:
+        model = given = hugging_face_model(name).train()
+
+        def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=tokens, labels=tokens).loss
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     timings = []
-    with tempfile.TemporaryDirectory() as logdir, Monitor(model, logdir, **OPTIONS) as monitor:
+    with tempfile.TemporaryDirectory() as logdir, Monitor(given, logdir, **OPTIONS) as monitor:
         for step in range(STEPS):
             start = time.perf_counter()
             with monitor.step(step, batch=ids[step]):
-                loss = model(input_ids=ids[step], labels=ids[step]).loss
+                loss = loss_of(ids[step])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -423,7 +423,7 @@ def test_a_tight_memory_budget_keeps_fewer_sequences_and_says_so_once(tmp_path: 
 
 
 def break_attention_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    def arm(self, token_mask=None):
+    def arm(self, token_mask=None, every_module=False):
         raise RuntimeError("probe broke")
 
     monkeypatch.setattr(AttentionCapture, "arm", arm)

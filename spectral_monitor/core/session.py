@@ -24,8 +24,12 @@ the framework files a batch's scalars before its update (Lightning) and s - 1 wh
 Every rank measures, so a probe whose measurement takes part in a collective is entered by all ranks (the
 collectives, and the rules that keep ranks in step, are in ``spectral_monitor.distributed``); the writing
 rank (global rank 0) alone writes, warns and calls ``on_alert``. Under FSDP the weights are gathered whole
-for their measurement. A model whose attention runs inside torch.compile graphs gets one warning and no
-attention or token capture (see ``docs/scale.md``).
+for their measurement.
+
+A compiled model (``torch.compile``, given compiled or found running compiled at the first logging step) is
+never armed during the training forward: at :meth:`MonitorSession.end_forward` of a logging step the
+captures are armed around a probe forward of the same model with compilation off, on the step's batch, in
+eval mode under ``no_grad`` with every random stream restored (``spectral_monitor.probes.wrappers``).
 
 Nothing here imports a training framework.
 """
@@ -33,6 +37,7 @@ Nothing here imports a training framework.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -77,7 +82,12 @@ from spectral_monitor.probes.attention import DENSE_CALL_NBYTES
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 from spectral_monitor.probes.output_logits import OutputLogitCapture, OutputLogitSample
 from spectral_monitor.probes.token_masks import checked_token_mask
-from spectral_monitor.probes.wrappers import compiled_attention_regions, unwrapped_named_modules
+from spectral_monitor.probes.wrappers import (
+    compiled_module_names,
+    forward_on_batch,
+    probe_forward,
+    unwrapped_named_modules,
+)
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import (
     Capability,
@@ -170,6 +180,11 @@ class MonitorSession:
         self._step_offset = 0
         self._training_root: nn.Module | None = None
         self._forward_return_hook: torch.utils.hooks.RemovableHandle | None = None
+        # Measure by a probe forward (the model runs compiled), and the hook that finds a compiled forward
+        # of a model given uncompiled.
+        self._by_probe_forward = False
+        self._compile_detector: torch.utils.hooks.RemovableHandle | None = None
+        self._ran_compiled = False
         self._attention_capture: AttentionCapture | None = None
         self._residual_capture: ResidualCapture | None = None
         self._output_capture: OutputLogitCapture | None = None
@@ -235,18 +250,17 @@ class MonitorSession:
         if options.preflight:
             with self._reports.failures_of("the architecture preflight"):
                 self._run_preflight(model, step)
-        captures = [family for family in ("attention", "tokens") if family in options.families]
-        compiled = compiled_attention_regions(model) if captures else []
-        if compiled:
-            self._reports.once("compiled", _uncaptured_under_compile(compiled, captures))
-        if "attention" in options.families and not compiled:
+        self._by_probe_forward = self._ran_compiled = False
+        if compiled_module_names(model):
+            self._measure_by_probe_forward("runs as torch.compile graphs")
+        if "attention" in options.families:
             self._attention_capture = AttentionCapture(
                 model,
                 max_sequences=options.max_sequences,
                 max_bytes=int(options.memory_budget_mb * 2**20),
                 strict=options.strict,
             )
-        if "tokens" in options.families and not compiled:
+        if "tokens" in options.families:
             with self._reports.failures_of("finding the transformer blocks (tokens family)"):
                 self._residual_capture = ResidualCapture(
                     model, max_sequences=options.max_sequences, strict=options.strict
@@ -331,30 +345,35 @@ class MonitorSession:
             if self._weight_spectra_cadence.due(self._logging_steps_done):
                 with self._reports.failures_of("measuring the weight spectra"), torch.no_grad():
                     self._measure_weight_spectra(progress, self._model)
-        token_mask = None
         if options.token_mask is not None:
             with self._reports.failures_of("reading the batch's token mask (token_mask)"):
-                token_mask = checked_token_mask(options.token_mask(batch), "the token_mask function's result")
-        if self._attention_capture is not None:
-            with self._reports.failures_of("arming the attention capture"):
-                self._attention_capture.arm(token_mask)
-        if self._residual_capture is not None:
-            with self._reports.failures_of("arming the residual-stream capture"):
-                self._residual_capture.arm(token_mask)
-        if self._output_capture is not None:
-            with self._reports.failures_of("arming the output-logit capture"):
-                self._output_capture.arm(token_mask)
+                progress.token_mask = checked_token_mask(
+                    options.token_mask(batch), "the token_mask function's result"
+                )
+        progress.batch = batch
+        if self._by_probe_forward:
+            return True  # nothing on the model during the training forward: end_forward probes it
+        self._arm_captures(progress.token_mask, every_module=False)
+        if self._attention_capture or self._residual_capture or self._output_capture:
+            self._compile_detector = self._model.register_forward_pre_hook(self._notice_compiled_forward)
         if self._disarm_after_forward:
             self._forward_return_hook = self._model.register_forward_hook(self._end_forward_on_return)
         return True
 
     def end_forward(self) -> None:
         """Disarm the captures, keeping what they recorded: call it after the forward, before the backward.
-        Nothing happens off a logging step or when already disarmed."""
-        self._remove_forward_return_hook()
+        A compiled model's probe forward runs here. Nothing happens off a logging step or when already
+        disarmed."""
+        self._remove_step_hooks()
         progress = self._in_progress
         if progress is None:
             return
+        if self._ran_compiled and not self._by_probe_forward:
+            self._disarm_captures()  # hooks traced into a compiled graph returned at once: nothing recorded
+            self._measure_by_probe_forward("ran compiled (the forward went through a torch.compile wrapper)")
+        if self._by_probe_forward and not progress.probed:
+            progress.probed = True
+            self._run_probe_forward(progress)
         capture = self._attention_capture
         if capture is not None and capture.is_armed:
             with self._reports.failures_of("disarming the attention capture"):
@@ -413,10 +432,8 @@ class MonitorSession:
 
     def abandon(self) -> None:
         """Drop the step in progress, if any: captures disarmed, recordings discarded, nothing written."""
-        self._remove_forward_return_hook()
-        for capture in (self._attention_capture, self._residual_capture, self._output_capture):
-            if capture is not None and capture.is_armed:
-                capture.disarm()
+        self._remove_step_hooks()
+        self._disarm_captures()
         self._in_progress = None
 
     def close(self) -> None:
@@ -490,10 +507,57 @@ class MonitorSession:
     def _end_forward_on_return(self, module: nn.Module, args: Any, output: Any) -> None:
         self.end_forward()
 
-    def _remove_forward_return_hook(self) -> None:
-        if self._forward_return_hook is not None:
-            self._forward_return_hook.remove()
-            self._forward_return_hook = None
+    def _remove_step_hooks(self) -> None:
+        for handle in (self._forward_return_hook, self._compile_detector):
+            if handle is not None:
+                handle.remove()
+        self._forward_return_hook = self._compile_detector = None
+
+    def _arm_captures(self, token_mask: Tensor | None, *, every_module: bool) -> None:
+        """Arm every capture the families ask for (``every_module``: for a forward with compilation off)."""
+        if self._attention_capture is not None:
+            with self._reports.failures_of("arming the attention capture"):
+                self._attention_capture.arm(token_mask, every_module=every_module)
+        if self._residual_capture is not None:
+            with self._reports.failures_of("arming the residual-stream capture"):
+                self._residual_capture.arm(token_mask, every_module=every_module)
+        if self._output_capture is not None:
+            with self._reports.failures_of("arming the output-logit capture"):
+                self._output_capture.arm(token_mask, every_module=every_module)
+
+    def _disarm_captures(self) -> None:
+        """Disarm every armed capture, discarding what it recorded."""
+        for capture in (self._attention_capture, self._residual_capture, self._output_capture):
+            if capture is not None and capture.is_armed:
+                capture.disarm()
+
+    def _notice_compiled_forward(self, module: nn.Module, args: Any) -> None:
+        # Dynamo traces this hook into a compiled graph with is_compiling() constant True: the assignment
+        # is replayed after the graph, and nothing else is added to it.
+        if torch.compiler.is_compiling():
+            self._ran_compiled = True
+
+    def _measure_by_probe_forward(self, how: str) -> None:
+        """From now on, measure attention, tokens and output logits by a probe forward (the model ``how``)."""
+        self._by_probe_forward = True
+        if self._reports.writes:
+            logging.getLogger("spectral_monitor").info(
+                "SpectralMonitor: the model %s; nothing is installed on it during training forwards, and on "
+                "logging steps attention, tokens and output logits are measured by a forward of the same "
+                "modules run eagerly on the step's batch, in eval mode (no dropout) under no_grad.",
+                how,
+            )
+
+    def _run_probe_forward(self, progress: _LoggingStep) -> None:
+        """The captures armed around a forward of the model on the step's batch that the run does not see
+        (``spectral_monitor.probes.wrappers.probe_forward``); end_forward disarms them."""
+        with self._reports.failures_of("the probe forward of the compiled model"), probe_forward(self._model):
+            self._arm_captures(progress.token_mask, every_module=True)
+            try:
+                forward_on_batch(self._model, progress.batch)
+            except BaseException:
+                self._disarm_captures()
+                raise
 
     def _stop_if_asked(self, fired_here: list[str]) -> list[str]:
         # Outside any failure guard: every rank must enter the collective.
@@ -955,6 +1019,9 @@ class _LoggingStep:
     attention: AttentionRecording | None = None
     residual: ResidualRecording | None = None
     outputs: OutputLogitSample | None = None
+    batch: Any = None  # the step's batch, for a probe forward
+    token_mask: Tensor | None = None  # its real tokens, by the token_mask option
+    probed: bool = False  # whether the probe forward ran
     measurements: list[Measurement] = field(default_factory=list)
     read_only: list[Measurement] = field(default_factory=list)  # judged by the alerts, not written
     distributions: list[Distribution] = field(default_factory=list)
@@ -1096,18 +1163,6 @@ class _AttentionImages:
                 )
             )
         return images
-
-
-def _uncaptured_under_compile(compiled: list[str], lost: list[str]) -> str:
-    """The one warning for a model whose attention runs inside torch.compile graphs."""
-    names = ", ".join(name or "the whole model" for name in compiled)
-    return (
-        f"{names} run{'s' if len(compiled) == 1 else ''} as torch.compile graphs with attention inside, so "
-        f"{' and '.join(lost)} are not captured: arming the capture's hooks in a "
-        "compiled graph recompiles it on every logging step (about 10 s each for a 2-layer model on a CPU). "
-        "Weights are measured. To see attention and tokens, compile only modules without attention "
-        "(e.g. `block.mlp = torch.compile(block.mlp)` for each block) or train this run uncompiled"
-    )
 
 
 def _mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:

@@ -58,6 +58,11 @@ class Monitor:
     recordings), and :attr:`should_stop` is known before the optimizer step. Off a logging step the block
     costs a comparison: nothing is installed on the model.
 
+    A compiled model (given as ``torch.compile(model)``, or given plain and called through a compiled
+    wrapper) is never armed during the training forward: leaving the block on a logging step runs a probe
+    forward of it on ``batch`` with compilation off, in eval mode under ``no_grad``, every random stream
+    restored, and measures that (``docs/scale.md``).
+
     If the block raises, the step is dropped (captures disarmed, recordings discarded, nothing written)
     and the exception propagates as raised. A failure inside the monitor itself is reported once as a
     warning and training goes on, unless ``strict=True``.
@@ -147,7 +152,9 @@ class Monitor:
                 before. A step repeated is a further
                 micro-batch of one optimizer step (gradient accumulation), measured once, at its first.
             batch: the batch the forward takes. The ``token_mask`` option reads it; the second-order probes
-                compute their loss on it (``loss_fn(model, batch)``) and need it. Else it may be left out.
+                compute their loss on it (``loss_fn(model, batch)``) and need it; a compiled model is
+                measured by a probe forward on it (``model(**batch)`` for a mapping, ``model(batch[0])`` for
+                a tuple or list, ``model(batch)`` otherwise) and needs it. Else it may be left out.
 
         Raises:
             RuntimeError: if the monitor is closed, a ``step`` block is already open, or the call comes

@@ -29,8 +29,10 @@ not installed and the recording says why, so a user's evaluation is never altere
 When a module runs several times in one armed forward (a reused module, activation-checkpointing
 recomputation) only its first call is kept. Layers are named without wrapper segments (DDP, FSDP,
 torch.compile, checkpoint_wrapper: :mod:`spectral_monitor.probes.wrappers`), and no hook is placed on a
-module inside a torch.compile graph (a new hook there forces a recompilation); attention inside such a
-graph is not captured.
+module inside a torch.compile graph (a new hook there forces a recompilation) unless
+``arm(every_module=True)`` says the forward runs with compilation off. A hook or mode traced into a
+compiled graph all the same (a model the monitor was given uncompiled, run through a compiled wrapper)
+returns at once: Dynamo traces the check as a constant, so it adds nothing to the graph and breaks nothing.
 """
 
 from __future__ import annotations
@@ -503,16 +505,18 @@ class AttentionCapture:
     def is_armed(self) -> bool:
         return self._armed is not None
 
-    def arm(self, token_mask: Tensor | None = None) -> AttentionRecording:
+    def arm(self, token_mask: Tensor | None = None, *, every_module: bool = False) -> AttentionRecording:
         """Install the capture for the next forward; returns the recording it fills.
 
         ``token_mask``: optional (B, n) bool, True = real token: the batch's real tokens, for attention calls
         with n queries where the forward's own padding masks say nothing
         (:mod:`spectral_monitor.probes.token_masks`). Padded queries are left out of every metric.
+        ``every_module``: hook the modules inside torch.compile graphs too, for a forward that runs them
+        eagerly (under ``torch.compiler.set_stance("force_eager")``).
         """
         if self._armed is not None:
             raise RuntimeError("AttentionCapture is already armed; disarm() it first")
-        self._armed = _ArmedForward(self, checked_token_mask(token_mask))
+        self._armed = _ArmedForward(self, checked_token_mask(token_mask), every_module)
         return self._armed.recording
 
     def disarm(self) -> AttentionRecording:
@@ -563,8 +567,9 @@ class _KernelCallMode(TorchFunctionMode):
 class _ArmedForward:
     """The hooks and mode of one armed forward, and the recording they fill."""
 
-    def __init__(self, capture: AttentionCapture, token_mask: Tensor | None) -> None:
+    def __init__(self, capture: AttentionCapture, token_mask: Tensor | None, every_module: bool) -> None:
         self._capture = capture
+        self._every_module = every_module
         self._token_masks = ForwardTokenMasks(token_mask)
         self.recording = AttentionRecording()
         self._names: list[str] = []
@@ -580,8 +585,10 @@ class _ArmedForward:
             raise
 
     def _install(self) -> None:
-        self._token_masks.install(self._capture.model)
-        for name, module in eager_named_modules(self._capture.model):
+        model = self._capture.model
+        self._token_masks.install(model, every_module=self._every_module)
+        walk = unwrapped_named_modules if self._every_module else eager_named_modules
+        for name, module in walk(model):
             layer = name or ROOT_LAYER_NAME
             self._handles.append(module.register_forward_pre_hook(self._enter_hook(layer)))
             self._handles.append(module.register_forward_hook(self._exit_hook(layer), always_call=True))
@@ -632,12 +639,15 @@ class _ArmedForward:
 
     def _enter_hook(self, layer: str) -> Callable[..., None]:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
-            self._names.append(layer)
+            if not torch.compiler.is_compiling():
+                self._names.append(layer)
 
         return enter
 
     def _exit_hook(self, layer: str) -> Callable[..., None]:
         def exit_(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             if self._names and self._names[-1] == layer:
                 self._names.pop()
 
@@ -645,7 +655,7 @@ class _ArmedForward:
 
     def _extractor_hook(self, layer: str, extractor: AttentionExtractor) -> Callable[..., None]:
         def extract(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if layer in self._seen:
+            if torch.compiler.is_compiling() or layer in self._seen:
                 return
             self._seen.add(layer)
             self._record(
@@ -657,8 +667,8 @@ class _ArmedForward:
     def _on_kernel_call(
         self, kernel: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if not self._names:
-            return  # not called from inside the captured model
+        if torch.compiler.is_compiling() or not self._names:
+            return  # traced into a compiled graph, or not called from inside the captured model
         layer = self._names[-1]
         if layer in self._seen or layer in self._extracted:
             return
@@ -674,6 +684,8 @@ class _ArmedForward:
             )
 
     def _on_uncapturable_call(self, reason: str, error: Exception | None) -> None:
+        if torch.compiler.is_compiling():
+            return
         if error is not None and self._capture.strict:
             raise error
         if not self._names or self._names[-1] in self._seen:

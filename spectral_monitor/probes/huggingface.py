@@ -31,6 +31,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
@@ -70,7 +71,7 @@ def observe_eager_attention(
 
         def eager_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             output = original(module, *args, **kwargs)
-            if active and id(module) in own_modules:
+            if active and id(module) in own_modules and not torch.compiler.is_compiling():
                 try:
                     call = signature.bind(module, *args, **kwargs)
                     call.apply_defaults()

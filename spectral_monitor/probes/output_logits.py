@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -85,11 +86,12 @@ class OutputLogitCapture:
     def is_armed(self) -> bool:
         return self._handle is not None
 
-    def arm(self, token_mask: Tensor | None = None) -> None:
-        """Hooks the head until :meth:`disarm`; ``token_mask`` (B, n) bool, True = real token."""
+    def arm(self, token_mask: Tensor | None = None, *, every_module: bool = False) -> None:
+        """Hooks the head until :meth:`disarm`; ``token_mask`` (B, n) bool, True = real token;
+        ``every_module``: as :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`."""
         self.disarm()
         self._token_masks = ForwardTokenMasks(token_mask)
-        self._token_masks.install(self.model)
+        self._token_masks.install(self.model, every_module=every_module)
         self._handle = self.head.register_forward_hook(self._keep)
 
     def disarm(self) -> OutputLogitSample | None:
@@ -104,6 +106,8 @@ class OutputLogitCapture:
         return sample
 
     def _keep(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled graph: measured by a probe forward instead
         if self._sample is not None or not isinstance(output, Tensor) or output.dim() != 3:
             return  # later calls in the same forward, or an output that is not (B, n, V)
         sequences = min(self.max_sequences, output.shape[0])

@@ -137,11 +137,12 @@ class ResidualCapture:
     def is_armed(self) -> bool:
         return self._recording is not None
 
-    def arm(self, token_mask: Tensor | None = None) -> ResidualRecording:
+    def arm(self, token_mask: Tensor | None = None, *, every_module: bool = False) -> ResidualRecording:
         """Install the hooks for the next forward; returns the recording they fill.
 
         ``token_mask``: optional (B, n) bool, True = real token, for blocks of n tokens of which neither their
-        own arguments nor the modules around them say which tokens are padding.
+        own arguments nor the modules around them say which tokens are padding. ``every_module``: as
+        :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`.
         """
         if self._recording is not None:
             raise RuntimeError("ResidualCapture is already armed; disarm() it first")
@@ -157,7 +158,7 @@ class ResidualCapture:
                 continue
             hook = self._output_hook(name, token_masks, recording, seen)
             self._handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
-        token_masks.install(self.model)
+        token_masks.install(self.model, every_module=every_module)
         self._token_masks = token_masks
         self._recording = recording
         return recording
@@ -192,8 +193,8 @@ class ResidualCapture:
         def keep_output(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if name in seen:
-                return
+            if torch.compiler.is_compiling() or name in seen:
+                return  # traced into a compiled graph (measured by a probe forward instead), or a later call
             seen.add(name)
             try:
                 sample = self._sample(name, module, kwargs, output, token_masks)

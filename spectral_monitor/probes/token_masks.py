@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from spectral_monitor.probes.wrappers import eager_named_modules
+from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
 __all__ = ["ForwardTokenMasks", "checked_token_mask"]
 
@@ -52,9 +52,11 @@ class ForwardTokenMasks:
         self._said: list[object] = []  # one entry per running module: a mask, None (all real) or nothing said
         self._handles: list[RemovableHandle] = []
 
-    def install(self, model: nn.Module) -> None:
-        """Hooks on every module of ``model`` (outside torch.compile graphs), until :meth:`remove`."""
-        for _, module in eager_named_modules(model):
+    def install(self, model: nn.Module, *, every_module: bool = False) -> None:
+        """Hooks on every module of ``model`` outside torch.compile graphs (``every_module``: inside them too,
+        for a forward run with compilation off), until :meth:`remove`."""
+        modules = unwrapped_named_modules(model) if every_module else eager_named_modules(model)
+        for _, module in modules:
             self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
@@ -79,9 +81,13 @@ class ForwardTokenMasks:
         return None
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled graph: the run is measured by a probe forward instead
         self._said.append(_said_by(kwargs))
 
     def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._said:
             self._said.pop()
 

@@ -1,5 +1,6 @@
 """Module names as the user wrote them, through the wrappers that DDP, FSDP, torch.compile and activation
-checkpointing put around a model or its parts; and where a model runs as torch.compile graphs.
+checkpointing put around a model or its parts; where a model runs as torch.compile graphs; and the probe
+forward that measures such a model without touching its graphs.
 
 ``DistributedDataParallel`` keeps the model as ``module``, Lightning's strategies and Fabric wrap the
 LightningModule as ``_forward_module``, FSDP (``FullyShardedDataParallel``) each wrapped unit as
@@ -13,20 +14,29 @@ checkpoint_wrapper) forward attribute lookups to the wrapped module, so they wou
 
 A ``"module"`` segment is dropped only under ``DataParallel``/``DistributedDataParallel``, where it is the
 wrapper's; a user's own submodule named ``module`` keeps its name.
+
+A compiled model is measured by a probe forward (:func:`probe_forward`, :func:`forward_on_batch`): Dynamo
+traces hooks and torch-function modes into its graphs and guards on them, so capturing inside a compiled
+forward would recompile it and could change its arithmetic. The probe forward runs the same modules eagerly
+on the same batch, after the training forward, and leaves no trace on the run: no gradient, every module's
+training flag and every random stream as they were, no compilation.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = [
     "WRAPPED_MODULE_ATTRIBUTES",
-    "compiled_attention_regions",
     "compiled_module_names",
     "eager_named_modules",
+    "forward_on_batch",
+    "probe_forward",
     "unwrapped_named_modules",
     "wrapped_module",
 ]
@@ -81,33 +91,61 @@ def compiled_module_names(model: nn.Module) -> list[str]:
     return [name for name, _, compiled, _ in _walk(model) if compiled]
 
 
-def compiled_attention_regions(model: nn.Module) -> list[str]:
-    """The compiled modules (:func:`compiled_module_names`) that may run attention inside their graphs.
+@contextmanager
+def probe_forward(model: nn.Module) -> Iterator[None]:
+    """The context of a forward of ``model`` that the training run does not see: compilation off
+    (``torch.compiler.set_stance("force_eager")``: compiled modules run their plain code, nothing compiles),
+    ``no_grad``, eval mode (no dropout), and the fused inference path of ``nn.MultiheadAttention`` off (the
+    path a training forward takes, whose kernel inputs the attention capture reads). On exit, also on an
+    error, every module's training flag and the CPU and CUDA random streams are as they were.
 
-    The whole model, or a compiled module holding an ``nn.MultiheadAttention`` or a module whose class name
-    says attention (``*Attention*``, ``*Attn*``): a transformer block compiled whole is one. A compiled
-    module without attention (a block's MLP) is not.
+    Args:
+        model: the module the forward runs (wrapped or compiled: its wrapper's call runs eagerly).
+
+    Returns:
+        A context manager: the forward runs inside it.
     """
-    names = compiled_module_names(model)
-    modules = dict(unwrapped_named_modules(model))
-    return [
-        name
-        for name in names
-        if name == "" or any(_is_attention(module) for module in _subtree(modules[name]))
-    ]
+    training = [(module, module.training) for module in model.modules()]
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            torch.backends.mha.set_fastpath_enabled(False)
+            model.eval()
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+        for module, flag in training:
+            module.training = flag
 
 
-def _subtree(module: nn.Module) -> Iterator[nn.Module]:
-    for _, inner in unwrapped_named_modules(module):
-        yield inner
+def forward_on_batch(model: nn.Module, batch: Any) -> Any:
+    """``model``'s forward on ``batch`` as a training loop feeds it: ``model(**batch)`` for a mapping (a
+    Hugging Face batch), ``model(batch[0])`` for a tuple or list (inputs, then targets), ``model(batch)``
+    otherwise.
 
+    Args:
+        model: the module to call.
+        batch: the step's batch, as given to the monitor.
 
-def _is_attention(module: nn.Module) -> bool:
-    named_attention = _ATTENTION_CLASS_NAME.search(type(module).__name__) is not None
-    return isinstance(module, nn.MultiheadAttention) or named_attention
+    Returns:
+        What ``model`` returns.
 
-
-_ATTENTION_CLASS_NAME = re.compile(r"(?i)attention|attn")
+    Raises:
+        ValueError: if ``batch`` is None or an empty tuple or list (no inputs to run the model on).
+    """
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise ValueError("batch is an empty tuple or list: there are no inputs to run the model on")
+        return model(batch[0])
+    if batch is None:
+        raise ValueError(
+            "batch is None: a compiled model is measured by running it on the step's batch, so give the "
+            "batch the model takes"
+        )
+    return model(batch)
 
 
 def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool, bool]]:
