@@ -64,9 +64,11 @@ INITIAL_BASIS_BLOCKS = 12
 CERTAINTY = 0.01
 """The ``failure_probability`` the probes' solves certify their answers to: the chance, over the random
 start, that an eigenvalue above a reported one was never seen (:func:`lanczos_eigsh`)."""
-ROUNDING_FLOOR = 100
+ROUNDING_FLOOR = 10
 """A residual below this many units of rounding of the operator's dtype, times the largest product norm seen,
-meets any tolerance: float rounding of the products, not the solver, sets the error there."""
+meets any tolerance: float rounding of the products, not the solver, sets the error there. Ten units, not
+more: the floor is an absolute error, so on the float32 Gram products of attention a larger one lets σ₂ of
+a matrix whose σ₂² is a few percent of σ₁² stop several times further off than its own tolerance."""
 EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
 instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
