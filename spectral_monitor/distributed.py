@@ -52,6 +52,7 @@ __all__ = [
     "is_distributed",
     "mean_over_ranks_",
     "on_every_rank",
+    "rank_zero_seed",
     "sharded_parameters",
 ]
 
@@ -93,6 +94,18 @@ def on_every_rank(flags: Tensor) -> Tensor:
     """Elementwise: whether each of the bool ``flags`` is true on every rank; every rank calls it with the
     same shape and gets the same answer."""
     return _reduced(flags.to(torch.int32), dist.ReduceOp.MIN).to(device=flags.device, dtype=torch.bool)
+
+
+def rank_zero_seed() -> int:
+    """A seed drawn from the operating system on rank 0 and shared by every rank, so that random starts of a
+    computation the ranks run together agree; every rank calls it. This process's own draw without a
+    process group."""
+    seed = torch.Generator().seed() % 2**63
+    if not is_distributed():
+        return seed
+    shared = torch.tensor([seed], dtype=torch.int64, device=_collective_device())
+    dist.broadcast(shared, src=0)
+    return int(shared.item())
 
 
 def _reduced(tensor: Tensor, op: dist.ReduceOp) -> Tensor:

@@ -243,12 +243,19 @@ def test_fsdp_and_fsdp2_probes_see_the_unsharded_model_under_plain_names(tmp_pat
     assert curvature[0]["products"] == curvature[1]["products"]
     assert curvature[0]["eigenvalues"] == pytest.approx(curvature[1]["eigenvalues"], rel=1e-12)
     model = DemoTransformer(**MODEL).double()
-    whole = measure_curvature(
-        model, lambda: shard_loss(model, [0, 1, 2, 3]), top_k=2, trace_products=12, tol=1e-9, max_products=400
+    whole = measure_curvature(  # the ranks' random start and trace probes: the generator they were given
+        model,
+        lambda: shard_loss(model, [0, 1, 2, 3]),
+        top_k=2,
+        trace_products=12,
+        tol=1e-9,
+        max_products=400,
+        generator=torch.Generator().manual_seed(0),
     )
     for saved in curvature:
         assert saved["converged"]
         assert saved["eigenvalues"] == pytest.approx(whole.eigenvalues.tolist(), rel=1e-8)
+        assert saved["unseeded_eigenvalues"] == pytest.approx(whole.eigenvalues.tolist(), rel=1e-8)
         assert saved["trace"] == pytest.approx(float(whole.trace.mean[0]), rel=1e-8)
     alone = measure_curvature(
         model, lambda: shard_loss(model, [0, 1, 2, 3]), top_k=2, tol=CURVATURE_TOLERANCES[0], max_products=400
@@ -304,6 +311,7 @@ def test_ddp_sharpness_is_the_single_process_sharpness_of_the_concatenated_batch
         tol=1e-9,
         max_products=options["max_products"],
         optimizer=torch.optim.SGD(model.parameters(), lr=SGD_LEARNING_RATE),
+        generator=torch.Generator().manual_seed(0),  # the second-order probes' own, as they start
     )
     assert written["sharpness"][0].value == pytest.approx(whole.sharpness, rel=1e-4)
     assert written["hessian_eigenvalue_2"][0].value == pytest.approx(float(whole.eigenvalues[1]), rel=1e-4)

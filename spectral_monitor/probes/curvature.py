@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from spectral_monitor.distributed import mean_over_ranks_, on_every_rank, sharded_parameters
+from spectral_monitor.distributed import mean_over_ranks_, on_every_rank, rank_zero_seed, sharded_parameters
 from spectral_monitor.linalg import (
     BatchedOperator,
     EigenResult,
@@ -578,15 +578,19 @@ def measure_curvature(
     the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
     (:func:`edge_of_stability`) is measured, and for Adam the preconditioned sharpness.
     ``average_over_ranks``: under DDP, every rank calls this with the loss of its own batch and gets the
-    curvature of the mean loss over all ranks' batches (:class:`HessianOperator`); the generator must be
-    seeded alike on every rank. A sharded (FSDP) module is refused (:func:`check_unsharded`).
+    curvature of the mean loss over all ranks' batches (:class:`HessianOperator`); a ``generator`` given
+    must be seeded alike on every rank (without one, rank 0's fresh seed is shared).
+    A sharded (FSDP) module is refused (:func:`check_unsharded`).
     """
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
     check_unsharded(module, "the curvature probe")
     space = space if space is not None else ParameterSpace.of(module)
     warm = warm if warm is not None else CurvatureWarmStart()
-    generator = generator if generator is not None else fresh_generator()
+    if generator is None:
+        # Averaged over ranks, every rank applies the mean Hessian to the same vectors: one seed for all.
+        shared = average_over_ranks
+        generator = torch.Generator().manual_seed(rank_zero_seed()) if shared else fresh_generator()
     with probing(module, mode):
         hessian = HessianOperator(loss_fn, space, method, module, average_over_ranks)
         top = hessian_eigenvalues(
