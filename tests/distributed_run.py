@@ -288,6 +288,10 @@ def main(strategy_name: str, output: Path, monitors: list[dict], options: dict) 
         log_every_n_steps=1,
     )
     trainer.fit(model, data)
+    # Lightning leaves the process group up; torn down by the interpreter's exit instead, gloo's threads can
+    # abort the process ("terminate called without an active exception") after a run that succeeded.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
