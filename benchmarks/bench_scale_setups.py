@@ -3,7 +3,7 @@
 model given compiled (``Monitor(torch.compile(model))``) or run through a compiled forward
 (``Monitor(model)``, the loop calling ``torch.compile(model)``), both with the ``aot_eager`` backend; the
 Hugging Face Trainer under two processes, and the plain loop around DDP and FSDP2 under two processes
-(``torchrun --nproc_per_node 2``, gloo on CPUs; the runs of ``tests/test_scale_loops.py``).
+(``torchrun --nproc_per_node 2``, gloo on CPUs; the runs of ``tests/scale/test_scale_loops.py``).
 
 Every step is a logging step (``every_n_steps=1``; figures off, the preflight off). The time spent inside
 the monitor (``MonitorSession.begin_step``, ``end_forward`` and ``end_step``, which also run on every rank)
@@ -141,7 +141,7 @@ def single_process(name: str) -> list[tuple[float, float]]:
 
 def distributed_rank(name: str, output: Path) -> None:
     """One rank of a two-process run; rank 0 writes its timings to OUTPUT/timings.json."""
-    import distributed_loops
+    from helpers import distributed_loops
 
     torch.set_num_threads(1)
     clock = MonitorClock()

@@ -13,7 +13,7 @@ all, or anything is left on the model.
 
     python benchmarks/soak.py --steps 2000
 
-tests/test_soak.py runs the script for a shorter run, in a process of its own.
+tests/reliability/test_soak.py runs the script for a shorter run, in a process of its own.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from helpers.models import EOS_LEARNING_RATE, FullBatchRegression, teacher_data
 from matplotlib.image import imread
-from models import EOS_LEARNING_RATE, FullBatchRegression, teacher_data
 from pytorch_lightning.cli import LightningCLI
 from tensorboard.backend.event_processing import event_accumulator
 

@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "logit_growth.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "logit_growth.py"
 STEPS = 525
 """Of the configs' 600: the run without QK-norm alerts at step 89; its loss spikes later, if at all."""
 

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from helpers.reference_metrics import attention_reference, max_logit_reference, token_reference
 from pytorch_lightning.loggers import Logger
-from reference_metrics import attention_reference, max_logit_reference, token_reference
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from events import read_back, scalar_series
-from models import TinyEncoder
+from helpers.events import read_back, scalar_series
+from helpers.models import TinyEncoder
+from helpers.reliability import fit, monitor_reports, tensorboard_logger
 from pytorch_lightning.callbacks import ModelCheckpoint
-from reliability_helpers import fit, monitor_reports, tensorboard_logger
 
 from spectral_monitor import Monitor, SpectralMonitor
 from spectral_monitor.alerts import AlertEvent

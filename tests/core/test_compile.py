@@ -33,8 +33,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from events import read_back
-from models import hook_count
+from helpers.events import read_back
+from helpers.models import hook_count
 from pytorch_lightning.loggers import TensorBoardLogger
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
@@ -46,7 +46,7 @@ from spectral_monitor.demo.model import IGNORE_INDEX
 from spectral_monitor.probes.wrappers import forward_on_batch, probe_forward
 from spectral_monitor.toolbox.length_scaling import attention_logit_scale
 
-sys.path.insert(0, str(Path(__file__).parent / "conformance"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "conformance"))
 from conformance_harness import (  # noqa: E402
     BlockReference,
     LayerReference,

@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 import pytest
+from helpers.models import TinyEncoder
+from helpers.reliability import fit, monitor_reports, tensorboard_logger
 from jsonargparse import ArgumentParser
-from models import TinyEncoder
 from pytorch_lightning.cli import LightningCLI
-from reliability_helpers import fit, monitor_reports, tensorboard_logger
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertConfig, Condition, Rule, default_rules
@@ -27,7 +27,7 @@ from spectral_monitor.validation import check_metric_pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 # argument -> (bad values, what the message must say is allowed)
 BAD_VALUES = {

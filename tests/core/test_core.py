@@ -30,7 +30,7 @@ from spectral_monitor.sinks import Capability, Sink
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB, WIDTH, HEADS, TOKENS = 16, 8, 2, 6
 
 

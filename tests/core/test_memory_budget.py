@@ -2,13 +2,13 @@
 
 Measured as the growth of the resident set of a fresh process over ``on_train_batch_end`` (the metrics, head
 diversity, figures and writing of a logging step), at n = 2048 where one attention matrix is 16 MiB in
-float32 (how: ``tests/resident_set.py``).
+float32 (how: ``tests/helpers/resident_set.py``).
 """
 
 from pathlib import Path
 
 import pytest
-from resident_set import needs_resident_set_counters, run_probe
+from helpers.resident_set import needs_resident_set_counters, run_probe
 
 ALLOWANCE_MIB = 32
 """What a logging step adds besides the attention work the budget covers: the figures' canvases (made on

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from events import read_back, scalar_series
-from models import TinyEncoder
-from reliability_helpers import (
+from helpers.events import read_back, scalar_series
+from helpers.models import TinyEncoder
+from helpers.reliability import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
     FAMILY_IDS,

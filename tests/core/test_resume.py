@@ -28,16 +28,16 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from events import read_back, scalar_series
-from models import TinyEncoder, previous_token_batches
-from pytorch_lightning.callbacks import ModelCheckpoint
-from reliability_helpers import (
+from helpers.events import read_back, scalar_series
+from helpers.models import TinyEncoder, previous_token_batches
+from helpers.reliability import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
     fit,
     monitor_reports,
     tensorboard_logger,
 )
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import spectral_monitor.core.second_order as curvature_monitor

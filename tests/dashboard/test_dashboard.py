@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.tensorboard_server import LOAD_TIMEOUT_S, poll, tensorboard_server
 from tensorboard import context as tb_context
 from tensorboard.backend.event_processing import plugin_event_multiplexer
 from tensorboard.backend.event_processing.data_ingester import (
@@ -21,7 +22,6 @@ from tensorboard.backend.event_processing.data_ingester import (
 )
 from tensorboard.backend.event_processing.data_provider import MultiplexerDataProvider
 from tensorboard.plugins import base_plugin
-from test_tensorboard_server import LOAD_TIMEOUT_S, load_fast, poll, tensorboard_server  # noqa: F401
 
 from spectral_monitor.alerts import AlertEngine, default_rules, open_alerts_markdown
 from spectral_monitor.core.alerting import ALERT_TEXT_TAG
@@ -289,8 +289,8 @@ def test_the_tab_reads_the_runs_of_the_lightning_callback_the_plain_loop_and_the
     tmp_path: Path, one_thread: None
 ) -> None:
     pytest.importorskip("transformers")
-    from models import TinyEncoder
-    from reliability_helpers import fit, tensorboard_logger
+    from helpers.models import TinyEncoder
+    from helpers.reliability import fit, tensorboard_logger
     from test_huggingface_trainer import BATCH, hf_train, tiny_gpt2, training_arguments
     from test_plain_loop import train_in_a_plain_loop
 

@@ -22,7 +22,7 @@ from spectral_monitor.demo import (
 )
 from spectral_monitor.demo.model import IGNORE_INDEX
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TASK = dict(vocab_size=160, num_keys=16, num_values=8, num_pairs=8, num_queries=4)
 
 

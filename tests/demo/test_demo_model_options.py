@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from reference_metrics import max_logit_reference
+from helpers.reference_metrics import max_logit_reference
 
 from spectral_monitor.demo import DemoTransformer
 from spectral_monitor.probes import AttentionCapture

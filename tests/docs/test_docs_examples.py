@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 RUNNABLE = {"python": "python", "bash": "shell", "sh": "shell", "shell": "shell"}
 CHECKOUT_ENTRIES = (

@@ -1,13 +1,13 @@
 """Two-process CPU (gloo) runs of the monitor, as scripts run by test_scale_distributed.py.
 
-``python tests/distributed_run.py fsdp OUTPUT_DIR``: plain ``torch.distributed`` (no Lightning: its FSDP
+``python tests/helpers/distributed_run.py fsdp OUTPUT_DIR``: plain ``torch.distributed`` (no Lightning: its FSDP
 strategy needs a GPU) around the demo model, FSDP per block and FSDP2 (``fully_shard``) per block; each
 rank saves to OUTPUT_DIR/rank<r>.pt what the probes saw (weights measured inside ``full_parameters``,
 attention and block outputs of its own batch), what the collectives of ``spectral_monitor.distributed``
 returned, the curvature of its own shard averaged over the ranks with a tolerance of its own (so only the
 agreed stopping keeps the ranks in step), and the refusals of the curvature probes on the sharded models.
 
-``python tests/distributed_run.py STRATEGY OUTPUT_DIR MONITORS_JSON [OPTIONS_JSON]``: a Lightning
+``python tests/helpers/distributed_run.py STRATEGY OUTPUT_DIR MONITORS_JSON [OPTIONS_JSON]``: a Lightning
 ``Trainer.fit`` with STRATEGY ``ddp`` or ``ddp_spawn``; MONITORS_JSON a list of SpectralMonitor keyword
 arguments, one monitor each (their families must not overlap, so their tags do not either; ``curvature``,
 ``jacobian``, ``ntk`` and ``probe_data`` are the keyword arguments of their options classes). Writes a

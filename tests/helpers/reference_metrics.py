@@ -21,6 +21,7 @@ Conventions the catalogue leaves to the reader, fixed here once:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -526,3 +527,36 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+KRYLOV_ERANK_RTOL = 0.02
+# The Krylov path against the float64 reference of its float32 input: (rtol, atol) per metric.
+KRYLOV_TOLERANCE = {
+    # One pass over A, nothing iterative: float32 accuracy.
+    "entropy": (1e-5, 1e-5),
+    "rank_one_residual": (1e-5, 1e-5),
+    "self_attention": (1e-5, 1e-5),
+    "sink_mass": (1e-5, 1e-5),
+    "sink_mass_first": (1e-5, 1e-5),
+    # σ₁, σ₂ by block Lanczos, and what follows from them.
+    "sigma1": (1e-3, 0.0),
+    "sigma2": (1e-3, 0.0),
+    "stable_rank": (1e-3, 0.0),
+    "spectral_gap": (0.0, 2e-3),
+    # Stochastic Lanczos quadrature.
+    "effective_rank": (KRYLOV_ERANK_RTOL, 0.0),
+    "effective_rank_ratio": (KRYLOV_ERANK_RTOL, 0.0),
+    # |λ₂| by block Arnoldi, to 0.01 in modulus.
+    "eigen_gap": (0.0, 0.01),
+}
+
+
+def attention_probabilities(x_q, x_k, query, key, query_bias, key_bias, heads, causal=False):
+    """softmax(q kᵀ/√d_k) per head from (out, in) projections: what the probe's split must reproduce."""
+    q = (x_q @ query.T + query_bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+    k = (x_k @ key.T + key_bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = logits.shape[-1]
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return logits.softmax(-1)

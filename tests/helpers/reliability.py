@@ -12,13 +12,9 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
-from models import previous_token_batches
-from pytorch_lightning.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
+from helpers.lightning_runs import fit, tensorboard_logger, trainer_for  # noqa: F401 (the suites import them from here)
 
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 
@@ -103,37 +99,6 @@ ALL_FAMILIES = {
 """Monitor arguments that turn every family on (attention on the Krylov path: it keeps warm state)."""
 
 FAMILY_IDS = [configuration.family for configuration in FAMILY_CONFIGURATIONS]
-
-
-def trainer_for(logger: Any, callbacks: list, max_steps: int, **trainer_arguments: Any) -> pl.Trainer:
-    arguments: dict[str, Any] = {
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "log_every_n_steps": 1,
-        **trainer_arguments,
-    }
-    return pl.Trainer(
-        max_steps=max_steps, logger=logger, callbacks=callbacks, accelerator="cpu", devices=1, **arguments
-    )
-
-
-def fit(
-    model: pl.LightningModule,
-    callbacks: list,
-    logger: Any,
-    max_steps: int,
-    data: DataLoader | None = None,
-    ckpt_path: str | None = None,
-    **trainer_arguments: Any,
-) -> pl.Trainer:
-    trainer = trainer_for(logger, callbacks, max_steps, **trainer_arguments)
-    trainer.fit(model, data if data is not None else previous_token_batches(), ckpt_path=ckpt_path)
-    return trainer
-
-
-def tensorboard_logger(root: Path, name: str = "run", version: int = 0) -> TensorBoardLogger:
-    return TensorBoardLogger(save_dir=str(root), name=name, version=version)
 
 
 @dataclass

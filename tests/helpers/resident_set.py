@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPOSITORY = Path(__file__).resolve().parents[1]
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 needs_resident_set_counters = pytest.mark.skipif(
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set counters"

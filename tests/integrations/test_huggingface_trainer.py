@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from events import read_back, scalar_series
-from models import hook_count
-from reliability_helpers import fit, tensorboard_logger
+from helpers.events import read_back, scalar_series
+from helpers.models import hook_count
+from helpers.reliability import fit, tensorboard_logger
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

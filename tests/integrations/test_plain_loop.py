@@ -11,8 +11,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from events import read_back
-from models import hook_count
+from helpers.events import read_back
+from helpers.models import hook_count
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator
 from torch.utils.tensorboard import SummaryWriter

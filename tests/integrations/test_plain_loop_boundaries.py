@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from events import read_back
-from models import TinyEncoder, hook_count
+from helpers.events import read_back
+from helpers.models import TinyEncoder, hook_count
 
 from spectral_monitor import Monitor
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import TinyEncoder
+from helpers.models import TinyEncoder
 
 from spectral_monitor import Monitor
 

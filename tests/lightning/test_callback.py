@@ -3,7 +3,7 @@
 What a run writes (scalars on exactly the logging steps, on the step axis ``self.log`` uses; histograms;
 figures; the Custom Scalars layout), that the numbers are those of the model (recomputed independently with
 ``need_weights=True`` on a copy), that nothing is installed on the model between logging steps, and how
-bad input and failures are reported. That the trajectory is unchanged: tests/test_non_perturbation.py.
+bad input and failures are reported. That the trajectory is unchanged: tests/core/test_non_perturbation.py.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from events import read_back as read_every_event
-from events import scalar_at, scalar_steps
-from models import HEADS, TinyEncoder, hook_count, previous_token_batches
+from helpers.events import scalar_at, scalar_steps
+from helpers.lightning_runs import fit, tensorboard_logger
+from helpers.lightning_runs import read_viewed as read_back
+from helpers.models import HEADS, TinyEncoder, hook_count, previous_token_batches
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from tensorboard.backend.event_processing import event_accumulator
@@ -45,41 +45,8 @@ LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
 BLOCKS = ("encoder.layers.0", "encoder.layers.1")
 LAYOUT_TAG = "custom_scalars__config__"
 
-read_back = partial(read_every_event, purge_orphaned_data=True)  # as TensorBoard's viewer reads a run
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def fit(
-    model: pl.LightningModule,
-    callbacks: list,
-    logger,
-    max_steps: int,
-    data=None,
-    ckpt_path=None,
-    **trainer_args,
-) -> pl.Trainer:
-    trainer = pl.Trainer(
-        max_steps=max_steps,
-        logger=logger,
-        callbacks=callbacks,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **trainer_args,
-    )
-    if isinstance(data, pl.LightningDataModule):
-        trainer.fit(model, datamodule=data)
-    else:
-        trainer.fit(model, data if data is not None else previous_token_batches(), ckpt_path=ckpt_path)
-    return trainer
-
-
-def tensorboard_logger(tmp_path: Path) -> TensorBoardLogger:
-    return TensorBoardLogger(save_dir=str(tmp_path), name="run", version=0)
 
 
 def monitor_warnings(record: list[warnings.WarningMessage], text: str) -> list[str]:
@@ -89,7 +56,7 @@ def monitor_warnings(record: list[warnings.WarningMessage], text: str) -> list[s
 # -- constructor -------------------------------------------------------------------------------------------
 
 
-# Every argument's bad values: tests/test_configuration.py.
+# Every argument's bad values: tests/core/test_configuration.py.
 
 
 def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers() -> None:

@@ -19,14 +19,14 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
-from events import read_back
+from helpers.events import read_back
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.demo import DemoTransformer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

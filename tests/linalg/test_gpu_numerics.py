@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from helpers.reference_metrics import attention_reference_batch, query_key_logits, row_softmax
 from pytorch_lightning.loggers import TensorBoardLogger
-from reference_metrics import attention_reference_batch, query_key_logits, row_softmax
 from tensorboard.backend.event_processing import event_accumulator
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_metrics import (
+from helpers.reference_metrics import (
     attention_reference,
     causal_uniform_attention,
     max_logit_reference,

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from resident_set import needs_resident_set_counters, run_probe
-from test_metrics_reference import KRYLOV_ERANK_RTOL, KRYLOV_TOLERANCE
+from helpers.reference_metrics import KRYLOV_ERANK_RTOL, KRYLOV_TOLERANCE
+from helpers.resident_set import needs_resident_set_counters, run_probe
 
 from spectral_monitor.metrics import KrylovState, attention_metrics, attention_metrics_from_qk
 
@@ -71,7 +71,7 @@ def gaussian_qk(seed: int, batch: tuple[int, ...], n: int, m: int | None = None)
 def assert_agrees_with_the_exact_path(
     q: torch.Tensor, k: torch.Tensor, *, seed: int = 0, exact_effective_rank: bool = True, **options
 ) -> dict[str, torch.Tensor]:
-    """Every metric within the Krylov tolerances of tests/test_metrics_reference.py, against the float64
+    """Every metric within the Krylov tolerances of tests/metrics/test_metrics_reference.py, against the float64
     exact path on the dense probabilities; Dobrushin within [τ/2, τ] (the documented estimate) and equal to
     the dense path's own estimate; threshold rank exact or an unresolved NaN. The effective rank also equals
     the dense Krylov path's with the same generator to 0.5% (same probes, same algorithm, products that

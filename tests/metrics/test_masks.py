@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reference_metrics import attention_reference, row_softmax
+from helpers.reference_metrics import attention_reference, row_softmax
 from torch import nn
 
 from spectral_monitor import SpectralMonitor
@@ -158,7 +158,7 @@ def test_the_documented_extractor_example_runs(tmp_path, monkeypatch):
 
     from spectral_monitor.probes import attention as attention_probe
 
-    page = (Path(__file__).parent.parent / "docs" / "extractors.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "extractors.md").read_text()
     example = page.split("A complete example:")[1].split("```python\n")[1].split("```")[0]
     monkeypatch.chdir(tmp_path)
     registered = dict(attention_probe._GLOBAL_EXTRACTORS)

@@ -15,9 +15,7 @@ from random import Random
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from reference_metrics import (
+from helpers.reference_metrics import (
     ATTENTION_METRICS,
     AttentionCase,
     attention_reference,
@@ -25,6 +23,8 @@ from reference_metrics import (
     query_key_logits,
     row_softmax,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
 

@@ -13,8 +13,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from reference_metrics import (
+from helpers.reference_metrics import (
     ATTENTION_METRICS,
+    KRYLOV_ERANK_RTOL,
+    KRYLOV_TOLERANCE,
     TOKEN_METRICS,
     WEIGHT_METRICS,
     AttentionCase,
@@ -519,27 +521,6 @@ def test_rank_one_weight_is_one_spike() -> None:
 # --------------------------------------------------------------------------------------------------------
 # The Krylov path: accuracy and an honest standard error
 # --------------------------------------------------------------------------------------------------------
-
-KRYLOV_ERANK_RTOL = 0.02
-# The Krylov path against the float64 reference of its float32 input: (rtol, atol) per metric.
-KRYLOV_TOLERANCE = {
-    # One pass over A, nothing iterative: float32 accuracy.
-    "entropy": (1e-5, 1e-5),
-    "rank_one_residual": (1e-5, 1e-5),
-    "self_attention": (1e-5, 1e-5),
-    "sink_mass": (1e-5, 1e-5),
-    "sink_mass_first": (1e-5, 1e-5),
-    # σ₁, σ₂ by block Lanczos, and what follows from them.
-    "sigma1": (1e-3, 0.0),
-    "sigma2": (1e-3, 0.0),
-    "stable_rank": (1e-3, 0.0),
-    "spectral_gap": (0.0, 2e-3),
-    # Stochastic Lanczos quadrature.
-    "effective_rank": (KRYLOV_ERANK_RTOL, 0.0),
-    "effective_rank_ratio": (KRYLOV_ERANK_RTOL, 0.0),
-    # |λ₂| by block Arnoldi, to 0.01 in modulus.
-    "eigen_gap": (0.0, 0.01),
-}
 
 
 def softmax_attention(seed: int, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from models import tiny_bert, tiny_gpt2
+from helpers.models import tiny_bert, tiny_gpt2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import EOS_LEARNING_RATE, FullBatchRegression, TinyEncoder, teacher_data
+from helpers.events import scalar_steps
+from helpers.lightning_runs import fit
+from helpers.lightning_runs import read_viewed as read_back
+from helpers.models import EOS_LEARNING_RATE, FullBatchRegression, TinyEncoder, teacher_data
 from pytorch_lightning.loggers import TensorBoardLogger
-from test_callback import fit, read_back, scalar_steps
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule

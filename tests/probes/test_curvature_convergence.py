@@ -20,7 +20,7 @@ from spectral_monitor.report import write_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-EOS_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "eos_accuracy.py"
+EOS_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eos_accuracy.py"
 
 
 def eos_accuracy():

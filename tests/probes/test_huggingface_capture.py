@@ -22,9 +22,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from events import read_back, scalar_series
-from reference_metrics import attention_reference_batch
-from reliability_helpers import fit, monitor_reports, tensorboard_logger
+from helpers.events import read_back, scalar_series
+from helpers.reference_metrics import attention_reference_batch
+from helpers.reliability import fit, monitor_reports, tensorboard_logger
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset

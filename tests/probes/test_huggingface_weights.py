@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_weight_probes import attention_probabilities
+from helpers.reference_metrics import attention_probabilities
 from torch import nn
 
 from spectral_monitor.probes.weights import WeightProbe

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.lightning_runs import fit
+from helpers.lightning_runs import read_viewed as read_back
+from helpers.reference_metrics import output_logit_reference
 from pytorch_lightning.loggers import TensorBoardLogger
-from reference_metrics import output_logit_reference
-from test_callback import fit, read_back
 from torch.utils.data import DataLoader, TensorDataset
 
 from spectral_monitor import SpectralMonitor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_bert, tiny_gpt2
+from helpers.models import tiny_bert, tiny_gpt2
 from torch import nn
 
 from spectral_monitor.probes import ResidualCapture, find_transformer_blocks

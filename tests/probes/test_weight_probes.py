@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.reference_metrics import attention_probabilities
 from torch import nn
 
 from spectral_monitor.linalg import top_singular
@@ -46,17 +47,6 @@ def perturb_(model: nn.Module, scale: float, generator: torch.Generator) -> None
         for parameter in model.parameters():
             noise = torch.randn(parameter.shape, generator=generator)
             parameter.add_(scale * parameter.norm() / math.sqrt(parameter.numel()) * noise)
-
-
-def attention_probabilities(x_q, x_k, query, key, query_bias, key_bias, heads, causal=False):
-    """softmax(q kᵀ/√d_k) per head from (out, in) projections: what the probe's split must reproduce."""
-    q = (x_q @ query.T + query_bias).unflatten(-1, (heads, -1)).transpose(1, 2)
-    k = (x_k @ key.T + key_bias).unflatten(-1, (heads, -1)).transpose(1, 2)
-    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n = logits.shape[-1]
-        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return logits.softmax(-1)
 
 
 # --------------------------------------------------------------------------------------------------------

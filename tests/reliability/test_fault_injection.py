@@ -25,9 +25,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from events import read_back, scalar_series
-from models import HEADS, VOCAB, WIDTH, TinyEncoder, hook_count
-from reliability_helpers import (
+from helpers.events import read_back, scalar_series
+from helpers.models import HEADS, VOCAB, WIDTH, TinyEncoder, hook_count
+from helpers.reliability import (
     ALL_FAMILIES,
     FAMILY_CONFIGURATIONS,
     FAMILY_IDS,

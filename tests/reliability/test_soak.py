@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-SOAK_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+SOAK_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 def test_300_steps_with_every_family_every_10_steps_leave_resources_flat(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The monitor under DDP and FSDP: two CPU processes on gloo, each run a script under a hard timeout.
 
-Each run is a subprocess (tests/distributed_run.py) with a free port, collectives that time out after 60 s
+Each run is a subprocess (tests/helpers/distributed_run.py) with a free port, collectives that time out after 60 s
 and a wall-clock limit, so a deadlock fails the test instead of hanging CI. What they prove: under
 Lightning ``ddp`` and ``ddp_spawn`` every family (curvature, Jacobian and NTK included) works with several
 monitors of different families and cadences at once, some with ``stop_on`` (each rank joins whatever the
@@ -41,14 +41,13 @@ from spectral_monitor.probes.curvature import measure_curvature
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.multiprocess, pytest.mark.slow]
 
-SCRIPT = Path(__file__).with_name("distributed_run.py")
-REPOSITORY = SCRIPT.parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
+SCRIPT = REPOSITORY / "tests" / "helpers" / "distributed_run.py"
 RUN_TIMEOUT_S = 240  # a loaded 2-core machine needs ~50 s: three interpreters import torch and Lightning
 FAMILY_PREFIXES = ("attention/", "tokens/", "weights/", "curvature/", "jacobian/", "ntk/", "alerts/")
 OPT_IN = ("curvature", "jacobian", "ntk")
 
-sys.path.insert(0, str(SCRIPT.parent))
-from distributed_run import (  # noqa: E402
+from helpers.distributed_run import (  # noqa: E402
     CURVATURE_TOLERANCES,
     MODEL,
     SGD_LEARNING_RATE,

@@ -26,7 +26,7 @@ pytestmark = [
 
 MODEL = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32, "init_std": 0.3}
 NORMALISED = ("entropy", "spectral_gap", "rank_one_residual", "effective_rank_ratio", "dobrushin")
-FP16_TOLERANCE = 1e-3  # as on the CPU (tests/test_scale_single_process.py)
+FP16_TOLERANCE = 1e-3  # as on the CPU (tests/scale/test_scale_single_process.py)
 
 
 def fit_step_zero(tmp_path: Path, **trainer_args) -> event_accumulator.EventAccumulator:

@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from events import read_back, scalar_series
+from helpers.events import read_back, scalar_series
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.multiprocess, pytest.mark.slow]
 
-SCRIPT = Path(__file__).with_name("distributed_loops.py")
-REPOSITORY = SCRIPT.parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
+SCRIPT = REPOSITORY / "tests" / "helpers" / "distributed_loops.py"
 RUN_TIMEOUT_S = 300  # two interpreters import torch and transformers on a loaded 2-core machine
 FAMILY_PREFIXES = ("attention/", "tokens/", "weights/", "alerts/")
 
-sys.path.insert(0, str(SCRIPT.parent))
-from distributed_loops import SAVE_STEP, STEPS, single_process_loop  # noqa: E402
+from helpers.distributed_loops import SAVE_STEP, STEPS, single_process_loop  # noqa: E402
 
 
 def torchrun(tmp_path: Path, mode: str, processes: int = 2) -> None:

@@ -6,7 +6,7 @@
   the tolerances stated in the README (measured here on a model with peaked attention).
 - torch.compile: every way of compiling a model or its parts is found; compiling only modules without
   attention keeps every capture armed on the training forward, with the same numbers and no recompilation
-  on armed steps (a compiled model is measured by a probe forward: ``tests/test_compile.py``).
+  on armed steps (a compiled model is measured by a probe forward: ``tests/core/test_compile.py``).
 - Activation checkpointing: recomputed forwards (reentrant or not) neither duplicate nor change captures,
   armed through the backward or disarmed before it as the callback does; ``checkpoint_wrapper`` leaves
   every name as the plain model's.

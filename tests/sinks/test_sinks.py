@@ -18,7 +18,7 @@ import matplotlib
 import matplotlib.figure
 import numpy as np
 import pytest
-from events import read_back as read_every_event
+from helpers.events import read_back as read_every_event
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 from tensorboard.plugins.custom_scalar import layout_pb2
