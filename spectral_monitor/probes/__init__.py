@@ -5,16 +5,18 @@ copies of what they saw.
 """
 
 from spectral_monitor.probes.attention import (
-    ROOT_LAYER_NAME,
     AttentionCapture,
     AttentionExtractor,
+    register_attention_extractor,
+)
+from spectral_monitor.probes.attention_records import (
+    ROOT_LAYER_NAME,
     AttentionInputs,
     AttentionRecording,
     AttentionSample,
     CapturedAttention,
     LogitSoftcap,
     SkippedCapture,
-    register_attention_extractor,
 )
 from spectral_monitor.probes.residual import (
     ResidualCapture,

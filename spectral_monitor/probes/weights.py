@@ -99,7 +99,7 @@ from spectral_monitor.linalg.operators import (
     working_dtype,
 )
 from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
-from spectral_monitor.probes.attention import ROOT_LAYER_NAME
+from spectral_monitor.probes.attention_records import ROOT_LAYER_NAME
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
 
