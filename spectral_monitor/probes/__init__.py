@@ -9,6 +9,12 @@ from spectral_monitor.probes.attention import (
     AttentionExtractor,
     register_attention_extractor,
 )
+from spectral_monitor.probes.attention_families import (
+    AttentionWeights,
+    AttentionWeightsReader,
+    QKVLayout,
+    register_qkv_layout,
+)
 from spectral_monitor.probes.attention_records import (
     ROOT_LAYER_NAME,
     AttentionInputs,
@@ -24,15 +30,7 @@ from spectral_monitor.probes.residual import (
     ResidualSample,
     find_transformer_blocks,
 )
-from spectral_monitor.probes.weights import (
-    WEIGHT_FAMILY,
-    AttentionWeights,
-    AttentionWeightsReader,
-    QKVLayout,
-    WeightProbe,
-    query_key_spectral_norms,
-    register_qkv_layout,
-)
+from spectral_monitor.probes.weights import WEIGHT_FAMILY, WeightProbe, query_key_spectral_norms
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 
 __all__ = [
