@@ -165,13 +165,19 @@ QKV_LAYOUTS = ("concatenated", "interleaved")
 class QKVLayout:
     """How an attention module's fused ``nn.Linear`` (or ``Conv1D``) projection holds its q, k and v.
 
-    ``projection``: the fused child's name (``"qkv_proj"``). ``layout``: ``"concatenated"``, rows
-    [W_Q; W_K; W_V] with heads contiguous within each and possibly fewer key/value heads (Phi-3's
-    ``qkv_proj``), or ``"interleaved"``, per head h the rows [W_Q^h; W_K^h; W_V^h] (GPT-NeoX's
-    ``query_key_value``, which its forward views as (heads, 3 · d_k)). ``num_heads``,
-    ``num_key_value_heads``, ``head_dim``: ``None`` = read from the module or its ``config``
-    (``num_attention_heads``/``num_heads``/..., ``num_key_value_heads``, ``head_dim``/``head_size``);
-    what is missing follows from the projection's rows.
+    A count left ``None`` is read from the module or its ``config`` (:data:`HEAD_COUNT_ATTRIBUTES`,
+    :data:`KEY_VALUE_HEAD_COUNT_ATTRIBUTES`, :data:`HEAD_WIDTH_ATTRIBUTES` or ``head_size``); what is
+    missing there follows from the projection's rows.
+
+    Attributes:
+        projection: the fused child's name (``"qkv_proj"``).
+        layout: ``"concatenated"``, rows [W_Q; W_K; W_V] with heads contiguous within each and possibly
+            fewer key/value heads (Phi-3's ``qkv_proj``), or ``"interleaved"``, per head h the rows
+            [W_Q^h; W_K^h; W_V^h] (GPT-NeoX's ``query_key_value``, which its forward views as
+            (heads, 3 · d_k)).
+        num_heads: the query heads H, or ``None``.
+        num_key_value_heads: the key/value heads H_k, or ``None``.
+        head_dim: the head width d_k, or ``None``.
 
     Raises:
         ValueError: if ``projection`` is not a non-empty str, ``layout`` not one of ``QKV_LAYOUTS``, or a
@@ -245,7 +251,7 @@ _REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[type[nn.Module] | str, QKVLayout
 
 
 def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> RemovableHandle:
-    """Tell every :class:`WeightProbe` how the attention modules ``target`` fuse q, k and v, so they get
+    """Tell every :class:`~spectral_monitor.probes.WeightProbe` how the attention modules ``target`` fuse q, k and v, so they get
     per-head weight metrics (``qk_spectral_norm``, per-head σ₁)::
 
         register_qkv_layout(MyAttention, QKVLayout("Wqkv", "interleaved"))
