@@ -251,8 +251,8 @@ _REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[type[nn.Module] | str, QKVLayout
 
 
 def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> RemovableHandle:
-    """Tell every :class:`~spectral_monitor.probes.WeightProbe` how the attention modules ``target`` fuse q, k and v, so they get
-    per-head weight metrics (``qk_spectral_norm``, per-head σ₁)::
+    """Tell every :class:`~spectral_monitor.probes.WeightProbe` how the attention modules ``target`` fuse
+    q, k and v, so they get per-head weight metrics (``qk_spectral_norm``, per-head σ₁)::
 
         register_qkv_layout(MyAttention, QKVLayout("Wqkv", "interleaved"))
 
