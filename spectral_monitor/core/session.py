@@ -78,7 +78,7 @@ from spectral_monitor.probes import (
     SkippedCapture,
     WeightProbe,
 )
-from spectral_monitor.probes.attention import DENSE_CALL_NBYTES
+from spectral_monitor.probes.attention_records import DENSE_CALL_NBYTES
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 from spectral_monitor.probes.output_logits import OutputLogitCapture, OutputLogitSample
 from spectral_monitor.probes.token_masks import checked_token_mask

@@ -34,6 +34,7 @@ from torch.utils.tensorboard import SummaryWriter
 from spectral_monitor.core import MonitorOptions, MonitorSession
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES
 from spectral_monitor.distributed import global_rank
+from spectral_monitor.probes.wrappers import data_parallel_unwrapped
 from spectral_monitor.sinks import TensorBoardSink
 from spectral_monitor.validation import check_bool, check_callable, check_int
 
@@ -125,7 +126,7 @@ class Monitor:
         _check_a_loss_for_the_second_order_probes(self.options, loss_fn, options)
         self.optimizer = optimizer
         self.model = model
-        self._measured = _wrapped_module(model)
+        self._measured = data_parallel_unwrapped(model)
         self._session = MonitorSession(self.options)
         self._started = False
         self._closed = False
@@ -268,13 +269,3 @@ def _check_a_loss_for_the_second_order_probes(
         f"{cause} turns on the {family} probe, which needs a loss: pass loss_fn=lambda model, batch: <scalar "
         f"loss> (or probe_data=ProbeDataOptions(loss_fn=...)), or leave {family} off"
     )
-
-
-def _wrapped_module(model: nn.Module) -> nn.Module:
-    """The module a DDP or FSDP wrapper holds, whose names are the model's own; else ``model``."""
-    wrappers = [torch.nn.parallel.DistributedDataParallel]
-    if torch.distributed.is_available():
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        wrappers.append(FullyShardedDataParallel)
-    return model.module if isinstance(model, tuple(wrappers)) else model

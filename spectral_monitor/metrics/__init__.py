@@ -5,7 +5,8 @@ The one definition of each metric lives here; nothing else in the package re-der
 
 from spectral_monitor.metrics._common import ENERGY_LEVEL, METHODS
 from spectral_monitor.metrics.attention import METRIC_NAMES as ATTENTION_METRICS
-from spectral_monitor.metrics.attention import KrylovState, attention_metrics
+from spectral_monitor.metrics.attention import attention_metrics
+from spectral_monitor.metrics.attention_krylov import KrylovState
 from spectral_monitor.metrics.logits import LOGIT_METRIC_NAMES as ATTENTION_LOGIT_METRICS
 from spectral_monitor.metrics.logits import (
     OUTPUT_LOGIT_METRICS,

@@ -10,8 +10,8 @@ of the attention kernel, within a memory budget:
 - the one-pass members (entropy, ‖A‖_F, rank-one residual, self-attention, the Dobrushin estimate) are sums
   over those blocks;
 - the spectral members come from the same Krylov code as the dense path
-  (:func:`~spectral_monitor.metrics.attention.krylov_spectral_metrics`), run on an operator whose products
-  A·X, Aᵀ·Y and AᵀA·X sweep the blocks (AᵀA·X in one sweep: each block is formed once per product);
+  (:func:`~spectral_monitor.metrics.attention_krylov.krylov_spectral_metrics`), run on an operator whose
+  products A·X, Aᵀ·Y and AᵀA·X sweep the blocks (AᵀA·X in one sweep: each block is formed once per product);
 - batch elements (sequences × heads) go through in chunks sized so their Krylov vectors fit the budget too.
 
 Where the dense matrices are small enough to factorise (``method="auto"``:
@@ -31,16 +31,15 @@ from spectral_monitor.linalg import BatchedOperator
 from spectral_monitor.metrics._common import check_method, flat_mask, working_dtype_of
 from spectral_monitor.metrics.attention import (
     DOBRUSHIN_EXACT_MAX_ROWS,
-    KrylovState,
     Scratch,
     anchored_dobrushin,
     attention_metrics,
     exact_dobrushin,
     finished_metrics,
-    krylov_spectral_metrics,
     one_pass_members,
     uses_exact_path,
 )
+from spectral_monitor.metrics.attention_krylov import KrylovState, krylov_spectral_metrics
 from spectral_monitor.metrics.logits import max_over_real_queries
 
 DEFAULT_MAX_BYTES = 256 * 2**20

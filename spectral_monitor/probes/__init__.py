@@ -5,16 +5,24 @@ copies of what they saw.
 """
 
 from spectral_monitor.probes.attention import (
-    ROOT_LAYER_NAME,
     AttentionCapture,
     AttentionExtractor,
+    register_attention_extractor,
+)
+from spectral_monitor.probes.attention_families import (
+    AttentionWeights,
+    AttentionWeightsReader,
+    QKVLayout,
+    register_qkv_layout,
+)
+from spectral_monitor.probes.attention_records import (
+    ROOT_LAYER_NAME,
     AttentionInputs,
     AttentionRecording,
     AttentionSample,
     CapturedAttention,
     LogitSoftcap,
     SkippedCapture,
-    register_attention_extractor,
 )
 from spectral_monitor.probes.residual import (
     ResidualCapture,
@@ -22,15 +30,7 @@ from spectral_monitor.probes.residual import (
     ResidualSample,
     find_transformer_blocks,
 )
-from spectral_monitor.probes.weights import (
-    WEIGHT_FAMILY,
-    AttentionWeights,
-    AttentionWeightsReader,
-    QKVLayout,
-    WeightProbe,
-    query_key_spectral_norms,
-    register_qkv_layout,
-)
+from spectral_monitor.probes.weights import WEIGHT_FAMILY, WeightProbe, query_key_spectral_norms
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 
 __all__ = [

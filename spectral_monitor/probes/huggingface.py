@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spectral_monitor.probes.attention_families import looks_like_attention
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 
 __all__ = ["CAPTURED_IMPLEMENTATIONS", "attention_not_seen_advice", "observe_eager_attention"]
@@ -122,7 +123,7 @@ def attention_not_seen_advice(model: nn.Module) -> str:
             'cannot see; load the model with from_pretrained(..., attn_implementation="sdpa") or switch '
             'it with model.set_attn_implementation("sdpa") ("eager" is seen too)'
         )
-    candidates = sorted({type(module).__name__ for module in modules if _looks_like_attention(module)})
+    candidates = sorted({type(module).__name__ for module in modules if looks_like_attention(module)})
     target = candidates[0] if candidates else "MyAttention"
     extractor = (
         "register an extractor that returns its q, k, mask and scale: "
@@ -186,8 +187,3 @@ def _eager_function_namespace(module_type: type) -> dict[str, Any] | None:
 @cache
 def _signature(function: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(function)
-
-
-def _looks_like_attention(module: nn.Module) -> bool:
-    name = type(module).__name__.lower()
-    return ("attention" in name or "attn" in name) and not isinstance(module, nn.MultiheadAttention)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from spectral_monitor.probes.attention import SkippedCapture
+from spectral_monitor.probes.attention_records import SkippedCapture
 from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import unwrapped_named_modules, wrapped_module
 

@@ -1,7 +1,9 @@
 """Which tokens of a forward are real, read from the padding masks its modules receive.
 
 While a capture is armed, a pre-hook on every module reads the padding mask the module was given, by
-keyword, and keeps it while that module's forward runs:
+keyword (the names are :data:`~spectral_monitor.probes.attention_families.REAL_TOKEN_MASK_KEYWORDS` and
+:data:`~spectral_monitor.probes.attention_families.PADDING_MASK_KEYWORDS`), and keeps it while that
+module's forward runs:
 
 - ``attention_mask`` of shape (batch, tokens), as Hugging Face models take it: nonzero = real token. A module
   given ``attention_mask=None`` says its tokens are all real (the decoder of an encoder-decoder model run
@@ -23,12 +25,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from spectral_monitor.probes.attention_families import PADDING_MASK_KEYWORDS, REAL_TOKEN_MASK_KEYWORDS
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
 
 __all__ = ["ForwardTokenMasks", "checked_token_mask"]
 
-_REAL_WHERE_NONZERO = ("attention_mask",)
-_PADDING_WHERE_TRUE = ("src_key_padding_mask", "tgt_key_padding_mask")
 _SAYS_NOTHING = object()
 
 
@@ -94,14 +95,14 @@ class ForwardTokenMasks:
 
 def _said_by(kwargs: dict[str, Any]) -> object:
     """What a call's keyword arguments say of its tokens: a (B, n) bool mask, None (all real) or nothing."""
-    for name in _REAL_WHERE_NONZERO:
+    for name in REAL_TOKEN_MASK_KEYWORDS:
         if name in kwargs:
             mask = kwargs[name]
             if mask is None:
                 return None
             if isinstance(mask, Tensor) and mask.dim() == 2 and not mask.is_nested:
                 return mask.detach() != 0
-    padding = [kwargs[name] for name in _PADDING_WHERE_TRUE if kwargs.get(name) is not None]
+    padding = [kwargs[name] for name in PADDING_MASK_KEYWORDS if kwargs.get(name) is not None]
     if len(padding) == 1 and isinstance(padding[0], Tensor) and padding[0].dim() == 2:
         mask = padding[0].detach()
         return ~mask if mask.dtype == torch.bool else ~torch.isneginf(mask)

@@ -1,30 +1,12 @@
 """Spectral norms, Frobenius norms and stable ranks of a model's weights, warm-started between logging steps.
 
-What is measured: every ``nn.Linear`` and Hugging Face ``Conv1D`` (recognised by class name, so transformers
-stays optional; it stores its weight (in, out) and is read transposed), and the query, key and value
-projections of every attention module the probe recognises, split out of packed weights:
-
-- ``nn.MultiheadAttention``: ``in_proj_weight`` rows [W_Q; W_K; W_V], or ``q_proj_weight``, ``k_proj_weight``,
-  ``v_proj_weight`` when ``kdim``/``vdim`` differ from ``embed_dim``. Its ``out_proj`` is an ``nn.Linear`` and
-  is measured as one.
-- GPT-2-style attention (Hugging Face): a ``Conv1D`` ``c_attn`` with columns [W_Q | W_K | W_V] and an int
-  ``num_heads``; as cross-attention (``is_cross_attention``) ``c_attn`` holds [W_K | W_V] and ``q_attn`` W_Q.
-- a packed ``nn.Linear`` ``c_attn`` or ``qkv`` with rows [W_Q; W_K; W_V], heads contiguous within each, and an
-  int head count ``n_head``, ``n_heads`` or ``num_heads`` (nanoGPT, timm, the demo model).
-- a fused projection in a :class:`QKVLayout`: built in for GPT-NeoX (``query_key_value``, per head
-  interleaved) and Phi-3 (``qkv_proj``, concatenated with grouped key/value heads), registered for any other
-  family with :func:`register_qkv_layout`. A module with a fused projection (a child named ``qkv...``,
-  ``query_key_value``, ``Wqkv`` or ``W_pack``) that no layout splits gets one warning naming it and that
-  registration; its fused weight is measured whole.
-- separate ``nn.Linear`` query, key and value projections (the value one optional) named ``q_proj``,
-  ``k_proj``, ``v_proj`` (Hugging Face Llama, Mistral, OPT, BART, ViT, ...), ``query``, ``key``, ``value``
-  (BERT, RoBERTa, ViT before transformers 5), ``q``, ``k``, ``v`` (T5) or ``q_lin``, ``k_lin``, ``v_lin``
-  (DistilBERT), with an int head width
-  ``head_dim``, ``attention_head_size`` or ``key_value_proj_dim``, or else an int query-head count
-  ``num_heads``, ``n_heads``, ``n_head`` or ``num_attention_heads``; the key-head count follows from the key
-  projection's rows (grouped-query attention). The output projection (``o_proj``, ``o``, ``dense``) is an
-  ``nn.Linear`` and measured as one.
-- any other layout through ``attention_readers``.
+What is measured: every ``nn.Linear`` and Hugging Face ``Conv1D`` (read transposed: it stores its weight
+(in, out)), and the query, key and value projections of every attention module whose layout
+:mod:`spectral_monitor.probes.attention_families` knows (``nn.MultiheadAttention``, GPT-2, packed ``c_attn``
+or ``qkv``, GPT-NeoX, Phi-3, separate ``q_proj``/``query``/``q``/``q_lin`` projections, and the layouts
+registered with :func:`~spectral_monitor.probes.register_qkv_layout`), split out of packed weights, or that
+a probe's ``attention_readers`` read. A module with a fused projection that no layout splits gets one
+warning naming it and that registration; its fused weight is measured whole.
 
 Names and records (family ``"weights"``). A weight is named by its module (``blocks.0.mlp.0``); a projection
 split out of an attention module ``blocks.0.attn`` is named ``blocks.0.attn.q``, ``.k``, ``.v`` whatever the
@@ -66,10 +48,8 @@ Names are those of :func:`~spectral_monitor.probes.wrappers.unwrapped_named_modu
 segments.
 
 Observing only: everything runs under ``torch.no_grad`` on detached float32 (float64 stays float64) copies,
-with a private random generator; parameters, ``.grad`` and optimizer state are never touched. A parametrized
-weight (``torch.nn.utils.parametrize``) is read as its stored ``original``, because evaluating the
-parametrization can change its state (``spectral_norm`` runs a power iteration on every evaluation in
-training mode).
+with a private random generator; parameters, ``.grad`` and optimizer state are never touched. Weights are
+read as stored (a parametrized one as its ``original``: :mod:`spectral_monitor.probes.attention_families`).
 """
 
 from __future__ import annotations
@@ -77,7 +57,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -85,8 +64,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
-from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.linalg import lanczos_eigsh
@@ -99,7 +76,17 @@ from spectral_monitor.linalg.operators import (
     working_dtype,
 )
 from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
-from spectral_monitor.probes.attention import ROOT_LAYER_NAME
+from spectral_monitor.probes.attention_families import (
+    AttentionWeights,
+    AttentionWeightsReader,
+    QKVLayout,
+    check_head_split,
+    fused_projection_name,
+    plain_weight,
+    read_attention_weights,
+    register_qkv_layout,
+)
+from spectral_monitor.probes.attention_records import ROOT_LAYER_NAME
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
 
@@ -122,176 +109,7 @@ _EXACT_MAX_SIZE = 32
 # Bounds the float32 copies held at once (a 7B model's q, k, v and o of all layers would be 8 GiB); a single
 # weight larger than this is measured alone.
 _MAX_BATCH_BYTES = 256 * 2**20
-_CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
-_PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
-_HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-_HEAD_WIDTH_NAMES = ("head_dim", "attention_head_size", "key_value_proj_dim")
-_SEPARATE_PROJECTION_NAMES = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("query", "key", "value"),
-    ("q", "k", "v"),
-    ("q_lin", "k_lin", "v_lin"),
-)
 _PER_HEAD_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank")
-_KEY_VALUE_HEAD_COUNT_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
-_FUSED_PROJECTION_NAMES = ("query_key_value", "Wqkv", "W_pack")
-"""Names of fused q/k/v projections besides those containing "qkv": a module with one no layout splits is
-named in the probe's warning."""
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionWeights:
-    """The query, key and value projections of one attention module, each (out, in) as ``nn.Linear`` has it.
-
-    ``query``: (H·d_k, d_q); ``key``: (H_k·d_k, d_kv); ``value``: (H_k·d_v, d_v_in) or ``None``; head h owns
-    rows h·d_k … (h+1)·d_k. ``num_key_value_heads`` H_k (default H) must divide H (grouped-query attention:
-    query head h reads key head h // (H / H_k)). ``replaces``: names, relative to the attention module, of the
-    submodules whose weights these are (e.g. ``("c_attn",)``), so they are not also measured whole.
-    """
-
-    query: Tensor
-    key: Tensor
-    value: Tensor | None
-    num_heads: int
-    num_key_value_heads: int | None = None
-    replaces: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name, weight in (("query", self.query), ("key", self.key), ("value", self.value)):
-            if weight is not None and (not isinstance(weight, Tensor) or weight.ndim != 2):
-                raise ValueError(f"{name} must be a 2-D (out, in) tensor, got {_describe(weight)}")
-        _check_heads(self.query, self.key, self.value, self.num_heads, self.key_value_heads)
-
-    @property
-    def key_value_heads(self) -> int:
-        return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads
-
-    def projections(self) -> Iterator[tuple[str, Tensor, int]]:
-        """``(role, weight, heads)`` for ``"q"``, ``"k"`` and ``"v"`` (when there is a value projection)."""
-        yield "q", self.query, self.num_heads
-        yield "k", self.key, self.key_value_heads
-        if self.value is not None:
-            yield "v", self.value, self.key_value_heads
-
-
-AttentionWeightsReader = Callable[[nn.Module], AttentionWeights | None]
-"""``reader(module)`` -> the module's projections (detached views of its weights), or ``None`` when the module
-is not attention after all (its submodules are then measured as plain weights)."""
-
-QKV_LAYOUTS = ("concatenated", "interleaved")
-"""How a fused projection orders its rows: [W_Q; W_K; W_V], or per head h [W_Q^h; W_K^h; W_V^h]."""
-
-
-@dataclass(frozen=True)
-class QKVLayout:
-    """How an attention module's fused ``nn.Linear`` (or ``Conv1D``) projection holds its q, k and v.
-
-    ``projection``: the fused child's name (``"qkv_proj"``). ``layout``: ``"concatenated"``, rows
-    [W_Q; W_K; W_V] with heads contiguous within each and possibly fewer key/value heads (Phi-3's
-    ``qkv_proj``), or ``"interleaved"``, per head h the rows [W_Q^h; W_K^h; W_V^h] (GPT-NeoX's
-    ``query_key_value``, which its forward views as (heads, 3 · d_k)). ``num_heads``,
-    ``num_key_value_heads``, ``head_dim``: ``None`` = read from the module or its ``config``
-    (``num_attention_heads``/``num_heads``/..., ``num_key_value_heads``, ``head_dim``/``head_size``);
-    what is missing follows from the projection's rows.
-
-    Raises:
-        ValueError: if ``projection`` is not a non-empty str, ``layout`` not one of ``QKV_LAYOUTS``, or a
-            count not a positive int or None.
-    """
-
-    projection: str
-    layout: str
-    num_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.projection, str) or not self.projection:
-            raise ValueError(
-                f"projection must be a child module's name (a non-empty str), got {self.projection!r}"
-            )
-        if self.layout not in QKV_LAYOUTS:
-            raise ValueError(
-                f"layout must be one of {', '.join(map(repr, QKV_LAYOUTS))}, got {self.layout!r}"
-            )
-        for name in ("num_heads", "num_key_value_heads", "head_dim"):
-            value = getattr(self, name)
-            if value is not None and not _is_positive_int(value):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-
-    def read(self, module: nn.Module) -> AttentionWeights | None:
-        """``module``'s q, k and v split out of its fused projection; ``None`` when it has no such child
-        or its rows do not split into the heads the module declares."""
-        fused = _plain_weight(module._modules.get(self.projection))
-        if fused is None:
-            return None
-        heads, key_heads, width = self._head_shape(module, fused.shape[0])
-        if heads is None:
-            return None
-        if self.layout == "interleaved":
-            per_head = fused.view(heads, 3, width, fused.shape[1])
-            query, key, value = (per_head[:, role].reshape(heads * width, -1) for role in range(3))
-        else:
-            query, key, value = fused.split([heads * width, key_heads * width, key_heads * width])
-        return _layout_or_none(query, key, value, heads, key_heads, replaces=(self.projection,))
-
-    def _head_shape(self, module: nn.Module, rows: int) -> tuple[int | None, int, int]:
-        """(H, H_k, d_k) of a projection with ``rows`` rows, or (None, 0, 0) where they do not fit."""
-        owners = (module, getattr(module, "config", None))
-        heads = self.num_heads or _first_int(owners, _HEAD_COUNT_NAMES)
-        width = self.head_dim or _first_int(owners, (*_HEAD_WIDTH_NAMES, "head_size"))
-        key_heads = self.num_key_value_heads or _first_int(owners, _KEY_VALUE_HEAD_COUNT_NAMES)
-        if heads is None:
-            return None, 0, 0
-        if self.layout == "interleaved":
-            key_heads = key_heads or heads
-            width = width or rows // (3 * heads)
-            fits = key_heads == heads and rows == 3 * heads * width
-        else:
-            if key_heads is None:
-                key_heads = (rows // width - heads) // 2 if width else heads
-            width = width or rows // (heads + 2 * key_heads)
-            fits = key_heads > 0 and rows == (heads + 2 * key_heads) * width
-        return (heads, key_heads, width) if fits else (None, 0, 0)
-
-
-_BUILT_IN_QKV_LAYOUTS = {
-    "GPTNeoXAttention": QKVLayout("query_key_value", "interleaved"),
-    "Phi3Attention": QKVLayout("qkv_proj", "concatenated"),
-}
-"""Fused layouts known by the attention module's class name (transformers stays optional)."""
-
-# An OrderedDict, as torch's hook registries: RemovableHandle needs a weak reference to it.
-_REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[type[nn.Module] | str, QKVLayout]] = OrderedDict()
-
-
-def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> RemovableHandle:
-    """Tell every :class:`WeightProbe` how the attention modules ``target`` fuse q, k and v, so they get
-    per-head weight metrics (``qk_spectral_norm``, per-head σ₁)::
-
-        register_qkv_layout(MyAttention, QKVLayout("Wqkv", "interleaved"))
-
-    Args:
-        target: a module type (matched with ``isinstance``) or an ``fnmatch`` pattern over qualified module
-            names (``"blocks.*.attn"``). A later registration wins over an earlier one and over the built-in
-            layouts; a probe's own ``attention_readers`` win over all.
-        layout: the :class:`QKVLayout` of their fused projection.
-
-    Returns:
-        A handle whose ``remove()`` unregisters.
-
-    Raises:
-        ValueError: if ``target`` or ``layout`` is of the wrong kind.
-    """
-    if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, nn.Module))):
-        raise ValueError(
-            f"target must be an nn.Module subclass or a module-name pattern (str), got {target!r}"
-        )
-    if not isinstance(layout, QKVLayout):
-        raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
-    handle = RemovableHandle(_REGISTERED_QKV_LAYOUTS)
-    _REGISTERED_QKV_LAYOUTS[handle.id] = (target, layout)
-    return handle
 
 
 def query_key_spectral_norms(
@@ -305,7 +123,7 @@ def query_key_spectral_norms(
     singular values of the d_k × d_k matrix R_Q R_Kᵀ: nothing of size d_q × d_kv is formed.
     """
     key_heads = num_heads if num_key_value_heads is None else num_key_value_heads
-    _check_heads(query, key, None, num_heads, key_heads)
+    check_head_split(query, key, None, num_heads, key_heads)
     head_dim = query.shape[0] // num_heads
     query_heads = query.reshape(num_heads, head_dim, -1).transpose(1, 2)
     key_heads_per_query = key.reshape(key_heads, head_dim, -1).transpose(1, 2)
@@ -372,7 +190,8 @@ class WeightProbe:
     nothing. ``iterations_per_step``: block Lanczos iterations per call for a warm weight. ``tol``: relative
     Ritz residual at which an estimate stops early. ``per_head``: also measure each attention head.
     ``attention_readers``: module types or name patterns mapped to a function returning the module's
-    :class:`AttentionWeights`, tried before the built-in layouts (see the module docstring). ``warn``:
+    :class:`AttentionWeights`, tried before the registered and built-in layouts
+    (:mod:`spectral_monitor.probes.attention_families`). ``warn``:
     receives the one warning about a fused projection no layout splits (default: a ``RuntimeWarning``).
 
     :meth:`measure` returns :class:`~spectral_monitor.records.Measurement` records, :meth:`distributions`
@@ -393,7 +212,11 @@ class WeightProbe:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not _is_positive_int(iterations_per_step):
+        if (
+            isinstance(iterations_per_step, bool)
+            or not isinstance(iterations_per_step, int)
+            or iterations_per_step < 1
+        ):
             raise ValueError(f"iterations_per_step must be a positive int, got {iterations_per_step!r}")
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
             raise ValueError(f"tol must be a float in (0, 1), got {tol!r}")
@@ -536,7 +359,7 @@ class WeightProbe:
                 continue
             if name in replaced:
                 continue
-            matrix = _plain_weight(module)
+            matrix = plain_weight(module)
             if matrix is None:
                 continue
             layer = _layer_name(name)
@@ -572,22 +395,7 @@ class WeightProbe:
                     )
                 value = None if weights.value is None else weights.value.detach()
                 return replace(weights, query=weights.query.detach(), key=weights.key.detach(), value=value)
-        for target, layout in reversed(_REGISTERED_QKV_LAYOUTS.values()):
-            matched = (
-                fnmatch.fnmatchcase(_layer_name(name), target)
-                if isinstance(target, str)
-                else isinstance(module, target)
-            )
-            if matched:
-                return layout.read(module)
-        built_in = _BUILT_IN_QKV_LAYOUTS.get(type(module).__name__)
-        if built_in is not None:
-            return built_in.read(module)
-        for reader in _BUILT_IN_READERS:
-            weights = reader(module)
-            if weights is not None:
-                return weights
-        return None
+        return read_attention_weights(_layer_name(name), module)
 
     def _warn_about_unsplit_projections(
         self, modules: Mapping[str, nn.Module], sites: Mapping[str, Any]
@@ -598,15 +406,7 @@ class WeightProbe:
             kind = type(module).__name__
             if name in sites or kind in warned:
                 continue
-            fused = next(
-                (
-                    child
-                    for child, submodule in module._modules.items()
-                    if ("qkv" in child.lower() or child in _FUSED_PROJECTION_NAMES)
-                    and _plain_weight(submodule) is not None
-                ),
-                None,
-            )
+            fused = fused_projection_name(module)
             if fused is None:
                 continue
             warned.add(kind)
@@ -791,158 +591,8 @@ class WeightProbe:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Reading weights out of modules
-# --------------------------------------------------------------------------------------------------------
-
-
-def _stored_weight(module: nn.Module, name: str) -> Tensor | None:
-    """The detached weight ``name`` as stored (a parametrized one's ``original``), or ``None`` if unusable."""
-    if parametrize.is_parametrized(module, name):
-        weight = getattr(getattr(module.parametrizations, name), "original", None)
-    else:
-        weight = getattr(module, name, None)
-    if (
-        not isinstance(weight, Tensor)
-        or nn.parameter.is_lazy(weight)
-        or weight.ndim != 2
-        or weight.numel() == 0
-        or weight.is_meta
-        or not weight.is_floating_point()
-        or _is_shard(weight)
-    ):
-        return None
-    return weight.detach()
-
-
-def _is_shard(weight: Tensor) -> bool:
-    """A sharded parameter outside ``full_parameters``: FSDP2's DTensor, or FSDP's view of a freed flat
-    parameter (no storage)."""
-    return type(weight).__name__ == "DTensor" or weight.untyped_storage().size() == 0
-
-
-def _plain_weight(module: nn.Module) -> Tensor | None:
-    """The (out, in) weight of an ``nn.Linear`` or a Hugging Face ``Conv1D``, else ``None``."""
-    if isinstance(module, nn.Linear):
-        return _stored_weight(module, "weight")
-    if type(module).__name__ == _CONV1D_CLASS_NAME:
-        weight = _stored_weight(module, "weight")
-        return None if weight is None else weight.t()
-    return None
-
-
-def _read_multihead_attention(module: nn.Module) -> AttentionWeights | None:
-    if not isinstance(module, nn.MultiheadAttention):
-        return None
-    if module.in_proj_weight is not None:
-        packed = _stored_weight(module, "in_proj_weight")
-        if packed is None:
-            return None
-        query, key, value = packed.chunk(3)
-    else:
-        query, key, value = (_stored_weight(module, f"{role}_proj_weight") for role in ("q", "k", "v"))
-        if query is None or key is None:
-            return None
-    return _layout_or_none(query, key, value, module.num_heads)
-
-
-# The readers look for submodules in ``_modules`` before asking for attributes: ``nn.Module.__getattr__``
-# raising for a name a module lacks cost most of the 2.4 ms a selection took on the demo model's 54 modules.
-
-
-def _read_gpt2_attention(module: nn.Module) -> AttentionWeights | None:
-    packed = module._modules.get("c_attn")
-    if type(packed).__name__ != _CONV1D_CLASS_NAME:
-        return None
-    heads = getattr(module, "num_heads", None)
-    if not _is_positive_int(heads):
-        return None
-    packed_weight = _plain_weight(packed)
-    if packed_weight is None:
-        return None
-    if getattr(module, "is_cross_attention", False):
-        query = _plain_weight(getattr(module, "q_attn", None))
-        if query is None:
-            return None
-        key, value = packed_weight.chunk(2)
-        return _layout_or_none(query, key, value, heads, replaces=("c_attn", "q_attn"))
-    query, key, value = packed_weight.chunk(3)
-    return _layout_or_none(query, key, value, heads, replaces=("c_attn",))
-
-
-def _read_packed_linear_attention(module: nn.Module) -> AttentionWeights | None:
-    if not any(isinstance(module._modules.get(name), nn.Linear) for name in _PACKED_PROJECTION_NAMES):
-        return None
-    heads = next((getattr(module, name) for name in _HEAD_COUNT_NAMES if hasattr(module, name)), None)
-    if not _is_positive_int(heads):
-        return None
-    for name in _PACKED_PROJECTION_NAMES:
-        projection = module._modules.get(name)
-        if isinstance(projection, nn.Linear):
-            weight = _stored_weight(projection, "weight")
-            if weight is None or weight.shape[0] % 3:
-                return None
-            query, key, value = weight.chunk(3)
-            return _layout_or_none(query, key, value, heads, replaces=(name,))
-    return None
-
-
-def _read_separate_projection_attention(module: nn.Module) -> AttentionWeights | None:
-    for names in _SEPARATE_PROJECTION_NAMES:
-        projections = [module._modules.get(name) for name in names]
-        if all(isinstance(projection, nn.Linear) for projection in projections[:2]):
-            break
-    else:
-        return None
-    query, key = (_stored_weight(projection, "weight") for projection in projections[:2])
-    value = _stored_weight(projections[2], "weight") if isinstance(projections[2], nn.Linear) else None
-    if query is None or key is None:
-        return None
-    head_dim = next((getattr(module, name) for name in _HEAD_WIDTH_NAMES if hasattr(module, name)), None)
-    if not _is_positive_int(head_dim):
-        heads = next((getattr(module, name) for name in _HEAD_COUNT_NAMES if hasattr(module, name)), None)
-        if not _is_positive_int(heads) or query.shape[0] % heads:
-            return None
-        head_dim = query.shape[0] // heads
-    if query.shape[0] % head_dim or key.shape[0] % head_dim:
-        return None
-    replaces = tuple(
-        name for name, projection in zip(names, projections, strict=True) if isinstance(projection, nn.Linear)
-    )
-    return _layout_or_none(query, key, value, query.shape[0] // head_dim, key.shape[0] // head_dim, replaces)
-
-
-def _layout_or_none(*args: Any, **kwargs: Any) -> AttentionWeights | None:
-    """The built-in readers' result, or ``None`` when the weights do not split into the module's heads.
-
-    Such a module is not that layout after all; its submodules are measured as plain weights.
-    """
-    try:
-        return AttentionWeights(*args, **kwargs)
-    except ValueError:
-        return None
-
-
-_BUILT_IN_READERS: tuple[AttentionWeightsReader, ...] = (
-    _read_multihead_attention,
-    _read_gpt2_attention,
-    _read_packed_linear_attention,
-    _read_separate_projection_attention,
-)
-
-
-# --------------------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------------------
-
-
-def _first_int(owners: Sequence[object], names: Sequence[str]) -> int | None:
-    """The first positive int attribute ``names`` holds on the first owner that has one."""
-    for owner in owners:
-        for name in names:
-            value = getattr(owner, name, None)
-            if _is_positive_int(value):
-                return value
-    return None
 
 
 def _runtime_warning(message: str) -> None:
@@ -1003,8 +653,8 @@ def _largest_singular_values(matrices: Tensor) -> Tensor:
     """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN for one holding NaN or inf.
 
     From the top eigenvalue of the smaller Gram matrix: squaring loses the small singular values, never σ₁
-    (the rounding is relative to σ₁²), and the demo model's 48 head slices of 16 × 64 took 0.5 ms this way
-    against 1.7 ms by ``svdvals``.
+    (the rounding is relative to σ₁²), and on small head slices it is faster than ``svdvals``
+    (benchmarks/README.md).
     """
     sigma = matrices.new_full(matrices.shape[:1], math.nan)
     finite = _finite_matrices(matrices)
@@ -1035,33 +685,3 @@ def _qualified(parent: str, child: str) -> str:
 
 def _layer_name(module_name: str) -> str:
     return module_name or ROOT_LAYER_NAME
-
-
-def _check_heads(query: Tensor, key: Tensor, value: Tensor | None, heads: int, key_heads: int) -> None:
-    """Raises ValueError unless the rows split into ``heads`` query and ``key_heads`` key/value heads."""
-    if not (_is_positive_int(heads) and _is_positive_int(key_heads)):
-        raise ValueError(
-            f"num_heads and num_key_value_heads must be positive ints, got {heads!r}, {key_heads!r}"
-        )
-    if heads % key_heads:
-        raise ValueError(f"num_key_value_heads={key_heads} must divide num_heads={heads}")
-    for name, weight, count in (
-        ("query", query, heads),
-        ("key", key, key_heads),
-        ("value", value, key_heads),
-    ):
-        if weight is not None and weight.shape[0] % count:
-            raise ValueError(f"{name} has {weight.shape[0]} rows, not a multiple of its {count} heads")
-    if query.shape[0] // heads != key.shape[0] // key_heads:
-        raise ValueError(
-            f"query and key heads must have one width d_k, got {query.shape[0] // heads} "
-            f"and {key.shape[0] // key_heads}"
-        )
-
-
-def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _describe(value: object) -> str:
-    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__

@@ -34,6 +34,7 @@ from torch import nn
 __all__ = [
     "WRAPPED_MODULE_ATTRIBUTES",
     "compiled_module_names",
+    "data_parallel_unwrapped",
     "eager_named_modules",
     "forward_on_batch",
     "probe_forward",
@@ -59,6 +60,28 @@ def wrapped_module(module: nn.Module) -> nn.Module | None:
         if inner is not None:
             return inner
     return None
+
+
+def data_parallel_unwrapped(model: nn.Module) -> nn.Module:
+    """The module a ``DistributedDataParallel`` or ``FullyShardedDataParallel`` wrapper at the root of
+    ``model`` holds, whose names are the model's own; else ``model``.
+
+    Only these two: a compiled or Lightning-wrapped model stays as given, since how it is called decides how
+    it is measured.
+
+    Args:
+        model: the model as training calls it.
+
+    Returns:
+        The wrapped module, or ``model`` itself.
+    """
+    wrappers: list[type[nn.Module]] = [nn.parallel.DistributedDataParallel]
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers.append(FullyShardedDataParallel)
+    inner = wrapped_module(model) if isinstance(model, tuple(wrappers)) else None
+    return model if inner is None else inner
 
 
 def unwrapped_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -152,8 +175,8 @@ def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module, bool, bool]]:
     """``(name, module, compiled, in_graph)`` of every non-wrapper module: ``compiled`` where a compiled call
     starts, ``in_graph`` for it and everything below it.
 
-    Pre-order from an explicit stack: nested generators cost ~3 ms a walk on the demo model, and each
-    logging step walks it for the capture and the weights.
+    Pre-order from an explicit stack, not nested generators, which cost more than the walk itself: each
+    logging step walks the model for the capture and the weights.
     """
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module, bool, bool]] = [("", model, False, False)]

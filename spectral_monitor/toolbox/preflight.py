@@ -34,6 +34,7 @@ from torch import nn
 from spectral_monitor.metrics import marchenko_pastur_edge
 from spectral_monitor.metrics.baselines import random_attention_sigma2
 from spectral_monitor.probes import WeightProbe, find_transformer_blocks
+from spectral_monitor.probes.attention_families import declared_head_count, declared_model_width
 from spectral_monitor.toolbox.length_scaling import LengthScaledAttention, attention_logit_scale
 
 __all__ = ["Finding", "architecture_preflight", "preflight_markdown"]
@@ -45,8 +46,6 @@ RANK_ONE_SIGMA2 = 0.05
 NOT_IID_RATIO = 1.5
 """σ₁ above this multiple of the MP edge: the weight is not an iid draw."""
 EXACT_MAX_SIDE = 2048
-_HEAD_COUNT_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-_WIDTH_NAMES = ("embed_dim", "d_model", "n_embd", "hidden_size")
 
 
 @dataclass(frozen=True)
@@ -94,12 +93,7 @@ def preflight_markdown(findings: list[Finding]) -> str:
 def _head_counts(model: nn.Module) -> list[Finding]:
     findings = []
     for name, module in model.named_modules():
-        heads = next(
-            (getattr(module, a) for a in _HEAD_COUNT_NAMES if isinstance(getattr(module, a, None), int)), None
-        )
-        width = next(
-            (getattr(module, a) for a in _WIDTH_NAMES if isinstance(getattr(module, a, None), int)), None
-        )
+        heads, width = declared_head_count(module), declared_model_width(module)
         if heads and width and width % heads:
             findings.append(
                 Finding(

@@ -91,7 +91,7 @@ def test_measuring_a_chunk_of_matrices_at_a_time_gives_what_one_call_gives(matri
     from spectral_monitor import MonitorOptions, MonitorSession
     from spectral_monitor.demo import DemoTransformer
     from spectral_monitor.probes import AttentionCapture
-    from spectral_monitor.probes.attention import DENSE_CALL_NBYTES
+    from spectral_monitor.probes.attention_records import DENSE_CALL_NBYTES
     from spectral_monitor.sinks.figures import attention_block_means
     from spectral_monitor.toolbox.head_diversity import attention_spectra, spectrum_working_nbytes
 

@@ -40,7 +40,7 @@ from helpers.reference_metrics import (
 
 from spectral_monitor.linalg.operators import DenseOperator, Passenger
 from spectral_monitor.metrics import attention as attention_module
-from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
+from spectral_monitor.metrics import attention_krylov, attention_metrics, token_metrics, weight_metrics
 from spectral_monitor.metrics._common import all_singular_values
 
 CASES = attention_cases()
@@ -664,9 +664,9 @@ def test_the_arnoldi_riding_in_the_lanczos_sweeps_finds_what_it_finds_alone() ->
         riding = attention_metrics(
             attn, method="krylov", include_rank_sums=False, generator=torch.Generator().manual_seed(0)
         )["eigen_gap"]
-        _, arnoldi_draws, _ = attention_module._independent_generators(torch.Generator().manual_seed(0), 3)
+        _, arnoldi_draws, _ = attention_krylov._independent_generators(torch.Generator().manual_seed(0), 3)
         alone = Passenger(
-            attention_module._second_eigenvalue_modulus(DenseOperator(attn), queries, arnoldi_draws)
+            attention_krylov._second_eigenvalue_modulus(DenseOperator(attn), queries, arnoldi_draws)
         ).finish()
     torch.testing.assert_close(riding, 1 - alone, rtol=0, atol=1e-5)
 
@@ -695,7 +695,7 @@ def test_a_warm_start_from_the_last_steps_vectors_keeps_sigma2_accurate() -> Non
     generator = torch.Generator().manual_seed(0)
     q, k = (torch.randn(16, 512, 64, generator=generator) for _ in range(2))
     moved = [x + 0.01 * torch.randn(x.shape, generator=generator) for x in (q, k)]
-    state = attention_module.KrylovState()
+    state = attention_krylov.KrylovState()
     with one_intra_op_thread():
         attention_metrics(
             torch.softmax(q @ k.mT / 8, dim=-1),
