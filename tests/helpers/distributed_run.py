@@ -1,8 +1,8 @@
 """Two-process CPU (gloo) runs of the monitor, as scripts run by test_scale_distributed.py.
 
-``python tests/helpers/distributed_run.py fsdp OUTPUT_DIR``: plain ``torch.distributed`` (no Lightning: its FSDP
-strategy needs a GPU) around the demo model, FSDP per block and FSDP2 (``fully_shard``) per block; each
-rank saves to OUTPUT_DIR/rank<r>.pt what the probes saw (weights measured inside ``full_parameters``,
+``python tests/helpers/distributed_run.py fsdp OUTPUT_DIR``: plain ``torch.distributed`` (no Lightning:
+its FSDP strategy needs a GPU) around the demo model, FSDP per block and FSDP2 (``fully_shard``) per block;
+each rank saves to OUTPUT_DIR/rank<r>.pt what the probes saw (weights measured inside ``full_parameters``,
 attention and block outputs of its own batch), what the collectives of ``spectral_monitor.distributed``
 returned, the curvature of its own shard averaged over the ranks with a tolerance of its own (so only the
 agreed stopping keeps the ranks in step), and the refusals of the curvature probes on the sharded models.

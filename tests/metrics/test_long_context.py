@@ -71,8 +71,8 @@ def gaussian_qk(seed: int, batch: tuple[int, ...], n: int, m: int | None = None)
 def assert_agrees_with_the_exact_path(
     q: torch.Tensor, k: torch.Tensor, *, seed: int = 0, exact_effective_rank: bool = True, **options
 ) -> dict[str, torch.Tensor]:
-    """Every metric within the Krylov tolerances of tests/metrics/test_metrics_reference.py, against the float64
-    exact path on the dense probabilities; Dobrushin within [τ/2, τ] (the documented estimate) and equal to
+    """Every metric within the Krylov tolerances (``KRYLOV_TOLERANCE``), against the float64 exact path on
+    the dense probabilities; Dobrushin within [τ/2, τ] (the documented estimate) and equal to
     the dense path's own estimate; threshold rank exact or an unresolved NaN. The effective rank also equals
     the dense Krylov path's with the same generator to 0.5% (same probes, same algorithm, products that
     differ by rounding); ``exact_effective_rank=False`` checks only that, where the estimator itself misses

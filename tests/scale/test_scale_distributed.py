@@ -1,7 +1,7 @@
 """The monitor under DDP and FSDP: two CPU processes on gloo, each run a script under a hard timeout.
 
-Each run is a subprocess (tests/helpers/distributed_run.py) with a free port, collectives that time out after 60 s
-and a wall-clock limit, so a deadlock fails the test instead of hanging CI. What they prove: under
+Each run is a subprocess (tests/helpers/distributed_run.py) with a free port, collectives that time out
+after 60 s and a wall-clock limit, so a deadlock fails the test instead of hanging CI. What they prove: under
 Lightning ``ddp`` and ``ddp_spawn`` every family (curvature, Jacobian and NTK included) works with several
 monitors of different families and cadences at once, some with ``stop_on`` (each rank joins whatever the
 others do), rank 0 alone writes, and what it writes is rank 0's measurement; the curvature under DDP is
