@@ -1,11 +1,12 @@
 """Tiny Hugging Face models built offline, one factory per family: GPT-2, LLaMA, BERT, DistilBERT and T5.
 
 Each factory owns its family's defaults (two layers of width 32 with four heads, a vocabulary of 64, 32
-positions, token ids that need no tokenizer, dropout, attention implementation and seed) and takes any
-other config key as a keyword, so a test states only what it changes. ``dropout`` sets every dropout key
-of the family (their names differ per family). ``seed`` seeds the global generator just before the model
-is built, so two calls give the same model; ``seed=None`` draws from the generator as it stands, for a
-test that seeds once and builds several models. The test is skipped without ``transformers``.
+positions, special token ids inside that vocabulary, no dropout, ``sdpa`` attention, seed 0) and takes any
+other config key as a keyword, so a test states only what it changes:
+``tiny_gpt2(head="causal_lm", attention="eager", n_embd=16, vocab_size=40)``. ``dropout`` sets every
+dropout key of the family (their names differ per family). ``seed`` seeds the global generator just before
+the model is built, so two calls give the same model; ``seed=None`` draws from the generator as it stands,
+for a test that seeds once and builds several models. The test is skipped without ``transformers``.
 """
 
 from __future__ import annotations

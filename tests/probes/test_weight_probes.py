@@ -297,7 +297,14 @@ def test_grouped_query_heads_pair_each_query_head_with_its_key_head() -> None:
 
 def test_llama_separate_projections_with_grouped_keys_are_read_per_head() -> None:
     model = tiny_llama(
-        seed=12, num_hidden_layers=1, hidden_size=16, intermediate_size=24, vocab_size=30, pad_token_id=None
+        seed=12,
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=30,
+        pad_token_id=None,
     )
     attention = model.layers[0].self_attn
     records = by_tag(WeightProbe(attention).measure(0))
