@@ -1,9 +1,9 @@
 """One builder per model family written outside this project, for the conformance suite.
 
-Each builds a tiny random-init model (no download), its padding cases and an independent float64
-reference (``conformance_harness.Family``). Dropout is off so that train mode (the monitored forward) and
-the reference forward compute the same thing; the query and key projections are scaled up so attention is
-far from uniform.
+Each builds a tiny random-init model (no download; the Hugging Face ones from ``helpers.hf_models``), its
+padding cases and an independent float64 reference (``conformance_harness.Family``). Dropout is off so that
+train mode (the monitored forward) and the reference forward compute the same thing; the query and key
+projections are scaled up so attention is far from uniform.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from conformance_harness import (
     as_float64,
     sharpen_attention,
 )
+from helpers.hf_models import tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from torch import Tensor, nn
 
 from spectral_monitor.probes import AttentionInputs
@@ -140,65 +141,19 @@ def _get(module: nn.Module, path: str) -> nn.Module:
 
 
 def gpt2_family() -> Family:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="sdpa",
-    )
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2(head="causal_lm", vocab_size=VOCAB)
     sharpen_attention(model, ("c_attn.weight",), 25.0)
     return _hf_causal_lm_family("gpt2", model, "transformer.h", "attn", 1, qkv_projection="c_attn")
 
 
 def llama_family() -> Family:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(head="causal_lm", vocab_size=VOCAB)
     sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 25.0)
     return _hf_causal_lm_family("llama", model, "model.layers", "self_attn", 2)
 
 
 def bert_family() -> Family:
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
-    )
-    model = BertModel(config)
+    model = tiny_bert(vocab_size=VOCAB)
     sharpen_attention(model, ("query.weight", "key.weight"), 25.0)
     twin = _eager_twin(model)
     block_modules = [
@@ -271,24 +226,7 @@ def vit_family() -> Family:
 
 
 def t5_family() -> Family:
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        attn_implementation="sdpa",
-    )
-    model = T5ForConditionalGeneration(config)
+    model = tiny_t5(head="seq2seq_lm", vocab_size=VOCAB)
     sharpen_attention(model, (".q.weight", ".k.weight"), 4.0)
     twin = _eager_twin(model)
     block_modules = [

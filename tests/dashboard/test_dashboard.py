@@ -289,10 +289,10 @@ def test_the_tab_reads_the_runs_of_the_lightning_callback_the_plain_loop_and_the
     tmp_path: Path, one_thread: None
 ) -> None:
     pytest.importorskip("transformers")
+    from helpers.huggingface_runs import BATCH, hf_train, trainer_gpt2, training_arguments
     from helpers.models import TinyEncoder
+    from helpers.plain_loop_runs import train_in_a_plain_loop
     from helpers.reliability import fit, tensorboard_logger
-    from test_huggingface_trainer import BATCH, hf_train, tiny_gpt2, training_arguments
-    from test_plain_loop import train_in_a_plain_loop
 
     from spectral_monitor import SpectralMonitor
     from spectral_monitor.integrations.huggingface import SpectralMonitorCallback
@@ -302,7 +302,7 @@ def test_the_tab_reads_the_runs_of_the_lightning_callback_the_plain_loop_and_the
     fit(TinyEncoder(), [SpectralMonitor(**options)], tensorboard_logger(logdir, "lightning"), max_steps=6)
     train_in_a_plain_loop(logdir / "plain_loop", **options)
     trainer_callback = SpectralMonitorCallback(log_dir=logdir / "huggingface", **options)
-    hf_train(tiny_gpt2(), training_arguments(tmp_path / "hf"), trainer_callback, count=6 * BATCH)
+    hf_train(trainer_gpt2(), training_arguments(tmp_path / "hf"), trainer_callback, count=6 * BATCH)
 
     judged = plugin_on(logdir).run_verdicts(request(), "")
     assert set(judged) == {"lightning/version_0", "plain_loop", "huggingface"}

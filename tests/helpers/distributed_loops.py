@@ -30,7 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spectral_monitor.demo import DemoTransformer
+if __name__ == "__main__":  # run as a script: helpers.* imported as the tests import them
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.hf_models import tiny_gpt2  # noqa: E402
+from spectral_monitor.demo import DemoTransformer  # noqa: E402
 
 STEPS = 4
 BATCH = 4
@@ -116,28 +120,6 @@ def distributed_loop(rank: int, output: Path, sharding: str) -> None:
         torch.save({"state": monitor.state_dict(), "writes": monitor.writes}, output / f"rank{rank}.pt")
 
 
-def tiny_gpt2() -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="sdpa",
-    )
-    model = transformers.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"
-    return model
-
-
 def trainer_examples() -> list[dict[str, torch.Tensor]]:
     """The batches of :func:`global_batches` as examples in order: under two processes the Trainer gives
     rank r every second batch of BATCH from r on; one process with batches of 2 · BATCH sees both."""
@@ -154,7 +136,7 @@ def trainer_run(output: Path, batch_size: int) -> Any:
     from spectral_monitor.integrations.huggingface import SpectralMonitorCallback
 
     transformers.logging.set_verbosity_error()
-    model = tiny_gpt2()
+    model = tiny_gpt2(head="causal_lm", vocab_size=VOCAB)
     monitor = SpectralMonitorCallback(log_dir=output / "tb", **TRAINER_OPTIONS)
     arguments = transformers.TrainingArguments(
         output_dir=str(output),

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from helpers.events import read_back
-from helpers.models import previous_token_batches
 from pytorch_lightning.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
+
+from helpers.events import read_back
+from helpers.models import previous_token_batches
 
 read_viewed = partial(read_back, purge_orphaned_data=True)
 """Events as TensorBoard's viewer shows a run: what a restarted writer wrote over is dropped."""

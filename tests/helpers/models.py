@@ -1,13 +1,12 @@
 """Tiny models the test files share: a Lightning encoder on a previous-token task, a full-batch regression
-for curvature runs, Hugging Face GPT-2 and BERT built offline, and a count of what the monitor may leave
-installed on a model.
+for curvature runs, and a count of what the monitor may leave installed on a model. The Hugging Face
+models are in ``helpers.hf_models``.
 
 Each model is built from a fixed seed unless a test asks otherwise, so two instances are the same model.
 """
 
 from __future__ import annotations
 
-import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -109,46 +108,6 @@ def teacher_data() -> DataLoader:
     with torch.no_grad():
         y = 3 * teacher(x)
     return DataLoader(TensorDataset(x, y), batch_size=64)
-
-
-def tiny_gpt2(dropout: float = 0.0, seed: int | None = 0) -> nn.Module:
-    """Hugging Face ``GPT2Model`` (SDPA attention): 2 layers of width 16, 2 heads, a vocabulary of 50, 32
-    positions; ``dropout`` on attention, residual and embeddings. Skips the test without ``transformers``."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=16,
-        n_head=2,
-        vocab_size=50,
-        n_positions=32,
-        attn_implementation="sdpa",
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    if seed is not None:
-        torch.manual_seed(seed)
-    return transformers.GPT2Model(config)
-
-
-def tiny_bert(seed: int | None = 0) -> nn.Module:
-    """Hugging Face ``BertModel`` (SDPA attention): 2 layers of width 16, 2 heads, a vocabulary of 50, 32
-    positions. Skips the test without ``transformers``."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=50,
-        max_position_embeddings=32,
-        attn_implementation="sdpa",
-    )
-    if seed is not None:
-        torch.manual_seed(seed)
-    return transformers.BertModel(config)
 
 
 def hook_count(model: nn.Module) -> int:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helpers.lightning_runs import fit, tensorboard_logger, trainer_for  # noqa: F401 (the suites import them from here)
-
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions
 
 

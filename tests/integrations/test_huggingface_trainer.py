@@ -18,6 +18,14 @@ from typing import Any
 import pytest
 import torch
 from helpers.events import read_back, scalar_series
+from helpers.huggingface_runs import (
+    BATCH,
+    adamw,
+    hf_train,
+    padded_examples,
+    trainer_gpt2,
+    training_arguments,
+)
 from helpers.models import hook_count
 from helpers.reliability import fit, tensorboard_logger
 
@@ -33,96 +41,12 @@ from spectral_monitor.integrations.huggingface import (  # noqa: E402
 )
 from spectral_monitor.lightning.namespaces import pl  # noqa: E402
 
-VOCAB, TOKENS, BATCH = 64, 16, 4
-LR = 1e-2
 CHECKPOINTING = next(  # the name transformers 5 gives gradient checkpointing, else 4.x's
     name
     for name in ("activation_checkpointing", "gradient_checkpointing")
     if name in transformers.TrainingArguments.__dataclass_fields__
 )
 MONITOR_FAMILIES = ("attention/", "tokens/", "weights/", "outputs/", "alerts/")
-
-
-def tiny_gpt2() -> transformers.GPT2LMHeadModel:
-    """Dropout off: the Trainer seeds the generator and Lightning does not, and the two runs must agree.
-    ``loss_type`` named (GPT2LMHeadModel's class name gives none): the Trainer then divides the summed loss
-    by the shifted labels' count, as the model's own mean does; without it the Trainer counts the unshifted
-    labels, a different loss."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="sdpa",
-    )
-    model = transformers.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"
-    return model
-
-
-def padded_examples(count: int) -> list[dict[str, torch.Tensor]]:
-    """Sequences of TOKENS ids, every third right-padded (pad id 0) after a length of 9 to 15 tokens; labels
-    -100 on the padding."""
-    generator = torch.Generator().manual_seed(1)
-    examples = []
-    for index in range(count):
-        ids = torch.randint(1, VOCAB, (TOKENS,), generator=generator)
-        real = torch.ones(TOKENS, dtype=torch.long)
-        if index % 3 == 0:
-            real[9 + index % 7 :] = 0
-            ids = ids.masked_fill(real == 0, 0)
-        labels = ids.masked_fill(real == 0, -100)
-        examples.append({"input_ids": ids, "attention_mask": real, "labels": labels})
-    return examples
-
-
-def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-
-def training_arguments(output_dir: Path, **overrides: Any) -> transformers.TrainingArguments:
-    arguments: dict[str, Any] = {
-        "output_dir": str(output_dir),
-        "per_device_train_batch_size": BATCH,
-        "max_steps": 6,
-        "logging_steps": 3,
-        "logging_first_step": True,
-        "report_to": ["tensorboard"],
-        "lr_scheduler_type": "constant",
-        "learning_rate": LR,
-        "max_grad_norm": 0.0,
-        "save_strategy": "no",
-        "use_cpu": True,
-        "train_sampling_strategy": "sequential",
-        "dataloader_num_workers": 0,
-        "disable_tqdm": True,
-        **overrides,
-    }
-    return transformers.TrainingArguments(**arguments)
-
-
-def hf_train(
-    model: torch.nn.Module,
-    arguments: transformers.TrainingArguments,
-    monitor: SpectralMonitorCallback,
-    count: int,
-) -> transformers.Trainer:
-    trainer = transformers.Trainer(
-        model=model,
-        args=arguments,
-        train_dataset=padded_examples(count),
-        callbacks=[monitor],
-        optimizers=(adamw(model), None),
-    )
-    trainer.train()
-    return trainer
 
 
 class WrappedGPT2(pl.LightningModule):
@@ -151,7 +75,7 @@ def monitor_scalars(directory: str | Path) -> dict[str, list]:
 def test_the_trainer_run_holds_the_lightning_callbacks_tags_and_values_on_its_own_steps(
     tmp_path: Path, one_thread: None
 ) -> None:
-    model = tiny_gpt2()
+    model = trainer_gpt2()
     twin = copy.deepcopy(model)
     options = {"every_n_steps": 3, "figures_every_n_logs": 0}
     monitor = SpectralMonitorCallback(**options)
@@ -228,7 +152,7 @@ def test_unknown_arguments_and_a_bad_log_dir_are_refused_by_name() -> None:
 
 
 def test_the_default_loss_is_the_models_own_and_leaves_the_trainers_token_count_out() -> None:
-    model = tiny_gpt2()
+    model = trainer_gpt2()
     batch = torch.utils.data.default_collate(padded_examples(BATCH))
     expected = model(**batch).loss
     assert model_output_loss(model, {**batch, "num_items_in_batch": torch.tensor(1)}) == expected
@@ -251,7 +175,7 @@ def test_a_stop_on_rule_stops_the_trainer_after_that_step_into_the_explicit_log_
         alerts=AlertConfig(defaults=False, rules=[always]),
         stop_on=["always"],
     )
-    model = tiny_gpt2()
+    model = trainer_gpt2()
     trainer = hf_train(model, training_arguments(tmp_path / "hf", logging_steps=2), monitor, count=6 * BATCH)
     assert trainer.state.global_step == 1  # the first logging step (batch 0) fired; max_steps was 6
     assert monitor.run_directory == str(tmp_path / "mine")
@@ -274,7 +198,7 @@ def test_gradient_accumulation_and_checkpointing_measure_each_optimizer_step_onc
 
     monkeypatch.setattr(MonitorSession, "begin_step", recorded)
     monitor = SpectralMonitorCallback(every_n_steps=1, families=["attention"], preflight=False)
-    model = tiny_gpt2()
+    model = trainer_gpt2()
     arguments = training_arguments(
         tmp_path, max_steps=3, logging_steps=1, gradient_accumulation_steps=2, **{CHECKPOINTING: True}
     )
@@ -299,7 +223,7 @@ def test_a_failing_monitor_leaves_training_going_with_one_warning_and_strict_rai
         raise RuntimeError("probe exploded")
 
     monkeypatch.setattr(MonitorSession, "begin_step", broken)
-    model = tiny_gpt2()
+    model = trainer_gpt2()
     arguments = training_arguments(tmp_path, max_steps=2, logging_steps=1, report_to=[])
     with pytest.warns(RuntimeWarning, match="probe exploded") as warned:
         trainer = hf_train(model, arguments, SpectralMonitorCallback(every_n_steps=1), count=2 * BATCH)
@@ -307,7 +231,7 @@ def test_a_failing_monitor_leaves_training_going_with_one_warning_and_strict_rai
     assert sum("probe exploded" in str(warning.message) for warning in warned) == 1
     assert hook_count(model) == 0
     with pytest.raises(RuntimeError, match="probe exploded"):
-        hf_train(tiny_gpt2(), arguments, SpectralMonitorCallback(strict=True), count=2 * BATCH)
+        hf_train(trainer_gpt2(), arguments, SpectralMonitorCallback(strict=True), count=2 * BATCH)
 
 
 @pytest.mark.slow
@@ -318,7 +242,7 @@ def test_the_second_order_probes_take_the_models_own_loss_in_the_trainer(
         families=[], preflight=False, curvature=CurvatureOptions(every_n_steps=2, max_products=16)
     )
     hf_train(
-        tiny_gpt2(), training_arguments(tmp_path, max_steps=3, logging_steps=2), monitor, count=3 * BATCH
+        trainer_gpt2(), training_arguments(tmp_path, max_steps=3, logging_steps=2), monitor, count=3 * BATCH
     )
     (sharpness,) = scalar_series(read_back(monitor.run_directory), "curvature/sharpness/").values()
     assert [step for step, _ in sharpness] == [1, 2]  # batches 0 and 1 of (index + 1) % 2 == 0, and 0
@@ -360,7 +284,7 @@ def test_forwards_run_before_the_training_forward_in_eval_mode_or_without_gradie
     runs = {}
     for name, extra in (("plain", []), ("with_reference_forwards", [ReferenceForwards(other)])):
         began.clear()
-        model = tiny_gpt2()
+        model = trainer_gpt2()
         monitor = SpectralMonitorCallback(**options)
         trainer = transformers.Trainer(
             model=model,
@@ -405,7 +329,7 @@ def test_the_monitors_state_is_saved_with_each_checkpoint_and_a_resumed_run_goes
 ) -> None:
     whole = resumable_monitor()
     arguments = training_arguments(tmp_path / "whole", **checkpointed_training(tmp_path / "whole"))
-    hf_train(tiny_gpt2(), arguments, whole, count=6 * BATCH)
+    hf_train(trainer_gpt2(), arguments, whole, count=6 * BATCH)
     checkpoint = tmp_path / "whole" / "checkpoint-3"
     assert sorted(path.name for path in checkpoint.glob("spectral_monitor*")) == ["spectral_monitor.pt"]
     assert torch.load(checkpoint / "spectral_monitor.pt", weights_only=True)["logging_steps_done"] == 3
@@ -423,7 +347,7 @@ def test_the_monitors_state_is_saved_with_each_checkpoint_and_a_resumed_run_goes
     ):
         output_dir = copied if name == "own" else tmp_path / name
         resumed = resumable_monitor()
-        model = tiny_gpt2()
+        model = trainer_gpt2()
         trainer = transformers.Trainer(
             model=model,
             args=training_arguments(output_dir, **checkpointed_training(output_dir, **extra)),
@@ -448,9 +372,9 @@ def test_a_resumed_run_whose_checkpoint_lacks_the_monitors_state_warns_once_and_
     tmp_path: Path, one_thread: None
 ) -> None:
     arguments = training_arguments(tmp_path, **checkpointed_training(tmp_path, max_steps=3))
-    hf_train(tiny_gpt2(), arguments, resumable_monitor(), count=6 * BATCH)
+    hf_train(trainer_gpt2(), arguments, resumable_monitor(), count=6 * BATCH)
     (tmp_path / "checkpoint-3" / "spectral_monitor.pt").unlink()
-    model = tiny_gpt2()
+    model = trainer_gpt2()
     trainer = transformers.Trainer(
         model=model,
         args=training_arguments(tmp_path, **checkpointed_training(tmp_path)),

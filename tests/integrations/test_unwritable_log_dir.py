@@ -47,14 +47,14 @@ def test_the_plain_loop_reports_an_unwritable_run_directory_once(tmp_path: Path)
 def test_the_hugging_face_callback_reports_an_unwritable_log_dir_once(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from test_huggingface_trainer import BATCH, hf_train, tiny_gpt2, training_arguments
+    from helpers.huggingface_runs import BATCH, hf_train, trainer_gpt2, training_arguments
 
     from spectral_monitor.integrations.huggingface import SpectralMonitorCallback
 
     (tmp_path / "a_file").write_text("")
     monitor = SpectralMonitorCallback(log_dir=tmp_path / "a_file" / "run", every_n_steps=1)
     arguments = training_arguments(tmp_path / "hf", logging_steps=1)
-    messages = monitor_warnings(lambda: hf_train(tiny_gpt2(), arguments, monitor, count=3 * BATCH))
+    messages = monitor_warnings(lambda: hf_train(trainer_gpt2(), arguments, monitor, count=3 * BATCH))
     failures = [message for message in messages if "failed with" in message]
     assert len(failures) == 1 and "Not a directory" in failures[0]
     assert sum(message.startswith("SpectralMonitor: end of the run") for message in messages) == 1

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import tiny_bert, tiny_gpt2
+from helpers.hf_models import tiny_bert, tiny_gpt2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -371,7 +371,7 @@ def test_bfloat16_inputs_are_kept_as_is_and_probs_upcast():
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no padding", "padding"])
 def test_hugging_face_gpt2_sdpa_probs_equal_hand_computation(padded):
-    model = tiny_gpt2().eval()
+    model = tiny_gpt2(n_embd=EMBED, n_head=2, vocab_size=50).eval()
     ids = torch.randint(0, 50, (BATCH, 7), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(BATCH, 7, dtype=torch.long)
     if padded:
@@ -396,7 +396,7 @@ def test_hugging_face_gpt2_sdpa_probs_equal_hand_computation(padded):
 
 
 def test_hugging_face_bert_sdpa_probs_equal_hand_computation_with_padding():
-    model = tiny_bert().eval()
+    model = tiny_bert(hidden_size=EMBED, num_attention_heads=2, intermediate_size=32, vocab_size=50).eval()
     ids = torch.randint(0, 50, (BATCH, 7), generator=torch.Generator().manual_seed(2))
     attention_mask = torch.ones(BATCH, 7, dtype=torch.long)
     attention_mask[0, 4:] = 0
@@ -441,7 +441,7 @@ def torch_training_setup():
 
 def gpt2_training_setup():
     return (
-        tiny_gpt2(dropout=0.2).train(),
+        tiny_gpt2(dropout=0.2, n_embd=EMBED, n_head=2, vocab_size=50).train(),
         torch.randint(0, 50, (4, 7)),
         lambda output: output.last_hidden_state,
         2,

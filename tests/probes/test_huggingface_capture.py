@@ -23,6 +23,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from helpers.events import read_back, scalar_series
+from helpers.hf_models import tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from helpers.reference_metrics import attention_reference_batch
 from helpers.reliability import fit, monitor_reports, tensorboard_logger
 from torch import nn
@@ -61,72 +62,48 @@ class Family:
 
 
 def gpt2(implementation: str, dropout: float = 0.0) -> nn.Module:
-    config = transformers.GPT2Config(
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
+    return tiny_gpt2(
+        head="causal_lm",
+        attention=implementation,
+        dropout=dropout,
+        seed=None,
         n_positions=16,
         vocab_size=VOCAB,
         initializer_range=0.3,
-        attn_pdrop=dropout,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation=implementation,
     )
-    return transformers.GPT2LMHeadModel(config)
 
 
 def llama(implementation: str, dropout: float = 0.0) -> nn.Module:
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    return tiny_llama(
+        head="causal_lm",
+        attention=implementation,
+        dropout=dropout,
+        seed=None,
         vocab_size=VOCAB,
-        max_position_embeddings=32,
         initializer_range=0.3,
-        attention_dropout=dropout,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        attn_implementation=implementation,
     )
-    return transformers.LlamaForCausalLM(config)
 
 
 def bert(implementation: str, dropout: float = 0.0) -> nn.Module:
-    config = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
+    return tiny_bert(
+        head="masked_lm",
+        attention=implementation,
+        dropout=dropout,
+        seed=None,
         vocab_size=VOCAB,
-        max_position_embeddings=32,
         initializer_range=0.5,
-        attention_probs_dropout_prob=dropout,
-        hidden_dropout_prob=dropout,
-        attn_implementation=implementation,
     )
-    return transformers.BertForMaskedLM(config)
 
 
 def t5_encoder(implementation: str, dropout: float = 0.0) -> nn.Module:
-    config = transformers.T5Config(
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
+    return tiny_t5(
+        attention=implementation,
+        dropout=dropout,
+        seed=None,
         vocab_size=VOCAB,
         relative_attention_num_buckets=8,
         initializer_factor=2.0,
-        dropout_rate=dropout,
-        attn_implementation=implementation,
     )
-    return transformers.T5EncoderModel(config)
 
 
 FAMILIES = {
@@ -525,15 +502,13 @@ def test_the_advice_for_unseen_attention_names_the_concrete_fix() -> None:
     assert "'flex_attention'" in advice and 'model.set_attn_implementation("sdpa")' in advice
     assert 'attn_implementation="sdpa"' in advice
 
-    reordered = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            n_embd=32,
-            n_layer=1,
-            n_head=4,
-            vocab_size=VOCAB,
-            reorder_and_upcast_attn=True,
-            attn_implementation="eager",
-        )
+    reordered = tiny_gpt2(
+        head="causal_lm",
+        attention="eager",
+        seed=None,
+        n_layer=1,
+        vocab_size=VOCAB,
+        reorder_and_upcast_attn=True,
     )
     assert not captured(reordered, batch("none")).captured
     assert "register_attention_extractor(GPT2Attention, extractor)" in attention_not_seen_advice(reordered)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers.hf_models import tiny_bert, tiny_distilbert, tiny_gpt2, tiny_llama, tiny_t5
 from helpers.reference_metrics import attention_probabilities
 from torch import nn
 
@@ -39,11 +40,16 @@ class Layout:
     output: str  # the output projection, measured whole
 
 
-def bert() -> nn.Module:
-    config = transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=24, vocab_size=VOCAB
+def bert(attention: str = "sdpa", seed: int | None = None) -> nn.Module:
+    return tiny_bert(
+        attention=attention,
+        seed=seed,
+        num_hidden_layers=1,
+        hidden_size=16,
+        intermediate_size=24,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
     )
-    return transformers.BertModel(config)
 
 
 def roberta() -> nn.Module:
@@ -60,8 +66,7 @@ def roberta() -> nn.Module:
 
 
 def t5() -> nn.Module:
-    config = transformers.T5Config(d_model=16, d_kv=6, d_ff=24, num_layers=1, num_heads=3, vocab_size=VOCAB)
-    return transformers.T5EncoderModel(config)
+    return tiny_t5(seed=None, num_layers=1, d_model=16, d_kv=6, d_ff=24, num_heads=3, vocab_size=VOCAB)
 
 
 def vit() -> nn.Module:
@@ -77,27 +82,24 @@ def vit() -> nn.Module:
 
 
 def distilbert() -> nn.Module:
-    config = transformers.DistilBertConfig(dim=16, hidden_dim=24, n_layers=1, n_heads=4, vocab_size=VOCAB)
-    return transformers.DistilBertModel(config)
+    return tiny_distilbert(
+        seed=None, n_layers=1, dim=16, hidden_dim=24, vocab_size=VOCAB, max_position_embeddings=512
+    )
 
 
 def llama() -> nn.Module:
-    config = transformers.LlamaConfig(
+    return tiny_llama(
+        seed=None,
+        num_hidden_layers=1,
         hidden_size=16,
         intermediate_size=24,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         vocab_size=VOCAB,
+        pad_token_id=None,
     )
-    return transformers.LlamaModel(config)
 
 
 def gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_embd=16, n_layer=1, n_head=4, n_positions=16, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2Model(config)
+    return tiny_gpt2(seed=None, n_layer=1, n_embd=16, n_positions=16, vocab_size=VOCAB)
 
 
 LAYOUTS = {
@@ -167,16 +169,7 @@ def test_each_head_of_hugging_face_attention_is_measured_against_float64(family:
 
 
 def test_the_bert_split_gives_the_heads_the_model_computes() -> None:
-    torch.manual_seed(1)
-    config = transformers.BertConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=24,
-        vocab_size=VOCAB,
-        attn_implementation="eager",
-    )
-    model = transformers.BertModel(config).eval()
+    model = bert(attention="eager", seed=1).eval()
     attention = model.encoder.layer[0].attention.self
     seen = {}
     attention.query.register_forward_hook(lambda _, args, output: seen.update(x=args[0]))

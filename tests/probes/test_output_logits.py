@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.hf_models import tiny_gpt2
 from helpers.lightning_runs import fit
 from helpers.lightning_runs import read_viewed as read_back
 from helpers.reference_metrics import output_logit_reference
@@ -69,9 +70,9 @@ def test_the_lm_head_is_found_by_vocabulary_size_by_name_and_refused_by_name() -
 
 
 def test_a_hugging_face_head_is_its_output_embeddings() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2(
+        head="causal_lm", seed=None, n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16
+    )
     name, head = find_lm_head(model)
     assert name == "lm_head" and head is model.get_output_embeddings()
 

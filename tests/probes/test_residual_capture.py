@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import tiny_bert, tiny_gpt2
+from helpers.hf_models import tiny_bert, tiny_gpt2
 from torch import nn
 
 from spectral_monitor.probes import ResidualCapture, find_transformer_blocks
@@ -131,8 +131,10 @@ def test_name_patterns_choose_the_blocks_and_a_pattern_matching_nothing_is_an_er
 
 
 def test_hugging_face_blocks_are_found_and_equal_the_hidden_states():
-    gpt2 = tiny_gpt2(dropout=0.1, seed=None).eval()
-    bert = tiny_bert(seed=None).eval()
+    gpt2 = tiny_gpt2(dropout=0.1, seed=None, n_embd=EMBED, n_head=2, vocab_size=50).eval()
+    bert = tiny_bert(
+        seed=None, hidden_size=EMBED, num_attention_heads=2, intermediate_size=32, vocab_size=50
+    ).eval()
     ids = torch.randint(0, 50, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
     assert find_transformer_blocks(bert) == ["encoder.layer.0", "encoder.layer.1"]
     capture = ResidualCapture(gpt2, max_sequences=2)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.hf_models import tiny_gpt2, tiny_llama
 from helpers.reference_metrics import attention_probabilities
 from torch import nn
 
@@ -242,24 +243,8 @@ def test_multihead_attention_with_kdim_and_vdim_reads_the_separate_projections()
         )
 
 
-def tiny_gpt2():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_embd=16,
-        n_layer=2,
-        n_head=4,
-        n_positions=16,
-        vocab_size=40,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(9)
-    return transformers.GPT2Model(config).eval()
-
-
 def test_gpt2_c_attn_splits_into_the_query_key_value_the_model_computes() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(attention="eager", seed=9, n_embd=16, n_positions=16, vocab_size=40).eval()
     seen = {}
     model.h[1].attn.c_attn.register_forward_hook(lambda _, args, output: seen.update(x=args[0], qkv=output))
     with torch.no_grad():
@@ -311,17 +296,17 @@ def test_grouped_query_heads_pair_each_query_head_with_its_key_head() -> None:
 
 
 def test_llama_separate_projections_with_grouped_keys_are_read_per_head() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    model = tiny_llama(
+        seed=12,
+        num_hidden_layers=1,
         hidden_size=16,
         intermediate_size=24,
-        num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=30,
+        pad_token_id=None,
     )
-    torch.manual_seed(12)
-    attention = transformers.LlamaModel(config).layers[0].self_attn
+    attention = model.layers[0].self_attn
     records = by_tag(WeightProbe(attention).measure(0))
     query, key = attention.q_proj.weight, attention.k_proj.weight
     for head in range(4):
