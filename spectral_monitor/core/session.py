@@ -39,7 +39,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,9 +53,10 @@ from spectral_monitor.catalog import CATALOG, histogram_metrics, layer_head_heat
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.core.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
 from spectral_monitor.core.options import MonitorOptions
+from spectral_monitor.core.reports import Reports, kept_by, outputs_not_kept, warn_of_dropped_entries
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES, LossFn, SecondOrderProbes
-from spectral_monitor.distributed import full_parameters, global_rank
+from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import (
     ATTENTION_LOGIT_METRICS,
     ATTENTION_METRICS,
@@ -94,7 +94,6 @@ from spectral_monitor.sinks import (
     Layout,
     Sink,
     diagnosis_layout,
-    steps_phrase,
 )
 from spectral_monitor.sinks.figures import (
     AttentionBlocks,
@@ -168,7 +167,7 @@ class MonitorSession:
     def __init__(self, options: MonitorOptions) -> None:
         self.options = options
         self.alerting = Alerting(options.alerts, options.on_alert, options.stop_on, options.families)
-        self._reports = _Reports(options.strict)
+        self._reports = Reports(options.strict)
         self._logging_cadence = Cadence.of_steps(options.every_n_steps, first_step=options.log_first_step)
         self._figures_cadence = Cadence.of_logs(options.figures_every_n_logs)
         self._head_diversity_cadence = Cadence.of_logs(options.head_diversity_every_n_logs)
@@ -498,7 +497,7 @@ class MonitorSession:
                 self._parked_states[key] = _PART_TYPES[key].usable_state(entries.nested(key))
             else:
                 part.load_state_dict(entries.nested(key))
-        _warn_of_dropped_entries(entries.dropped)
+        warn_of_dropped_entries(entries.dropped)
 
     def _stateful_parts(self) -> dict[str, WeightProbe | SecondOrderProbes | None]:
         """The parts with checkpoint state of their own, by their key in :meth:`state_dict`."""
@@ -582,7 +581,7 @@ class MonitorSession:
         return self._logging_cadence.due(step - self._step_offset)
 
     def _kept(self, capability: Capability) -> bool:
-        return _kept_by(self._sinks, capability)
+        return kept_by(self._sinks, capability)
 
     def _measure_attention(self, progress: _LoggingStep) -> None:
         recording = progress.attention
@@ -1232,82 +1231,6 @@ def _layer_measurements(
     return layer_records, head_records
 
 
-class _Reports:
-    """Reports each kind of problem once; with ``strict`` failures and problems raise instead.
-
-    Every failure is also kept, by what failed and the step it failed at (``step``, set by the session), for
-    the end-of-run report.
-    """
-
-    def __init__(self, strict: bool) -> None:
-        self.strict = strict
-        self.writes = True  # whether this process warns: the writing rank only
-        self.step = 0
-        self.failed_steps: dict[str, list[int]] = {}
-        self._reported: set[str] = set()
-
-    def once(self, kind: str, message: str) -> None:
-        if kind not in self._reported:
-            self._reported.add(kind)
-            self.warn(f"SpectralMonitor: {message}.")
-
-    def warn(self, message: str) -> None:
-        """A RuntimeWarning, on the writing rank only."""
-        if self.writes:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def end_of_run(self, sinks: Sequence[Sink]) -> None:
-        """One warning listing every part that failed, at which steps, and what each sink could not write;
-        nothing when nothing was lost."""
-        lines = [f"{what} failed at steps {steps_phrase(steps)}" for what, steps in self.failed_steps.items()]
-        lines += [
-            f"{type(sink).__name__} could not write {sink.losses.describe()}"
-            for sink in sinks
-            if getattr(sink, "losses", None)
-        ]
-        if lines:
-            self.warn("SpectralMonitor: end of the run; lost to failures: " + "; ".join(lines) + ".")
-        self.failed_steps = {}
-
-    def problem(self, kind: str, message: str) -> None:
-        """A measurement that came out wrong (non-finite): raised when strict, else reported once."""
-        if self.strict:
-            raise FloatingPointError(f"SpectralMonitor: {message} (strict=True)")
-        self.once(kind, f"{message}. Reported once")
-
-    @contextmanager
-    def failures_of(self, what: str) -> Iterator[None]:
-        """Runs a step of the monitor; a failure is re-raised when strict, else reported once and skipped."""
-        try:
-            yield
-        except Exception as error:
-            steps = self.failed_steps.setdefault(what, [])
-            if not steps or steps[-1] != self.step:
-                steps.append(self.step)
-            if self.strict:
-                raise
-            self.once(
-                what,
-                f"{what} failed with {error!r}; training goes on without it. Later failures of this kind "
-                "are not reported (strict=True raises them)",
-            )
-
-
-def outputs_not_kept(options: MonitorOptions, sinks: Sequence[Sink]) -> list[str]:
-    """What the options ask to write that none of ``sinks`` keeps (``"histograms"``, ``"figures"``, ...),
-    for the integration's one warning naming its loggers."""
-    wanted = {Capability.LAYOUT: "the custom-scalars layout"}
-    if options.histograms:
-        wanted[Capability.HISTOGRAMS] = "histograms"
-    if options.figures_every_n_logs:
-        wanted[Capability.FIGURES] = "figures"
-    return [what for capability, what in wanted.items() if not _kept_by(sinks, capability)]
-
-
-def _kept_by(sinks: Sequence[Sink], capability: Capability) -> bool:
-    return any(capability in sink.capabilities for sink in sinks)
-
-
 def _no_stop() -> None:
     return None
 
@@ -1315,17 +1238,6 @@ def _no_stop() -> None:
 _PART_TYPES = {"weight_probe": WeightProbe, "second_order": SecondOrderProbes}
 """The type of each stateful part (:meth:`MonitorSession._stateful_parts`), whose ``usable_state`` checks
 its checkpoint state while the part does not exist yet."""
-
-
-def _warn_of_dropped_entries(dropped: list[str]) -> None:
-    """One warning, on global rank 0, naming every entry of a checkpoint that was dropped."""
-    if dropped and global_rank() == 0:
-        warnings.warn(
-            "SpectralMonitor: the checkpoint's monitor state holds entries it cannot use; they were dropped "
-            f"and those parts start cold, as in a new run: {'; '.join(dropped)}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
 
 def _concatenated(masks: list[Tensor | None]) -> Tensor | None:
