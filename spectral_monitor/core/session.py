@@ -97,9 +97,8 @@ from spectral_monitor.sinks import (
 )
 from spectral_monitor.sinks.figures import (
     AttentionBlocks,
-    AttentionHeatmapImages,
-    LayerHeadHeatmapImages,
-    SpectrumImages,
+    AttentionImages,
+    DrawnHead,
     attention_block_means,
 )
 from spectral_monitor.toolbox.head_diversity import (
@@ -194,7 +193,7 @@ class MonitorSession:
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
         self._previous_max_logit: dict[str, float] = {}
-        self._attention_images = _AttentionImages()
+        self._attention_images = _attention_images()
         # The layout of the last step's tags: steps mostly write the same tags, and deriving it took ~3 ms.
         self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
         self._in_progress: _LoggingStep | None = None
@@ -453,7 +452,7 @@ class MonitorSession:
         self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
         self._output_capture = self._model = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
-        self._attention_images = _AttentionImages()  # kept figures hold canvases: not past a run
+        self._attention_images = _attention_images()  # kept figures hold canvases: not past a run
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to measure, judge and write as this one would have gone on doing."""
@@ -618,7 +617,7 @@ class MonitorSession:
                     for metric, head_values in per_head.items()
                     if metric in HISTOGRAM_METRICS
                 ]
-            drawn = _DrawnHead.of(captured.layer, layer, per_head)
+            drawn = _drawn_head(captured.layer, layer, per_head)
             if drawn is not None:
                 drawn_heads.append(drawn)
         if drawn_heads:
@@ -1077,91 +1076,21 @@ def _drawn_attention(sample: AttentionSample, singular_values: Tensor) -> _Drawn
     )
 
 
-@dataclass
-class _DrawnHead:
-    """What the figures need of one layer, kept after its attention probabilities are dropped."""
-
-    layer: str
-    blocks: AttentionBlocks  # head _FIGURE_HEAD of the first sequence, as its heatmap draws it
-    singular_values: np.ndarray  # of the attention restricted to real queries and attendable keys
-    head_values: dict[str, np.ndarray]  # (heads,) of each HEATMAP_METRICS member the layer has
-
-    @classmethod
-    def of(cls, layer: str, attention: _LayerAttention, per_head: dict[str, Tensor]) -> _DrawnHead | None:
-        """The drawn head of a layer; None where it was not drawn (``_drawn_attention``)."""
-        if attention.drawn is None:
-            return None
-        return cls(
-            layer=layer,
-            blocks=attention.drawn.blocks,
-            singular_values=attention.drawn.singular_values,
-            head_values={
-                metric: per_head[metric].numpy() for metric in HEATMAP_METRICS if metric in per_head
-            },
-        )
+def _drawn_head(layer: str, attention: _LayerAttention, per_head: dict[str, Tensor]) -> DrawnHead | None:
+    """What the figures draw of a layer; None where it was not drawn (``_drawn_attention``)."""
+    if attention.drawn is None:
+        return None
+    return DrawnHead(
+        layer=layer,
+        blocks=attention.drawn.blocks,
+        singular_values=attention.drawn.singular_values,
+        head_values={metric: per_head[metric].numpy() for metric in HEATMAP_METRICS if metric in per_head},
+    )
 
 
-class _AttentionImages:
-    """The attention figures, kept from one figure step to the next and redrawn with each one's data
-    (:class:`~spectral_monitor.sinks.figures.RedrawnFigure`: ~30 ms a figure instead of ~200 ms)."""
-
-    def __init__(self) -> None:
-        self.spectrum = SpectrumImages()
-        # By the drawn matrix's shape, for the shapes of the last figure step: layers of one shape share a
-        # figure (a new heatmap figure costs ~120 ms, a redraw ~30 ms), and padded batches whose shapes
-        # change from step to step cannot pile figures up.
-        self.heatmaps: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        self.layer_head = {metric: LayerHeadHeatmapImages() for metric in HEATMAP_METRICS}
-
-    def drawn(self, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
-        """(tag, draw) of each attention image; drawing is deferred to the sinks that keep figures."""
-        images: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (
-                "attention/figures/spectrum",
-                lambda: self.spectrum.image(
-                    {head.layer: head.singular_values for head in heads},
-                    f"attention singular values, head {_FIGURE_HEAD} of sequence 0",
-                ),
-            )
-        ]
-        drawn_heads = heads[:1] + heads[1:][-1:]  # the first and the last layer
-        kept: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        for head in drawn_heads:
-            shape = head.blocks.shape
-            kept[shape] = kept.get(shape) or self.heatmaps.get(shape) or AttentionHeatmapImages()
-        self.heatmaps = kept
-        for head in drawn_heads:
-            heatmap = self.heatmaps[head.blocks.shape]
-            images.append(
-                (
-                    f"attention/figures/heatmap/{head.layer}",
-                    lambda head=head, heatmap=heatmap: heatmap.image_of_blocks(
-                        head.blocks, f"{head.layer}, head {_FIGURE_HEAD}"
-                    ),
-                )
-            )
-        for metric, kept_figure in self.layer_head.items():
-            measured = [head for head in heads if metric in head.head_values]
-            if not measured:
-                continue
-            grid = np.full((len(measured), max(head.head_values[metric].size for head in measured)), np.nan)
-            for row, head in enumerate(measured):
-                grid[row, : head.head_values[metric].size] = head.head_values[metric]
-            images.append(
-                (
-                    f"attention/figures/{metric}",
-                    lambda grid=grid, measured=measured, metric=metric, kept_figure=kept_figure: (
-                        kept_figure.image(
-                            grid,
-                            [head.layer for head in measured],
-                            _HEATMAP_TITLES.get(metric, metric),
-                            vmin=0.0,
-                            vmax=1.0,
-                        )
-                    ),
-                )
-            )
-        return images
+def _attention_images() -> AttentionImages:
+    """The run's attention figure cache, drawing the ``HEATMAP_METRICS`` images and head ``_FIGURE_HEAD``."""
+    return AttentionImages(HEATMAP_METRICS, _HEATMAP_TITLES, _FIGURE_HEAD)
 
 
 def _mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
