@@ -7,6 +7,7 @@ Nothing under this package imports Lightning or another training framework; the 
 """
 
 from spectral_monitor.core.options import ALL_FAMILIES, FAMILIES, MonitorOptions
-from spectral_monitor.core.session import MonitorSession, outputs_not_kept
+from spectral_monitor.core.reports import outputs_not_kept
+from spectral_monitor.core.session import MonitorSession
 
 __all__ = ["ALL_FAMILIES", "FAMILIES", "MonitorOptions", "MonitorSession", "outputs_not_kept"]

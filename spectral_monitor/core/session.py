@@ -39,7 +39,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,9 +53,10 @@ from spectral_monitor.catalog import CATALOG, histogram_metrics, layer_head_heat
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.core.alerting import ALERT_TEXT_TAG, Alerting, AlertStep
 from spectral_monitor.core.options import MonitorOptions
+from spectral_monitor.core.reports import Reports, kept_by, outputs_not_kept, warn_of_dropped_entries
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES, LossFn, SecondOrderProbes
-from spectral_monitor.distributed import full_parameters, global_rank
+from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import (
     ATTENTION_LOGIT_METRICS,
     ATTENTION_METRICS,
@@ -94,13 +94,11 @@ from spectral_monitor.sinks import (
     Layout,
     Sink,
     diagnosis_layout,
-    steps_phrase,
 )
 from spectral_monitor.sinks.figures import (
     AttentionBlocks,
-    AttentionHeatmapImages,
-    LayerHeadHeatmapImages,
-    SpectrumImages,
+    AttentionImages,
+    DrawnHead,
     attention_block_means,
 )
 from spectral_monitor.toolbox.head_diversity import (
@@ -168,7 +166,7 @@ class MonitorSession:
     def __init__(self, options: MonitorOptions) -> None:
         self.options = options
         self.alerting = Alerting(options.alerts, options.on_alert, options.stop_on, options.families)
-        self._reports = _Reports(options.strict)
+        self._reports = Reports(options.strict)
         self._logging_cadence = Cadence.of_steps(options.every_n_steps, first_step=options.log_first_step)
         self._figures_cadence = Cadence.of_logs(options.figures_every_n_logs)
         self._head_diversity_cadence = Cadence.of_logs(options.head_diversity_every_n_logs)
@@ -195,7 +193,7 @@ class MonitorSession:
         self._parked_states: dict[str, dict[str, Any]] = {}
         self._krylov_states: dict[str, KrylovState] = {}
         self._previous_max_logit: dict[str, float] = {}
-        self._attention_images = _AttentionImages()
+        self._attention_images = _attention_images()
         # The layout of the last step's tags: steps mostly write the same tags, and deriving it took ~3 ms.
         self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
         self._in_progress: _LoggingStep | None = None
@@ -454,7 +452,7 @@ class MonitorSession:
         self._attention_capture = self._residual_capture = self._weight_probe = self._second_order = None
         self._output_capture = self._model = None
         self._sinks = []  # the attention warm vectors stay too: small, and a checkpoint after fit keeps them
-        self._attention_images = _AttentionImages()  # kept figures hold canvases: not past a run
+        self._attention_images = _attention_images()  # kept figures hold canvases: not past a run
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to measure, judge and write as this one would have gone on doing."""
@@ -498,7 +496,7 @@ class MonitorSession:
                 self._parked_states[key] = _PART_TYPES[key].usable_state(entries.nested(key))
             else:
                 part.load_state_dict(entries.nested(key))
-        _warn_of_dropped_entries(entries.dropped)
+        warn_of_dropped_entries(entries.dropped)
 
     def _stateful_parts(self) -> dict[str, WeightProbe | SecondOrderProbes | None]:
         """The parts with checkpoint state of their own, by their key in :meth:`state_dict`."""
@@ -582,7 +580,7 @@ class MonitorSession:
         return self._logging_cadence.due(step - self._step_offset)
 
     def _kept(self, capability: Capability) -> bool:
-        return _kept_by(self._sinks, capability)
+        return kept_by(self._sinks, capability)
 
     def _measure_attention(self, progress: _LoggingStep) -> None:
         recording = progress.attention
@@ -619,7 +617,7 @@ class MonitorSession:
                     for metric, head_values in per_head.items()
                     if metric in HISTOGRAM_METRICS
                 ]
-            drawn = _DrawnHead.of(captured.layer, layer, per_head)
+            drawn = _drawn_head(captured.layer, layer, per_head)
             if drawn is not None:
                 drawn_heads.append(drawn)
         if drawn_heads:
@@ -1078,91 +1076,21 @@ def _drawn_attention(sample: AttentionSample, singular_values: Tensor) -> _Drawn
     )
 
 
-@dataclass
-class _DrawnHead:
-    """What the figures need of one layer, kept after its attention probabilities are dropped."""
-
-    layer: str
-    blocks: AttentionBlocks  # head _FIGURE_HEAD of the first sequence, as its heatmap draws it
-    singular_values: np.ndarray  # of the attention restricted to real queries and attendable keys
-    head_values: dict[str, np.ndarray]  # (heads,) of each HEATMAP_METRICS member the layer has
-
-    @classmethod
-    def of(cls, layer: str, attention: _LayerAttention, per_head: dict[str, Tensor]) -> _DrawnHead | None:
-        """The drawn head of a layer; None where it was not drawn (``_drawn_attention``)."""
-        if attention.drawn is None:
-            return None
-        return cls(
-            layer=layer,
-            blocks=attention.drawn.blocks,
-            singular_values=attention.drawn.singular_values,
-            head_values={
-                metric: per_head[metric].numpy() for metric in HEATMAP_METRICS if metric in per_head
-            },
-        )
+def _drawn_head(layer: str, attention: _LayerAttention, per_head: dict[str, Tensor]) -> DrawnHead | None:
+    """What the figures draw of a layer; None where it was not drawn (``_drawn_attention``)."""
+    if attention.drawn is None:
+        return None
+    return DrawnHead(
+        layer=layer,
+        blocks=attention.drawn.blocks,
+        singular_values=attention.drawn.singular_values,
+        head_values={metric: per_head[metric].numpy() for metric in HEATMAP_METRICS if metric in per_head},
+    )
 
 
-class _AttentionImages:
-    """The attention figures, kept from one figure step to the next and redrawn with each one's data
-    (:class:`~spectral_monitor.sinks.figures.RedrawnFigure`: ~30 ms a figure instead of ~200 ms)."""
-
-    def __init__(self) -> None:
-        self.spectrum = SpectrumImages()
-        # By the drawn matrix's shape, for the shapes of the last figure step: layers of one shape share a
-        # figure (a new heatmap figure costs ~120 ms, a redraw ~30 ms), and padded batches whose shapes
-        # change from step to step cannot pile figures up.
-        self.heatmaps: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        self.layer_head = {metric: LayerHeadHeatmapImages() for metric in HEATMAP_METRICS}
-
-    def drawn(self, heads: list[_DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
-        """(tag, draw) of each attention image; drawing is deferred to the sinks that keep figures."""
-        images: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (
-                "attention/figures/spectrum",
-                lambda: self.spectrum.image(
-                    {head.layer: head.singular_values for head in heads},
-                    f"attention singular values, head {_FIGURE_HEAD} of sequence 0",
-                ),
-            )
-        ]
-        drawn_heads = heads[:1] + heads[1:][-1:]  # the first and the last layer
-        kept: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        for head in drawn_heads:
-            shape = head.blocks.shape
-            kept[shape] = kept.get(shape) or self.heatmaps.get(shape) or AttentionHeatmapImages()
-        self.heatmaps = kept
-        for head in drawn_heads:
-            heatmap = self.heatmaps[head.blocks.shape]
-            images.append(
-                (
-                    f"attention/figures/heatmap/{head.layer}",
-                    lambda head=head, heatmap=heatmap: heatmap.image_of_blocks(
-                        head.blocks, f"{head.layer}, head {_FIGURE_HEAD}"
-                    ),
-                )
-            )
-        for metric, kept_figure in self.layer_head.items():
-            measured = [head for head in heads if metric in head.head_values]
-            if not measured:
-                continue
-            grid = np.full((len(measured), max(head.head_values[metric].size for head in measured)), np.nan)
-            for row, head in enumerate(measured):
-                grid[row, : head.head_values[metric].size] = head.head_values[metric]
-            images.append(
-                (
-                    f"attention/figures/{metric}",
-                    lambda grid=grid, measured=measured, metric=metric, kept_figure=kept_figure: (
-                        kept_figure.image(
-                            grid,
-                            [head.layer for head in measured],
-                            _HEATMAP_TITLES.get(metric, metric),
-                            vmin=0.0,
-                            vmax=1.0,
-                        )
-                    ),
-                )
-            )
-        return images
+def _attention_images() -> AttentionImages:
+    """The run's attention figure cache, drawing the ``HEATMAP_METRICS`` images and head ``_FIGURE_HEAD``."""
+    return AttentionImages(HEATMAP_METRICS, _HEATMAP_TITLES, _FIGURE_HEAD)
 
 
 def _mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
@@ -1232,82 +1160,6 @@ def _layer_measurements(
     return layer_records, head_records
 
 
-class _Reports:
-    """Reports each kind of problem once; with ``strict`` failures and problems raise instead.
-
-    Every failure is also kept, by what failed and the step it failed at (``step``, set by the session), for
-    the end-of-run report.
-    """
-
-    def __init__(self, strict: bool) -> None:
-        self.strict = strict
-        self.writes = True  # whether this process warns: the writing rank only
-        self.step = 0
-        self.failed_steps: dict[str, list[int]] = {}
-        self._reported: set[str] = set()
-
-    def once(self, kind: str, message: str) -> None:
-        if kind not in self._reported:
-            self._reported.add(kind)
-            self.warn(f"SpectralMonitor: {message}.")
-
-    def warn(self, message: str) -> None:
-        """A RuntimeWarning, on the writing rank only."""
-        if self.writes:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def end_of_run(self, sinks: Sequence[Sink]) -> None:
-        """One warning listing every part that failed, at which steps, and what each sink could not write;
-        nothing when nothing was lost."""
-        lines = [f"{what} failed at steps {steps_phrase(steps)}" for what, steps in self.failed_steps.items()]
-        lines += [
-            f"{type(sink).__name__} could not write {sink.losses.describe()}"
-            for sink in sinks
-            if getattr(sink, "losses", None)
-        ]
-        if lines:
-            self.warn("SpectralMonitor: end of the run; lost to failures: " + "; ".join(lines) + ".")
-        self.failed_steps = {}
-
-    def problem(self, kind: str, message: str) -> None:
-        """A measurement that came out wrong (non-finite): raised when strict, else reported once."""
-        if self.strict:
-            raise FloatingPointError(f"SpectralMonitor: {message} (strict=True)")
-        self.once(kind, f"{message}. Reported once")
-
-    @contextmanager
-    def failures_of(self, what: str) -> Iterator[None]:
-        """Runs a step of the monitor; a failure is re-raised when strict, else reported once and skipped."""
-        try:
-            yield
-        except Exception as error:
-            steps = self.failed_steps.setdefault(what, [])
-            if not steps or steps[-1] != self.step:
-                steps.append(self.step)
-            if self.strict:
-                raise
-            self.once(
-                what,
-                f"{what} failed with {error!r}; training goes on without it. Later failures of this kind "
-                "are not reported (strict=True raises them)",
-            )
-
-
-def outputs_not_kept(options: MonitorOptions, sinks: Sequence[Sink]) -> list[str]:
-    """What the options ask to write that none of ``sinks`` keeps (``"histograms"``, ``"figures"``, ...),
-    for the integration's one warning naming its loggers."""
-    wanted = {Capability.LAYOUT: "the custom-scalars layout"}
-    if options.histograms:
-        wanted[Capability.HISTOGRAMS] = "histograms"
-    if options.figures_every_n_logs:
-        wanted[Capability.FIGURES] = "figures"
-    return [what for capability, what in wanted.items() if not _kept_by(sinks, capability)]
-
-
-def _kept_by(sinks: Sequence[Sink], capability: Capability) -> bool:
-    return any(capability in sink.capabilities for sink in sinks)
-
-
 def _no_stop() -> None:
     return None
 
@@ -1315,17 +1167,6 @@ def _no_stop() -> None:
 _PART_TYPES = {"weight_probe": WeightProbe, "second_order": SecondOrderProbes}
 """The type of each stateful part (:meth:`MonitorSession._stateful_parts`), whose ``usable_state`` checks
 its checkpoint state while the part does not exist yet."""
-
-
-def _warn_of_dropped_entries(dropped: list[str]) -> None:
-    """One warning, on global rank 0, naming every entry of a checkpoint that was dropped."""
-    if dropped and global_rank() == 0:
-        warnings.warn(
-            "SpectralMonitor: the checkpoint's monitor state holds entries it cannot use; they were dropped "
-            f"and those parts start cold, as in a new run: {'; '.join(dropped)}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
 
 def _concatenated(masks: list[Tensor | None]) -> Tensor | None:

@@ -34,12 +34,12 @@ from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.core.session import (
     HEATMAP_METRICS,
     HISTOGRAM_METRICS,
-    _AttentionImages,
-    _DrawnHead,
+    _attention_images,
 )
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe
+from spectral_monitor.sinks.figures import DrawnHead
 
 LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
 BLOCKS = ("encoder.layers.0", "encoder.layers.1")
@@ -68,13 +68,13 @@ def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers()
 
     rng = np.random.default_rng(0)
 
-    def head(layer: str, queries: int) -> tuple[_DrawnHead, np.ndarray]:
+    def head(layer: str, queries: int) -> tuple[DrawnHead, np.ndarray]:
         attention = rng.random((queries, 8))
         attention /= attention.sum(axis=1, keepdims=True)
         blocks = attention_block_means(attention)
-        return _DrawnHead(layer, blocks, np.linalg.svd(attention, compute_uv=False), {}), attention
+        return DrawnHead(layer, blocks, np.linalg.svd(attention, compute_uv=False), {}), attention
 
-    images = _AttentionImages()
+    images = _attention_images()
     for step, last_queries in ((0, 8), (10, 8), (20, 6), (30, 8)):
         heads, attentions = zip(*(head("l0", 8), head("l1", 8), head("l2", last_queries)), strict=True)
         drawn = dict(images.drawn(list(heads)))
