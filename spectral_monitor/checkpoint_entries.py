@@ -54,6 +54,10 @@ class StateEntries:
     def __contains__(self, key: str) -> bool:
         return key in self._state
 
+    def holds(self, key: str) -> bool:
+        """Whether the entry ``key`` is present and not None (None: a part that saved nothing)."""
+        return self._state.get(key) is not None
+
     def name(self, key: str) -> str:
         """``key`` as messages name it: qualified by the mappings it is nested in."""
         return f"{self.where}.{key}" if self.where else key

@@ -88,7 +88,9 @@ def test_measuring_a_chunk_of_matrices_at_a_time_gives_what_one_call_gives(matri
     head diversity uses and the drawn head's heatmap blocks are those of the whole layer in one call."""
     import torch
 
-    from spectral_monitor import MonitorOptions, MonitorSession
+    from spectral_monitor import MonitorOptions
+    from spectral_monitor.core.attention_plan import AttentionPlan
+    from spectral_monitor.core.reports import Reports
     from spectral_monitor.demo import DemoTransformer
     from spectral_monitor.probes import AttentionCapture
     from spectral_monitor.probes.attention_records import DENSE_CALL_NBYTES
@@ -108,9 +110,9 @@ def test_measuring_a_chunk_of_matrices_at_a_time_gives_what_one_call_gives(matri
     spectra_room = spectrum_working_nbytes(40, 40, torch.float32)
     assert layers[0].matrices_per_chunk(room - spectra_room, exact=True) == matrices_per_chunk
 
-    monitor = MonitorSession(MonitorOptions(metric_method="exact"))
-    chunked = monitor._attention_of_layers(layers, room, diversity=True, draw=True)
-    whole = monitor._attention_of_layers(layers, 2**30, diversity=True, draw=True)
+    plan = AttentionPlan(MonitorOptions(metric_method="exact"), Reports(strict=True))
+    chunked = plan.measure(layers, room, diversity=True, draw=True)
+    whole = plan.measure(layers, 2**30, diversity=True, draw=True)
     for captured, by_chunks, at_once in zip(layers, chunked, whole, strict=True):
         assert by_chunks.metrics.keys() == at_once.metrics.keys()
         for name, values in at_once.metrics.items():

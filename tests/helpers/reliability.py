@@ -41,7 +41,7 @@ FAMILY_CONFIGURATIONS = (
         (
             "spectral_monitor.probes.attention:AttentionCapture.arm",
             "spectral_monitor.probes.attention:_captured_multi_head_attention",
-            "spectral_monitor.core.session:attention_metrics",
+            "spectral_monitor.core.attention_plan:attention_metrics",
         ),
         during_forward=("spectral_monitor.probes.attention:_captured_multi_head_attention",),
     ),
@@ -51,7 +51,7 @@ FAMILY_CONFIGURATIONS = (
         (
             "spectral_monitor.probes.residual:ResidualCapture.arm",
             "spectral_monitor.probes.residual:_batch_first",
-            "spectral_monitor.core.session:token_metrics",
+            "spectral_monitor.core.families:token_metrics",
         ),
         during_forward=("spectral_monitor.probes.residual:_batch_first",),
     ),

@@ -31,11 +31,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.catalog import CATALOG, metric_info
-from spectral_monitor.core.session import (
-    HEATMAP_METRICS,
-    HISTOGRAM_METRICS,
-    _attention_images,
-)
+from spectral_monitor.core.attention_plan import attention_images
+from spectral_monitor.core.session import HEATMAP_METRICS, HISTOGRAM_METRICS
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe
@@ -74,7 +71,7 @@ def test_heatmaps_of_one_shape_share_a_figure_and_each_image_is_its_own_layers()
         blocks = attention_block_means(attention)
         return DrawnHead(layer, blocks, np.linalg.svd(attention, compute_uv=False), {}), attention
 
-    images = _attention_images()
+    images = attention_images()
     for step, last_queries in ((0, 8), (10, 8), (20, 6), (30, 8)):
         heads, attentions = zip(*(head("l0", 8), head("l1", 8), head("l2", last_queries)), strict=True)
         drawn = dict(images.drawn(list(heads)))

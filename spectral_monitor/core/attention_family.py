@@ -1,0 +1,241 @@
+"""The attention family: q and k captured during the training forward, measured at the step's end.
+
+What is measured, and within which memory, is :class:`~spectral_monitor.core.attention_plan.AttentionPlan`'s;
+this family turns its per-matrix metrics into records: a mean (or a largest) over the sampled sequences per
+head, the layer's mean over heads with the aggregates the catalogue asks for, per-head records and
+histograms, the growth of the largest logit between logging steps, head diversity on its own cadence and the
+figures on figure steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spectral_monitor.catalog import CATALOG, histogram_metrics
+from spectral_monitor.checkpoint_entries import StateEntries
+from spectral_monitor.core.attention_plan import AttentionPlan, attention_images, drawn_head
+from spectral_monitor.core.families import (
+    LoggingStep,
+    ProbeFamily,
+    Run,
+    layer_selected,
+    mean_over_sequences,
+    report_skipped,
+)
+from spectral_monitor.core.options import MonitorOptions
+from spectral_monitor.core.reports import Reports
+from spectral_monitor.core.schedule import Cadence
+from spectral_monitor.metrics import ATTENTION_LOGIT_METRICS, ATTENTION_METRICS, SEQUENCE_MAXIMA, KrylovState
+from spectral_monitor.probes import AttentionCapture, AttentionRecording
+from spectral_monitor.probes.huggingface import attention_not_seen_advice
+from spectral_monitor.records import Distribution, Measurement
+from spectral_monitor.sinks import Capability
+from spectral_monitor.toolbox.head_diversity import redundant_pairs_markdown, spectra_diversity_records
+
+__all__ = ["HISTOGRAM_METRICS", "AttentionFamily"]
+
+HISTOGRAM_METRICS = histogram_metrics("attention")
+"""The attention metrics whose per-head values are also written as a histogram (``<metric>_per_head``), as
+the catalogue says: the diagnostic ones."""
+
+_HEAD_AGGREGATES = {info.name: info.head_aggregates for info in CATALOG if info.family == "attention"}
+"""Per attention metric, the aggregates over heads written per layer (``<metric>_min``/``_max``) besides
+the mean: only where the catalogue says the spread over heads diagnoses something."""
+
+_NO_ATTENTION_SEEN = (
+    "the attention family is on, but the training forward made no attention-kernel call the monitor could "
+    "see (F.scaled_dot_product_attention, F.multi_head_attention_forward, Hugging Face eager attention)"
+)
+
+
+class AttentionFamily(ProbeFamily):
+    """Attention: its q and k captured during the forward, measured at the step's end within the memory
+    budget (:class:`~spectral_monitor.core.attention_plan.AttentionPlan`), summed up over sequences and heads,
+    with head diversity on its own cadence and the figures on figure steps."""
+
+    def __init__(self, options: MonitorOptions, reports: Reports) -> None:
+        super().__init__(options, reports)
+        self.plan = AttentionPlan(options, reports)
+        self._head_diversity_cadence = Cadence.of_logs(options.head_diversity_every_n_logs)
+        self._capture: AttentionCapture | None = None
+        self._recording: AttentionRecording | None = None
+        self._previous_max_logit: dict[str, float] = {}
+        self._images = attention_images()
+        self._kept: Callable[[Capability], bool] = lambda capability: False
+
+    @property
+    def captures(self) -> bool:
+        return self._capture is not None
+
+    def start(self, run: Run) -> None:
+        self._kept = run.kept
+        if "attention" in self.options.families:
+            self._capture = AttentionCapture(
+                run.model,
+                max_sequences=self.options.max_sequences,
+                max_bytes=int(self.options.memory_budget_mb * 2**20),
+                strict=self.options.strict,
+            )
+
+    def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
+        if self._capture is not None:
+            with self.reports.failures_of("arming the attention capture"):
+                self._capture.arm(token_mask, every_module=every_module)
+
+    def disarm(self) -> None:
+        capture = self._capture
+        if capture is None or not capture.is_armed:
+            return
+        with self.reports.failures_of("disarming the attention capture"):
+            self._recording = capture.disarm()
+            report_skipped(self.reports, "attention", self._recording.skipped)
+            if not self._recording.captured and not self._recording.skipped:
+                self.reports.once(
+                    "no attention", f"{_NO_ATTENTION_SEEN}; {attention_not_seen_advice(capture.model)}"
+                )
+
+    def discard(self) -> None:
+        if self._capture is not None and self._capture.is_armed:
+            self._capture.disarm()
+        self._recording = None
+
+    def measure(self, progress: LoggingStep) -> None:
+        recording, self._recording = self._recording, None
+        if recording is not None:
+            with self.reports.failures_of("computing the attention metrics"):
+                self._measure(progress, recording)
+
+    def close(self) -> None:
+        self._capture = self._recording = None
+        self._images = attention_images()  # kept figures hold canvases: not past a run
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "attention_krylov_vectors": {
+                layer: state.vectors.detach().clone()
+                for layer, state in self.plan.krylov_states.items()
+                if state.vectors is not None
+            },
+            "previous_max_logit": dict(self._previous_max_logit),
+        }
+
+    def load_state_dict(self, entries: StateEntries) -> None:
+        self.plan.krylov_states = {
+            layer: KrylovState(vectors)
+            for layer, vectors in entries.unit_vectors("attention_krylov_vectors", ndim=3).items()
+        }
+        self._previous_max_logit = entries.numbers("previous_max_logit")
+
+    def _measure(self, progress: LoggingStep, recording: AttentionRecording) -> None:
+        write_histograms = self.options.histograms and self._kept(Capability.HISTOGRAMS)
+        diversity_due = self._head_diversity_cadence.due(progress.logs_done)
+        # What the capture holds stays alive throughout; the rest of the budget is the working memory.
+        room = int(self.options.memory_budget_mb * 2**20) - sum(
+            captured.held_nbytes() for captured in recording.captured
+        )
+        layers = [captured for captured in recording.captured if layer_selected(self.options, captured.layer)]
+        measured = self.plan.measure(layers, room, diversity=diversity_due, draw=progress.draw_figures)
+        drawn_heads = []
+        for captured, layer in zip(layers, measured, strict=True):
+            per_head = self._head_means(progress.step, captured.layer, layer.metrics)
+            layer_records, head_records = _layer_measurements(progress.step, captured.layer, per_head)
+            progress.measurements += layer_records + self._max_logit_growth(
+                progress.step, captured.layer, per_head
+            )
+            if self.options.per_head:
+                progress.measurements += head_records
+            else:
+                progress.read_only += head_records
+            if write_histograms:
+                # "_per_head": a histogram tag equal to a scalar tag hides the scalar in TensorBoard's
+                # default (fast) loader, which keeps one data class per tag.
+                progress.distributions += [
+                    Distribution(
+                        progress.step, "attention", f"{metric}_per_head", captured.layer, head_values.numpy()
+                    )
+                    for metric, head_values in per_head.items()
+                    if metric in HISTOGRAM_METRICS
+                ]
+            drawn = drawn_head(captured.layer, layer, per_head)
+            if drawn is not None:
+                drawn_heads.append(drawn)
+        if drawn_heads:
+            progress.figures += self._images.drawn(drawn_heads)
+        if diversity_due:
+            with self.reports.failures_of("measuring head diversity"):
+                spectra = {
+                    captured.layer: layer.spectra
+                    for captured, layer in zip(layers, measured, strict=True)
+                    if layer.spectra is not None
+                }
+                records, pairs = spectra_diversity_records(progress.step, spectra)
+                progress.measurements += records
+                if pairs:
+                    progress.texts.append(
+                        ("attention/redundant_heads", redundant_pairs_markdown(progress.step, pairs))
+                    )
+
+    def _head_means(self, step: int, layer: str, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Each metric per head over the sampled sequences: their mean, or their largest for a maximum."""
+        nonfinite = metrics["nonfinite"]
+        if nonfinite.any():
+            self.reports.problem(
+                "non-finite attention",
+                f"non-finite attention in {layer} at step {step}: its probabilities hold NaN or inf "
+                "(or its q and k do), so its metrics are written as NaN",
+            )
+        per_head = {}
+        for metric in (*ATTENTION_METRICS, *ATTENTION_LOGIT_METRICS):
+            if metric not in metrics:
+                continue
+            over_sequences = _max_over_sequences if metric in SEQUENCE_MAXIMA else mean_over_sequences
+            summary = over_sequences(metrics[metric], nonfinite)
+            if summary is not None:
+                per_head[metric] = summary.to("cpu", torch.float64)
+        return per_head
+
+    def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
+        """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where
+        both are measured and the previous one is positive (a ratio of logits of either sign says nothing)."""
+        if "max_logit" not in per_head:
+            return []
+        current = float(per_head["max_logit"].amax())
+        previous = self._previous_max_logit.get(layer)
+        self._previous_max_logit[layer] = current
+        if previous is None or not previous > 0 or not math.isfinite(previous):
+            return []
+        return [Measurement(step, "attention", "max_logit_growth", layer, current / previous)]
+
+
+def _layer_measurements(
+    step: int, layer: str, per_head: dict[str, Tensor]
+) -> tuple[list[Measurement], list[Measurement]]:
+    """A layer's attention records: the head mean of each metric with the aggregates of ``_HEAD_AGGREGATES``;
+    and each head's value."""
+    layer_records, head_records = [], []
+    for metric, values in per_head.items():
+        layer_records.append(Measurement(step, "attention", metric, layer, float(values.mean())))
+        for aggregate in _HEAD_AGGREGATES.get(metric, ()):
+            value = values.amin() if aggregate == "min" else values.amax()
+            layer_records.append(Measurement(step, "attention", f"{metric}_{aggregate}", layer, float(value)))
+        head_records += [
+            Measurement(step, "attention", metric, layer, value, head=head)
+            for head, value in enumerate(values.tolist())
+        ]
+    return layer_records, head_records
+
+
+def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
+    """The largest over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
+    None where no sequence has a value (as :func:`~spectral_monitor.core.families.mean_over_sequences`)."""
+    counted = ~values.isnan() | nonfinite
+    if not bool(counted.any()):
+        return None
+    # A non-finite sequence's value is NaN, which amax propagates.
+    largest = torch.where(counted, values, torch.full_like(values, -math.inf)).amax(dim=0)
+    return largest.masked_fill(~counted.any(dim=0), math.nan)
