@@ -343,9 +343,10 @@ class MonitorOptions:
                 out of range (the message names it).
         """
         grouped = grouped_keywords(keywords)
-        for group, kind in _GROUPS.items():
-            if isinstance(grouped.get(group), Mapping):
-                grouped[group] = kind(**grouped[group])
+        for name in keywords:
+            group = KEYWORD_GROUPS[name]
+            if group is not None and isinstance(grouped[group], Mapping):
+                grouped[group] = _GROUPS[group](**grouped[group])
         return cls(**grouped)
 
     def keyword_value(self, name: str) -> Any:
