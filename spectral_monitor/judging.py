@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from spectral_monitor.catalog import DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
+from spectral_monitor.alerts.rules import AlertThreshold
+from spectral_monitor.catalog import DIAGNOSES, Diagnosis, MetricInfo, diagnosis
 
 __all__ = [
     "HISTORY_METRICS",

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spectral_monitor.catalog import CATALOG, AlertThreshold, metric_info
+from spectral_monitor.alerts.rules import AlertThreshold
+from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.judging import (
     MEDIAN_WINDOW,
     NOT_MEASURED,
