@@ -18,8 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule, default_rules
-    from spectral_monitor.core import MonitorOptions, MonitorSession
-    from spectral_monitor.core.options import BudgetOptions, CaptureOptions, OutputOptions
+    from spectral_monitor.core import (
+        BudgetOptions,
+        CaptureOptions,
+        MonitorOptions,
+        MonitorSession,
+        OutputOptions,
+    )
     from spectral_monitor.core.second_order import (
         CurvatureOptions,
         JacobianOptions,
@@ -36,8 +41,8 @@ __version__ = "0.1.0"
 _HOMES = {
     "AlertConfig": "spectral_monitor.alerts",
     "AlertEvent": "spectral_monitor.alerts",
-    "BudgetOptions": "spectral_monitor.core.options",
-    "CaptureOptions": "spectral_monitor.core.options",
+    "BudgetOptions": "spectral_monitor.core",
+    "CaptureOptions": "spectral_monitor.core",
     "Condition": "spectral_monitor.alerts",
     "CurvatureOptions": "spectral_monitor.core.second_order",
     "Distribution": "spectral_monitor.records",
@@ -47,7 +52,7 @@ _HOMES = {
     "MonitorOptions": "spectral_monitor.core",
     "MonitorSession": "spectral_monitor.core",
     "NTKOptions": "spectral_monitor.core.second_order",
-    "OutputOptions": "spectral_monitor.core.options",
+    "OutputOptions": "spectral_monitor.core",
     "ProbeDataOptions": "spectral_monitor.core.second_order",
     "Rule": "spectral_monitor.alerts",
     "SpectralMonitor": "spectral_monitor.lightning",
