@@ -310,8 +310,8 @@ def equal_width_histogram(
     ``high``, when given, must be the values' min and max (a caller that has them saves a pass).
 
     The bucket index is computed directly, without the fixed cost of ``np.histogram``'s general-purpose
-    path, which a logging step would pay once per histogram (benchmarks/README.md). A value within rounding of an inner edge may land in the
-    neighbouring bucket from numpy's, which nothing displayed can show.
+    path, which a logging step would pay once per histogram (benchmarks/README.md). A value within rounding
+    of an inner edge may land in the neighbouring bucket from numpy's, which nothing displayed can show.
     """
     low = float(values.min()) if low is None else low
     high = float(values.max()) if high is None else high
