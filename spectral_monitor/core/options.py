@@ -499,10 +499,11 @@ def check_keywords(keywords: Mapping[str, Any], *, owner: str = "MonitorOptions"
         ValueError: naming the unknown keywords, the nearest option names and every option there is.
 
     Example:
-        >>> check_keywords({"every_n_step": 10}, owner="Monitor")
-        Traceback (most recent call last):
-        ...
-        ValueError: every_n_step is not an option of Monitor (did you mean every_n_steps?); ...
+        >>> try:
+        ...     check_keywords({"every_n_step": 10}, owner="Monitor")
+        ... except ValueError as error:
+        ...     print(str(error).split(";")[0])
+        every_n_step is not an option of Monitor (did you mean every_n_steps?)
     """
     unknown = sorted(set(keywords) - set(KEYWORD_GROUPS))
     if unknown:
