@@ -33,6 +33,7 @@ from torch import nn
 __all__ = ["LogitScaling", "LengthScaledAttention", "QKNorm", "attention_logit_scale"]
 
 LogitScaling = Literal["standard", "log_n"]
+"""How the attention logits are scaled: ``"standard"``, 1/√d_k; ``"log_n"``, γ·log n / √d_k at length n."""
 QKNorm = Literal["none", "layer", "rms"]
 """Normalisation of each head's q and k before the logits: none, LayerNorm, or RMSNorm (learned gain each)."""
 
