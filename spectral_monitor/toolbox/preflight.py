@@ -60,9 +60,26 @@ class Finding:
 
 @torch.no_grad()
 def architecture_preflight(model: nn.Module, *, context_length: int | None = None) -> list[Finding]:
-    """Run the checks of the module docstring on ``model``; ``context_length`` enables ``logit_scale``.
+    """Run the checks of the module docstring on ``model``.
 
     Reads weights only (detached float64 copies); no forward is run and nothing is modified.
+
+    Args:
+        model: The transformer to check.
+        context_length: The longest context it will see; enables the ``logit_scale`` check.
+
+    Returns:
+        The findings, each with its check, severity, module and reason.
+
+    Raises:
+        ValueError: ``model`` is not a module, or ``context_length`` is not an int of at least 2.
+
+    Examples:
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        >>> findings = architecture_preflight(nn.TransformerEncoder(layer, num_layers=2))
+        >>> [(finding.check, finding.severity) for finding in findings]
+        [('head_dim', 'info'), ('head_dim', 'info'), ('depth', 'info')]
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -102,12 +102,36 @@ def rank_collapse_sweep(
 ) -> SweepResult:
     """Measure ``model``'s attention and token metrics at each sequence length of ``lengths``.
 
-    Inputs, in order of precedence: ``inputs``, a batch of the user's own (batch, ≥ max(lengths), ...) whose
-    first n positions are used at each n; ``make_inputs(n, generator)``; else :func:`default_inputs` (random
-    token ids for a model with an embedding, Gaussian vectors for an attention module or a model that starts
-    with a linear layer). ``num_sequences`` sequences per length; ``method`` and ``include_rank_sums`` are
-    those of :func:`~spectral_monitor.metrics.attention_metrics` (effective and threshold rank cost a full
-    spectrum, so they are off by default). Token metrics are measured when the model has transformer blocks.
+    Token metrics are measured when the model has transformer blocks. The model is left as found.
+
+    Args:
+        model: A transformer, or a single attention module.
+        lengths: The sequence lengths n, each at least 2.
+        make_inputs: ``make_inputs(n, generator)`` returns the batch of length n; by default
+            :func:`default_inputs` (random token ids for a model with an embedding, Gaussian vectors for an
+            attention module or a model that starts with a linear layer).
+        inputs: A batch of the user's own, (batch, ≥ max(lengths), ...), whose first n positions are used at
+            each n; it takes precedence over ``make_inputs``.
+        num_sequences: Sequences measured per length.
+        method: That of :func:`~spectral_monitor.metrics.attention_metrics`.
+        include_rank_sums: Also the effective and threshold ranks, which cost a full spectrum.
+        seed: Seed of the random inputs' private generator.
+
+    Returns:
+        The table, one row per (n, family, layer, metric), values averaged over sequences and heads.
+
+    Raises:
+        ValueError: ``model`` is not a module, a length is below 2, ``num_sequences`` is not a positive int,
+            or ``inputs`` has fewer than max(lengths) positions.
+
+    Examples:
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        >>> result = rank_collapse_sweep(nn.TransformerEncoder(layer, num_layers=2), [8, 32])
+        >>> result.lengths, result.layers()
+        ([8, 32], ['layers.0.self_attn', 'layers.1.self_attn'])
+        >>> bool(0 <= result.value(32, "layers.0.self_attn", "entropy") <= 1)
+        True
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
