@@ -38,9 +38,20 @@ END_TO_END = "model"
 class JacobianNorms:
     """Spectral norms per block (model order), the end-to-end norm, and warm vectors for the next event.
 
-    ``converged``: block name (or ``"model"``) → whether every norm of it met the tolerance (the test of
-    :func:`~spectral_monitor.linalg.lanczos_eigsh`); a norm that did not is still reported, flagged here.
-    ``skipped``: block name (or ``"model"``) → why it was not measured.
+    Attributes:
+        jacobian_norm: Block name → ‖∂x_l/∂x_{l−1}‖₂.
+        residual_branch_norm: Block name → ‖J − I‖₂, what the block adds to the stream.
+        end_to_end_norm: The norm of the composed map, or None where it was not measured.
+        converged: Block name (or ``"model"``) → whether every norm of it met the tolerance (the test of
+            :func:`~spectral_monitor.linalg.lanczos_eigsh`); a norm that did not is still reported.
+        warm: Start vectors for the next call's ``warm``.
+        skipped: Block name (or ``"model"``) → why it was not measured.
+
+    Examples:
+        What :func:`block_jacobian_norms` returns; made by hand, it is empty:
+
+        >>> JacobianNorms().jacobian_norm, JacobianNorms().end_to_end_norm
+        ({}, None)
     """
 
     jacobian_norm: dict[str, float] = field(default_factory=dict)

@@ -27,10 +27,27 @@ MAX_EXAMPLES = 64
 
 @dataclass
 class NTKEstimate:
-    """``kernel`` (N, N) and its summaries: ``eigenvalues`` (N,) descending, ``trace``, ``max_eigenvalue``,
-    ``condition_number`` (λ_max/λ_min; inf when λ_min ≤ 0), ``effective_rank`` (Roy & Vetterli, of the
-    eigenvalues), ``materialised``: whether J was formed. A kernel holding NaN or inf (a non-finite output or
-    gradient) has NaN eigenvalues and summaries."""
+    """The empirical NTK and its summaries, as :func:`empirical_ntk` returns them.
+
+    A kernel holding NaN or inf (a non-finite output or gradient) has NaN eigenvalues and summaries.
+
+    Attributes:
+        kernel: K, (N, N).
+        eigenvalues: K's eigenvalues (N,), descending.
+        trace: tr K.
+        max_eigenvalue: λ_max.
+        condition_number: λ_max/λ_min; inf when λ_min ≤ 0.
+        effective_rank: Roy & Vetterli's effective rank of the eigenvalues.
+        materialised: Whether J was formed (else K was built a column at a time).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> linear = nn.Linear(2, 1, bias=False)
+        >>> ntk = empirical_ntk(linear, lambda: linear(torch.tensor([[1.0, 0.0], [1.0, 1.0]])).squeeze(-1))
+        >>> ntk.eigenvalues.tolist() == sorted(ntk.eigenvalues.tolist(), reverse=True), ntk.trace
+        (True, 3.0)
+    """
 
     kernel: Tensor
     eigenvalues: Tensor

@@ -22,9 +22,13 @@ import spectral_monitor
 
 PACKAGE = Path(spectral_monitor.__file__).parent
 COMPLETE_DOCSTRINGS = (
+    "spectral_monitor.metrics.baselines",
     "spectral_monitor.metrics.heads",
+    "spectral_monitor.metrics.masks",
     "spectral_monitor.metrics.tokens",
     "spectral_monitor.metrics.weights",
+    "spectral_monitor.probes.jacobian",
+    "spectral_monitor.probes.ntk",
     "spectral_monitor.records",
     "spectral_monitor.toolbox.compression",
 )
