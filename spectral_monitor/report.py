@@ -121,9 +121,7 @@ class RunScalars:
                         destination = destinations[tag]
                     else:
                         parts = tag.split("/", 2)
-                        destination = destinations[tag] = (
-                            ([], []) if _is_monitor_scalar(tag, parts) else None
-                        )
+                        destination = destinations[tag] = ([], []) if _is_monitor_scalar(tag, parts) else None
                     if destination is not None and value.HasField("simple_value"):
                         if not destination[0]:  # a series exists once it has a value
                             family, metric, layer = tag.split("/", 2)
