@@ -231,9 +231,11 @@ CATALOG: tuple[MetricInfo, ...] = (
         "Rank collapse", _ATTENTION, per_head=True,
         accuracy="exact (every singular value) up to n = 1024 for causal or rectangular attention and up to "
         "384 otherwise; above, stochastic Lanczos quadrature whose effective_rank_se is an estimated "
-        "standard error, not a bound: on trained-like attention within 1.1% of exact at n = 512–1024, on the "
-        "near-uniform causal attention of a fresh model 7–12% low at those sizes with an se of 0.8% "
-        "(benchmarks/README.md)",
+        "standard error, not a bound (on trained-like attention within 1.1% of exact at n = 512–1536, up to "
+        "2.7 se off on some near-uniform bidirectional heads); a dense head whose quadrature is still above "
+        "0.75% se after two rounds (the near-uniform causal attention of a fresh model, where it read 7–15% "
+        "low) is factorised instead, exact with se 0; the blockwise path (n ≥ 4096 or over the memory budget) "
+        "has no such fallback (benchmarks/README.md)",
     ),
     MetricInfo(
         "attention", "effective_rank_ratio", "(0, 1]", "higher",

@@ -50,7 +50,19 @@ EXACT_MAX_SIDE = 2048
 
 @dataclass(frozen=True)
 class Finding:
-    """One result of the preflight: which ``check``, how serious, where (a module name), and why."""
+    """One result of the preflight.
+
+    Attributes:
+        check: Which check: ``heads``, ``head_dim``, ``depth``, ``logit_scale``, ...
+        severity: ``"info"`` or ``"warning"``.
+        where: The module's qualified name (``"model"`` for the whole model).
+        message: Why, in a sentence.
+
+    Examples:
+        >>> finding = Finding("head_dim", "warning", "blocks.0.attn", "d_k = 4: logits of rank <= 4")
+        >>> finding.where, finding.severity
+        ('blocks.0.attn', 'warning')
+    """
 
     check: str
     severity: Severity
@@ -100,7 +112,20 @@ def architecture_preflight(model: nn.Module, *, context_length: int | None = Non
 
 
 def preflight_markdown(findings: list[Finding]) -> str:
-    """The findings as a markdown table, warnings first."""
+    """The findings as a markdown table, warnings first.
+
+    Args:
+        findings: What :func:`architecture_preflight` returned.
+
+    Returns:
+        The table, one row per finding.
+
+    Examples:
+        >>> print(preflight_markdown([Finding("depth", "info", "model", "2 blocks, 4 norms")]))
+        | severity | check | where | finding |
+        |---|---|---|---|
+        | info | depth | model | 2 blocks, 4 norms |
+    """
     lines = ["| severity | check | where | finding |", "|---|---|---|---|"]
     for finding in sorted(findings, key=lambda f: f.severity != "warning"):
         lines.append(f"| {finding.severity} | {finding.check} | {finding.where} | {finding.message} |")

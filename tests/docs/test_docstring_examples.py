@@ -31,6 +31,8 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.probes.ntk",
     "spectral_monitor.records",
     "spectral_monitor.toolbox.compression",
+    "spectral_monitor.toolbox.preflight",
+    "spectral_monitor.toolbox.sweep",
 )
 
 
