@@ -1,8 +1,12 @@
-"""A griffe extension for the API reference: the docstrings' reST markup read as Markdown.
+"""Griffe extensions of the API reference: docstrings' reST markup read as Markdown, and only real bases.
 
 The package's docstrings cross-reference with Sphinx roles (``:class:`~spectral_monitor.alerts.Rule```) and
 open literal blocks with ``::``. mkdocstrings renders Markdown, where both would show as raw text, so each
 role becomes a code span of the name it shows (the last component with ``~``) and ``::`` a colon.
+
+A class whose bases are a starred tuple (``class SpectralMonitor(*CALLBACK_BASES)``, the Lightning callback
+of both namespaces) would show that expression as its base; such bases are dropped, and the docstring says
+what the class derives from.
 """
 
 from __future__ import annotations
@@ -28,3 +32,6 @@ class SphinxRolesAsMarkdown(griffe.Extension):
     def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
             obj.docstring.value = _markdown(obj.docstring.value)
+
+    def on_class_members(self, *, cls: griffe.Class, **kwargs: Any) -> None:
+        cls.bases = [base for base in cls.bases if not str(base).startswith("*")]

@@ -4,8 +4,11 @@ collapse looks like, where it comes from, where the dashboard shows it and which
 Plain data with no dependency on torch or Lightning: the TensorBoard layout
 (:func:`spectral_monitor.sinks.layout.diagnosis_layout`), ``spectral-monitor report``, the validation of
 alert rules and the metrics reference page (``python -m spectral_monitor.catalog`` writes
-``docs/metrics.md``) all read it. The definitions themselves live in :mod:`spectral_monitor.metrics` and the
-probes; a scalar tag is ``family/metric/layer[/head_h]`` (``spectral_monitor.records.Measurement.tag``).
+``docs/metrics.md``) all read it. The definitions themselves live in :mod:`spectral_monitor.metrics` and
+the probes; a scalar tag is ``family/metric/layer[/head_h]`` (``spectral_monitor.records.Measurement.tag``).
+The alert thresholds are not copied here: each is defined once, by its rule in
+:mod:`spectral_monitor.alerts.rules`, and :attr:`MetricInfo.thresholds` and :data:`DIAGNOSES` read them from
+:func:`~spectral_monitor.alerts.default_rules`.
 
 Per attention layer the monitor writes every metric's mean over heads, and ``<metric>_min`` /
 ``<metric>_max`` over heads only where :attr:`MetricInfo.head_aggregates` says the spread diagnoses
@@ -20,6 +23,12 @@ import fnmatch
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from spectral_monitor.alerts.rules import AlertThreshold
 
 __all__ = [
     "CATALOG",
@@ -27,7 +36,6 @@ __all__ = [
     "FAMILY_GROUPS",
     "GROUPS",
     "HEALTHY_DIRECTIONS",
-    "AlertThreshold",
     "Diagnosis",
     "MetricInfo",
     "close_metric_names",
@@ -73,33 +81,10 @@ HEALTHY_DIRECTIONS = ("higher", "lower", "middle", "steady", "none")
 _AGGREGATES = ("min", "max")
 _NUMBERED = "<k>"
 """A name holding ``<k>`` stands for a numbered series: ``hessian_eigenvalue_<k>`` is ``_1``, ``_2``, ..."""
-_OPS = (">=", "<=", "nonfinite")
-_RELATIVE_TO = ("value", "first", "median", "depth")
 
 
 def _numbered_regex(name: str) -> re.Pattern[str]:
     return re.compile(re.escape(name).replace(re.escape(_NUMBERED), "[1-9][0-9]*"))
-
-
-@dataclass(frozen=True)
-class AlertThreshold:
-    """One condition of a default alert rule on a metric: the rule fires at ``threshold`` and an open alert
-    clears past ``clear``; ``relative_to`` says what is compared (``first``/``median``: a ratio to the
-    metric's first value / running median; ``depth``: the difference from the first layer at that step)."""
-
-    rule: str
-    op: str
-    threshold: float | None = None
-    clear: float | None = None
-    relative_to: str = "value"
-
-    def describe(self) -> str:
-        if self.op == "nonfinite":
-            return f"`{self.rule}`: NaN or inf"
-        unit = {"value": "", "first": " × its first value", "median": " × its running median",
-                "depth": " above the first layer's"}[self.relative_to]  # fmt: skip
-        text = f"`{self.rule}`: {self.op} {self.threshold:g}{unit}"
-        return text if self.clear is None else f"{text} (clears {_opposite(self.op)} {self.clear:g})"
 
 
 @dataclass(frozen=True)
@@ -124,7 +109,6 @@ class MetricInfo:
         histogram: its per-head values are written as the histogram ``<family>/<name>_per_head/<layer>``.
         heatmap: drawn as a layer × head image ``attention/figures/<name>`` on figure steps.
         key: a row of ``spectral-monitor report``'s per-layer table.
-        thresholds: the default alert rules' conditions on it.
         accuracy: how far the value written may be from its definition where it is estimated, not computed
             exactly (empty where it is exact up to rounding); shown with the definition.
     """
@@ -144,7 +128,6 @@ class MetricInfo:
     histogram: bool = False
     heatmap: bool = False
     key: bool = False
-    thresholds: tuple[AlertThreshold, ...] = ()
     accuracy: str = ""
 
     def __post_init__(self) -> None:
@@ -156,16 +139,17 @@ class MetricInfo:
             raise ValueError(
                 f"head_aggregates of {self.full_name} must be drawn from {_AGGREGATES}, per head"
             )
-        for threshold in self.thresholds:
-            if threshold.op not in _OPS or threshold.relative_to not in _RELATIVE_TO:
-                raise ValueError(
-                    f"threshold {threshold} of {self.full_name} has an unknown op or relative_to"
-                )
 
     @property
     def full_name(self) -> str:
         """``family/name``."""
         return f"{self.family}/{self.name}"
+
+    @property
+    def thresholds(self) -> tuple[AlertThreshold, ...]:
+        """The default alert rules' conditions on this metric, read from the rules themselves, in the order
+        of :func:`~spectral_monitor.alerts.default_rules`."""
+        return _alert_rules().default_thresholds(self.full_name)
 
     @property
     def written_names(self) -> tuple[str, ...]:
@@ -175,16 +159,26 @@ class MetricInfo:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """A default alert rule read as a diagnosis: its conditions (the :class:`AlertThreshold` s of the
-    catalogue naming ``rule``) combine with ``combine`` (``any``/``all``) and, on attention, must hold in
-    every head of a layer, or in one head with ``any_head`` (then the head nearest to firing decides:
-    ``_max`` of a ``>=`` condition, ``_min`` of a ``<=`` one)."""
+    """A default alert rule read as a diagnosis: its conditions (the :class:`AlertThreshold` s the rule
+    puts on the catalogue's metrics) combine with ``combine`` (``any``/``all``) and, on attention, must hold
+    in every head of a layer, or in one head with ``any_head`` (then the head nearest to firing decides:
+    ``_max`` of a ``>=`` condition, ``_min`` of a ``<=`` one). ``combine`` and ``any_head`` are the
+    rule's; ``title`` names the verdict of ``spectral-monitor report`` and ``meaning`` says what it means.
+    """
 
     rule: str
     title: str
-    combine: str
     meaning: str
-    any_head: bool = False
+
+    @property
+    def combine(self) -> str:
+        """How the rule combines its conditions: ``"any"`` or ``"all"``."""
+        return next(rule.combine for rule in _alert_rules().default_rules() if rule.name == self.rule)
+
+    @property
+    def any_head(self) -> bool:
+        """Whether one head of a layer suffices for the rule."""
+        return next(rule.any_head for rule in _alert_rules().default_rules() if rule.name == self.rule)
 
 
 _ATTENTION = "attention module"
@@ -200,18 +194,11 @@ CATALOG: tuple[MetricInfo, ...] = (
         "→ 0 in every head: entropy collapse (precedes loss spikes); → 1 in every head of a bidirectional "
         "layer: uniform attention", "Zhai et al. 2023", "Entropy", _ATTENTION,
         head_aggregates=("min", "max"), per_head=True, histogram=True, heatmap=True, key=True,
-        thresholds=(
-            AlertThreshold("uniform_attention", ">=", 0.98, 0.95),
-            AlertThreshold("entropy_collapse", "<=", 0.05, 0.1),
-            AlertThreshold("entropy_collapse", "<=", 0.3, 0.5, "median"),
-            AlertThreshold("non_finite", "nonfinite"),
-        ),
     ),
     MetricInfo(
         "attention", "sigma1", "[1, √(max column sum)]", "lower", "σ₁, the top singular value of A",
         "≫ 1: an attention sink (one key column takes most of the mass; common and healthy in trained LMs)",
         "Xiao et al. 2023", "Rank collapse", _ATTENTION, head_aggregates=("max",), per_head=True,
-        thresholds=(AlertThreshold("non_finite", "nonfinite"),),
     ),
     MetricInfo(
         "attention", "sigma2", "[0, σ₁]", "higher", "σ₂, the second singular value of A",
@@ -228,13 +215,11 @@ CATALOG: tuple[MetricInfo, ...] = (
         "1 − |λ₂| of A; bidirectional attention only (a causal A's eigenvalues are its diagonal)",
         "→ 1 with entropy → 1: uniform attention, no lookup (long-context collapse)", "",
         "Rank collapse", _ATTENTION, head_aggregates=("min",), per_head=True,
-        thresholds=(AlertThreshold("uniform_attention", ">=", 0.95, 0.9),),
     ),
     MetricInfo(
         "attention", "rank_one_residual", "[0, 1]", "higher", "‖A − 1āᵀ‖_F / ‖A‖_F, ā the mean row",
         "→ 0 in every head: every query attends alike, rank collapse", "Dong et al. 2021", "Rank collapse",
         _ATTENTION, head_aggregates=("min", "max"), per_head=True, histogram=True, heatmap=True, key=True,
-        thresholds=(AlertThreshold("rank_collapse", "<=", 0.05, 0.1),),
     ),
     MetricInfo(
         "attention", "stable_rank", "[1, n]", "higher", "‖A‖_F² / σ₁²", "→ 1: collapse", "",
@@ -246,16 +231,17 @@ CATALOG: tuple[MetricInfo, ...] = (
         "Rank collapse", _ATTENTION, per_head=True,
         accuracy="exact (every singular value) up to n = 1024 for causal or rectangular attention and up to "
         "384 otherwise; above, stochastic Lanczos quadrature whose effective_rank_se is an estimated "
-        "standard error, not a bound: on trained-like attention within 1.1% of exact at n = 512–1024, on the "
-        "near-uniform causal attention of a fresh model 7–12% low at those sizes with an se of 0.8% "
-        "(benchmarks/README.md)",
+        "standard error, not a bound (on trained-like attention within 1.1% of exact at n = 512–1536, up to "
+        "2.7 se off on some near-uniform bidirectional heads); a dense head whose quadrature is still above "
+        "0.75% se after two rounds (the near-uniform causal attention of a fresh model, where it read 7–15% "
+        "low) is factorised instead, exact with se 0; the blockwise path (n ≥ 4096 or over the memory "
+        "budget) has no such fallback (benchmarks/README.md)",
     ),
     MetricInfo(
         "attention", "effective_rank_ratio", "(0, 1]", "higher",
         "effective rank / min(valid rows, valid keys); its accuracy is effective_rank's",
         "→ 0 (1/n) in every head: rank collapse", "Roy & Vetterli 2007", "Rank collapse", _ATTENTION,
         head_aggregates=("min", "max"), per_head=True, histogram=True, heatmap=True, key=True,
-        thresholds=(AlertThreshold("rank_collapse", "<=", 0.01, 0.02),),
     ),
     MetricInfo(
         "attention", "threshold_rank", "[1, min(n, m)]", "higher",
@@ -299,7 +285,6 @@ CATALOG: tuple[MetricInfo, ...] = (
         "(QK-Clip caps it per head)",
         "Dehghani et al. 2023; Wortsman et al. 2023; Kimi K2 (QK-Clip)", "Entropy", _ATTENTION,
         head_aggregates=("max",), per_head=True,
-        thresholds=(AlertThreshold("logit_growth", ">=", 50.0, 30.0),),
     ),
     MetricInfo(
         "attention", "max_logit_growth", "ratio > 0", "steady",
@@ -336,18 +321,10 @@ CATALOG: tuple[MetricInfo, ...] = (
     MetricInfo(
         "tokens", "cosine_similarity", "[−1, 1]", "lower", "mean over i ≠ j of cos(xᵢ, xⱼ)",
         "→ 1 across depth: token collapse", "Noci et al. 2022", "Token collapse", _BLOCK, key=True,
-        thresholds=(
-            AlertThreshold("token_collapse", ">=", 0.95, 0.9),
-            AlertThreshold("token_collapse", ">=", 0.5, 0.4, "depth"),
-        ),
     ),
     MetricInfo(
         "tokens", "token_residual", "[0, 1]", "higher", "‖X − 1x̄ᵀ‖_F / ‖X‖_F, x̄ the token mean",
         "→ 0: token collapse", "Dong et al. 2021", "Token collapse", _BLOCK, key=True,
-        thresholds=(
-            AlertThreshold("token_collapse", "<=", 0.05, 0.1),
-            AlertThreshold("non_finite", "nonfinite"),
-        ),
     ),
     MetricInfo(
         "tokens", "stable_rank", "[1, min(n, d)]", "higher", "‖X‖_F² / σ₁² of the block's output",
@@ -360,14 +337,10 @@ CATALOG: tuple[MetricInfo, ...] = (
     MetricInfo(
         "weights", "spectral_norm", "≥ 0", "steady", "σ₁(W), warm-started block Lanczos",
         "runaway growth", "", "Weights", _WEIGHT, per_head=True, histogram=True, key=True,
-        thresholds=(
-            AlertThreshold("weight_runaway", ">=", 20.0, 15.0, "first"),
-            AlertThreshold("non_finite", "nonfinite"),
-        ),
     ),
     MetricInfo(
         "weights", "frobenius_norm", "≥ 0", "steady", "‖W‖_F", "runaway growth", "", "Weights", _WEIGHT,
-        per_head=True, histogram=True, thresholds=(AlertThreshold("non_finite", "nonfinite"),),
+        per_head=True, histogram=True,
     ),
     MetricInfo(
         "weights", "stable_rank", "[1, min(N, M)]", "none", "‖W‖_F² / σ₁(W)²", "", "", "Weights", _WEIGHT,
@@ -409,7 +382,7 @@ CATALOG: tuple[MetricInfo, ...] = (
         "curvature", "sharpness", "≥ 0 (typically)", "none",
         "λ_max of the loss Hessian on the probe batch (Adam: of P^-1/2 H P^-1/2)",
         "past the edge of stability (see sharpness_ratio)", "Cohen et al. 2021", "Curvature", _MODEL,
-        written="opt-in: curvature", key=True, thresholds=(AlertThreshold("non_finite", "nonfinite"),),
+        written="opt-in: curvature", key=True,
     ),
     MetricInfo(
         "curvature", "sharpness_threshold", "> 0", "none",
@@ -420,7 +393,6 @@ CATALOG: tuple[MetricInfo, ...] = (
         "curvature", "sharpness_ratio", "≥ 0", "lower", "sharpness / sharpness_threshold",
         "≈ 1 is the normal edge of stability; sustained ≥ 1.5: the loss is about to blow up",
         "Cohen et al. 2021", "Curvature", _MODEL, written="opt-in: curvature", key=True,
-        thresholds=(AlertThreshold("edge_of_stability", ">=", 1.5, 1.2),),
     ),
     MetricInfo(
         "curvature", f"hessian_eigenvalue_{_NUMBERED}", "real", "none",
@@ -450,10 +422,6 @@ CATALOG: tuple[MetricInfo, ...] = (
         "sustained growth ≫ 1: exploding signal", "", "Signal propagation", _BLOCK,
         written="opt-in: jacobian",
         key=True,
-        thresholds=(
-            AlertThreshold("jacobian_explosion", ">=", 200.0, 100.0, "first"),
-            AlertThreshold("non_finite", "nonfinite"),
-        ),
     ),
     MetricInfo(
         "jacobian", "residual_branch_norm", "≥ 0", "steady", "‖J − I‖₂ of a block: its residual branch alone",
@@ -465,10 +433,6 @@ CATALOG: tuple[MetricInfo, ...] = (
         "sustained growth ≫ 1: exploding signal", "", "Signal propagation", "`model`",
         written="opt-in: jacobian",
         key=True,
-        thresholds=(
-            AlertThreshold("jacobian_explosion", ">=", 200.0, 100.0, "first"),
-            AlertThreshold("non_finite", "nonfinite"),
-        ),
     ),
     *(
         MetricInfo("ntk", name, unit, "none", meaning, "", "Jacot et al. 2018", "Curvature", "`model`",
@@ -501,21 +465,15 @@ CATALOG: tuple[MetricInfo, ...] = (
 """Every metric the monitor writes, attention first."""
 
 DIAGNOSES: tuple[Diagnosis, ...] = (
-    Diagnosis("rank_collapse", "Rank collapse", "any", "every head of a layer rank one"),
-    Diagnosis("uniform_attention", "Uniform attention", "all", "every head of a bidirectional layer uniform"),
-    Diagnosis("entropy_collapse", "Entropy collapse", "any", "every head of a layer on one key per query"),
-    Diagnosis(
-        "logit_growth",
-        "Attention-logit growth",
-        "any",
-        "a head's largest logit far past softmax saturation",
-        any_head=True,
-    ),
-    Diagnosis("token_collapse", "Token collapse", "any", "a block's tokens nearly identical"),
-    Diagnosis("edge_of_stability", "Edge of stability", "any", "sharpness well past the optimizer's edge"),
-    Diagnosis("jacobian_explosion", "Signal explosion", "any", "a block's Jacobian norm running away"),
-    Diagnosis("weight_runaway", "Weight runaway", "any", "a weight's σ₁ running away"),
-    Diagnosis("non_finite", "Non-finite values", "any", "NaN or inf in what the monitor saw", any_head=True),
+    Diagnosis("rank_collapse", "Rank collapse", "every head of a layer rank one"),
+    Diagnosis("uniform_attention", "Uniform attention", "every head of a bidirectional layer uniform"),
+    Diagnosis("entropy_collapse", "Entropy collapse", "every head of a layer on one key per query"),
+    Diagnosis("logit_growth", "Attention-logit growth", "a head's largest logit far past softmax saturation"),
+    Diagnosis("token_collapse", "Token collapse", "a block's tokens nearly identical"),
+    Diagnosis("edge_of_stability", "Edge of stability", "sharpness well past the optimizer's edge"),
+    Diagnosis("jacobian_explosion", "Signal explosion", "a block's Jacobian norm running away"),
+    Diagnosis("weight_runaway", "Weight runaway", "a weight's σ₁ running away"),
+    Diagnosis("non_finite", "Non-finite values", "NaN or inf in what the monitor saw"),
 )
 """The default alert rules as diagnoses, in the order ``spectral-monitor report`` gives its verdicts."""
 
@@ -684,8 +642,12 @@ def _matches(name: str, pattern: str) -> bool:
     )
 
 
-def _opposite(op: str) -> str:
-    return {">=": "<", "<=": ">"}[op]
+def _alert_rules() -> ModuleType:
+    # Imported when a threshold is read, not with the catalogue: the rules validate their metric names
+    # against this catalogue, so they load after it.
+    from spectral_monitor.alerts import rules
+
+    return rules
 
 
 def main(argv: list[str] | None = None) -> int:

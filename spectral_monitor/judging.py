@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from spectral_monitor.catalog import DIAGNOSES, AlertThreshold, Diagnosis, MetricInfo, diagnosis
+from spectral_monitor.alerts.rules import AlertThreshold
+from spectral_monitor.catalog import DIAGNOSES, Diagnosis, MetricInfo, diagnosis
 
 __all__ = [
     "HISTORY_METRICS",
@@ -46,6 +47,7 @@ VERDICTS = ("healthy", "watch", "collapsed")
 """From best to worst: the latest reading is on the healthy side of the clear level, between the clear
 level and the threshold, or past the threshold (where the alert rule fires once it lasts)."""
 NOT_MEASURED = "not measured"
+"""The verdict of a diagnosis none of whose metrics the run wrote."""
 MEDIAN_WINDOW = 8
 """Values in the running median of a ``median`` threshold, as the alert engine keeps them."""
 

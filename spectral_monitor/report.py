@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spectral_monitor.catalog import CATALOG, AlertThreshold, metric_info
+from spectral_monitor.alerts.rules import AlertThreshold
+from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.judging import (
     MEDIAN_WINDOW,
     NOT_MEASURED,
@@ -69,6 +70,11 @@ _UNSAFE_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]")
 _LONGEST_PLOT_NAME = 120
 _AGGREGATE = re.compile(r"_(min|max)$")
 _DPI = 100
+_MARKED_POINTS = 200
+"""Series up to this many readings are drawn with a marker at each; longer ones as a line only."""
+_ENVELOPE_BUCKETS = 125
+"""Series longer than twice this are drawn through their envelope (:func:`_envelope`) in this many runs,
+about one per four pixel columns of a plot's axes."""
 
 
 class ReportError(ValueError):
@@ -93,6 +99,8 @@ class RunScalars:
 
         run = cls(path)
         series: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+        # A run repeats a few hundred tags over every step: each tag is classified once, not per value.
+        destinations: dict[str, tuple[list[int], list[float]] | None] = {}
         for file in sorted(entry for entry in path.iterdir() if "tfevents" in entry.name and entry.is_file()):
             try:
                 read = read_event_file(file)
@@ -101,16 +109,25 @@ class RunScalars:
                 continue
             run.cuts += [f"{file.name}: {cut.describe()}" for cut in read.cuts]
             for event in read.events:
+                step = event.step
                 for value in event.summary.value:
-                    parts = value.tag.split("/", 2)
-                    if value.tag == ALERT_TEXT_TAG and value.tensor.string_val:
-                        table = value.tensor.string_val[0].decode(errors="replace")
-                        run.alert_tables.append((event.step, table))
-                    elif value.HasField("simple_value") and _is_monitor_scalar(value.tag, parts):
-                        by_layer = series.setdefault(f"{parts[0]}/{parts[1]}", {})
-                        steps, values = by_layer.setdefault(parts[2], ([], []))
-                        steps.append(event.step)
-                        values.append(value.simple_value)
+                    tag = value.tag
+                    if tag == ALERT_TEXT_TAG:
+                        if value.tensor.string_val:
+                            table = value.tensor.string_val[0].decode(errors="replace")
+                            run.alert_tables.append((step, table))
+                        continue
+                    if tag in destinations:
+                        destination = destinations[tag]
+                    else:
+                        parts = tag.split("/", 2)
+                        destination = destinations[tag] = ([], []) if _is_monitor_scalar(tag, parts) else None
+                    if destination is not None and value.HasField("simple_value"):
+                        if not destination[0]:  # a series exists once it has a value
+                            family, metric, layer = tag.split("/", 2)
+                            series.setdefault(f"{family}/{metric}", {})[layer] = destination
+                        destination[0].append(step)
+                        destination[1].append(value.simple_value)
         run.series = {
             metric: {
                 layer: (np.array(steps, dtype=np.int64), np.array(values, dtype=np.float64))
@@ -385,7 +402,12 @@ def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarr
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
     layers = sorted(by_layer.items(), key=lambda item: natural_order(item[0]))
     for (layer, (steps, values)), color in zip(layers, colors, strict=True):
-        axes.plot(steps, values, marker=".", color=color, label=layer)
+        if len(steps) <= _MARKED_POINTS:
+            axes.plot(steps, values, marker=".", color=color, label=layer)
+        elif len(steps) <= 2 * _ENVELOPE_BUCKETS:
+            axes.plot(steps, values, color=color, label=layer)
+        else:
+            axes.plot(*_envelope(steps, values, _ENVELOPE_BUCKETS), color=color, label=layer)
     for threshold in _plotted_thresholds(metric):
         watch = threshold.clear if threshold.clear is not None else threshold.threshold
         for verdict, level in (("collapsed", threshold.threshold), ("watch", watch)):
@@ -402,6 +424,24 @@ def _metric_by_layer(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarr
     if len(by_layer) <= 12:
         axes.legend(fontsize="x-small")
     return figure
+
+
+def _envelope(steps: np.ndarray, values: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """A long series cut into about ``buckets`` consecutive runs of readings, each kept as its lowest and
+    highest finite reading in step order: the line through them keeps every spike and the series' range at
+    a plot's resolution, at a fraction of the drawing. A run with no finite reading keeps its first, so a
+    NaN stays a gap in the line."""
+    width = -(-len(steps) // buckets)
+    runs = -(-len(steps) // width)
+    padding = runs * width - len(steps)
+    grid = np.pad(values, (0, padding), constant_values=np.nan).reshape(runs, width)
+    finite = np.isfinite(grid)
+    lowest = np.where(finite, grid, np.inf).argmin(axis=1)
+    highest = np.where(finite, grid, -np.inf).argmax(axis=1)
+    kept = np.sort(np.stack([lowest, highest], axis=1), axis=1)
+    kept[~finite.any(axis=1)] = 0
+    indices = np.unique((np.arange(runs)[:, None] * width + kept).ravel())
+    return steps[indices], values[indices]
 
 
 def _plotted_thresholds(metric: str) -> list[AlertThreshold]:

@@ -1,8 +1,9 @@
-"""The metric catalogue agrees with what the metric functions return, with the default alert rules, with the
-metrics reference page, and answers which metric patterns the monitor can write."""
+"""The metric catalogue agrees with what the metric functions return, shows the default alert rules' own
+thresholds on the metrics reference page, and answers which metric patterns the monitor can write."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from spectral_monitor.alerts import default_rules
+from spectral_monitor.alerts import default_rules, rules
+from spectral_monitor.alerts.rules import AlertThreshold
 from spectral_monitor.catalog import (
     CATALOG,
     DIAGNOSES,
     GROUPS,
-    AlertThreshold,
     close_metric_names,
     diagnosis,
     group_of,
@@ -62,21 +63,41 @@ def test_token_and_weight_entries_are_the_metric_functions_keys() -> None:
     assert names_of("weights") == set(weights) - {"mp_edge", "mp_spikes"} | set(SPECTRUM_METRICS) | probe_only
 
 
-def test_every_default_rule_condition_is_a_catalogue_threshold_and_no_other() -> None:
-    from_rules = {
-        (c.metric, AlertThreshold(rule.name, c.op, None if c.op == "nonfinite" else c.threshold,
-                                  c.clear, c.relative_to))
-        for rule in default_rules()
-        for c in rule.conditions
-    }  # fmt: skip
-    from_catalogue = {(info.full_name, threshold) for info in CATALOG for threshold in info.thresholds}
-    assert from_catalogue == from_rules
+def test_every_default_rule_condition_reads_a_metric_of_the_catalogue() -> None:
+    catalogued = {info.full_name for info in CATALOG}
+    for rule in default_rules():
+        for condition in rule.conditions:
+            assert condition.metric in catalogued, (rule.name, condition.metric)
+
+
+def test_a_rule_s_threshold_is_what_the_catalogue_its_page_and_the_diagnoses_show(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The rule is the one definition: change its level and every reader follows.
+    tightened = dataclasses.replace(
+        rules.RANK_COLLAPSE,
+        conditions=[
+            dataclasses.replace(rules.RANK_COLLAPSE.conditions[0], threshold=0.0375, clear=0.0625),
+            rules.RANK_COLLAPSE.conditions[1],
+        ],
+    )
+    monkeypatch.setattr(rules, "RANK_COLLAPSE", tightened)
+    info = metric_info("attention", "rank_one_residual")
+    assert info.thresholds == (AlertThreshold("rank_collapse", "<=", 0.0375, 0.0625),)
+    row = next(line for line in metrics_markdown().splitlines() if line.startswith("| `rank_one_residual`"))
+    assert row.endswith("| `rank_collapse`: <= 0.0375 (clears > 0.0625) |")
+    _, reads = diagnosis("rank_collapse")
+    assert [(i.full_name, t.threshold) for i, t in reads] == [
+        ("attention/rank_one_residual", 0.0375),
+        ("attention/effective_rank_ratio", 0.01),
+    ]
 
 
 def test_the_diagnoses_are_the_default_rules_with_their_combination() -> None:
     assert [(d.rule, d.combine, d.any_head) for d in DIAGNOSES] == [
         (rule.name, rule.combine, rule.any_head) for rule in default_rules()
     ]
+    assert [d.combine for d in DIAGNOSES][:2] == ["any", "all"]
     entry, reads = diagnosis("rank_collapse")
     assert entry.title == "Rank collapse"
     assert [info.full_name for info, _ in reads] == [

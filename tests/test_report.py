@@ -205,3 +205,24 @@ def test_a_plot_draws_the_collapsed_and_watch_levels_of_its_metric() -> None:
     }
     (axes,) = _metric_by_layer("attention/dobrushin", series).axes
     assert [line.get_label() for line in axes.get_lines()] == ["blocks.0"]  # no threshold: nothing drawn
+
+
+def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() -> None:
+    from spectral_monitor.report import _ENVELOPE_BUCKETS, _metric_by_layer
+
+    steps = np.arange(2000) * 50
+    values = 0.5 + 0.1 * np.sin(steps / 700.0)
+    values[1234] = 0.97  # a one-reading spike
+    values[1500] = 0.01
+    values[300:340] = np.nan  # a stretch without finite readings
+    (axes,) = _metric_by_layer("attention/dobrushin", {"blocks.0": (steps, values)}).axes
+    (line,) = axes.get_lines()
+    drawn_steps, drawn = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+    assert len(drawn) <= 2 * _ENVELOPE_BUCKETS
+    assert (np.diff(drawn_steps) > 0).all()
+    assert np.nanmax(drawn) == 0.97 and np.nanmin(drawn) == 0.01
+    assert steps[1234] in drawn_steps and steps[1500] in drawn_steps
+    assert np.isnan(drawn).any()  # the gap stays a gap
+    # Each kept point is a reading of the series at its own step.
+    index = drawn_steps // 50
+    np.testing.assert_array_equal(drawn, values[index])

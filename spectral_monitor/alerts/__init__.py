@@ -3,11 +3,31 @@
 :class:`Rule` and :class:`Condition` say what to watch; :func:`default_rules` are the calibrated defaults;
 :class:`AlertConfig` tunes, disables and adds rules (the ``alerts`` argument of ``SpectralMonitor``);
 :class:`AlertEngine` turns each logging step's records into :class:`AlertEvent` s (fired, resolved).
+
+The names below are imported on first use, so what reads the rules alone (the metrics catalogue,
+``spectral-monitor report``) loads neither torch nor the engine.
 """
 
-from spectral_monitor.alerts.engine import AlertEngine, AlertEvent
-from spectral_monitor.alerts.rules import AlertConfig, Condition, Rule, default_rules, rules_from_config
-from spectral_monitor.alerts.text import open_alerts_markdown
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spectral_monitor.alerts.engine import AlertEngine, AlertEvent
+    from spectral_monitor.alerts.rules import AlertConfig, Condition, Rule, default_rules, rules_from_config
+    from spectral_monitor.alerts.text import open_alerts_markdown
+
+_HOMES = {
+    "AlertConfig": "spectral_monitor.alerts.rules",
+    "AlertEngine": "spectral_monitor.alerts.engine",
+    "AlertEvent": "spectral_monitor.alerts.engine",
+    "Condition": "spectral_monitor.alerts.rules",
+    "Rule": "spectral_monitor.alerts.rules",
+    "default_rules": "spectral_monitor.alerts.rules",
+    "open_alerts_markdown": "spectral_monitor.alerts.text",
+    "rules_from_config": "spectral_monitor.alerts.rules",
+}
 
 __all__ = [
     "AlertConfig",
@@ -19,3 +39,16 @@ __all__ = [
     "open_alerts_markdown",
     "rules_from_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'spectral_monitor.alerts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

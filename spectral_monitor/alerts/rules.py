@@ -35,9 +35,11 @@ __all__ = [
     "SCOPES",
     "SEVERITIES",
     "AlertConfig",
+    "AlertThreshold",
     "Condition",
     "Rule",
     "default_rules",
+    "default_thresholds",
     "rules_from_config",
 ]
 
@@ -328,6 +330,77 @@ def default_rules() -> list[Rule]:
     """The default rules; each says why it reads what it reads and which runs set its levels."""
     return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, LOGIT_GROWTH, TOKEN_COLLAPSE,
             EDGE_OF_STABILITY, JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AlertThreshold:
+    """One condition of a rule as the metrics reference and ``spectral-monitor report`` read it: the rule
+    ``rule`` fires at ``threshold`` and an open alert clears past ``clear``; ``relative_to`` says what is
+    compared (``first``/``median``: a ratio to the metric's first value / running median; ``depth``: the
+    difference from the first layer at that step). ``threshold`` is None for ``op="nonfinite"``.
+
+    Example:
+        >>> [t.describe() for t in default_thresholds("attention/rank_one_residual")]
+        ['`rank_collapse`: <= 0.05 (clears > 0.1)']
+    """
+
+    rule: str
+    op: str
+    threshold: float | None = None
+    clear: float | None = None
+    relative_to: str = "value"
+
+    @classmethod
+    def of(cls, rule: Rule, condition: Condition) -> AlertThreshold:
+        """The threshold ``condition`` of ``rule`` sets.
+
+        Args:
+            rule: the rule holding the condition.
+            condition: one of ``rule.conditions``.
+
+        Returns:
+            The condition's comparison, levels and reference, under the rule's name.
+        """
+        level = None if condition.op == "nonfinite" else condition.threshold
+        return cls(rule.name, condition.op, level, condition.clear, condition.relative_to)
+
+    def describe(self) -> str:
+        """The threshold in words, as the metrics reference page shows it.
+
+        Returns:
+            ``"`rule`: <op> <threshold>[ unit] (clears <opposite op> <clear>)"``, or ``"`rule`: NaN or inf"``.
+        """
+        if self.op == "nonfinite":
+            return f"`{self.rule}`: NaN or inf"
+        unit = {"value": "", "first": " × its first value", "median": " × its running median",
+                "depth": " above the first layer's"}[self.relative_to]  # fmt: skip
+        text = f"`{self.rule}`: {self.op} {self.threshold:g}{unit}"
+        return text if self.clear is None else f"{text} (clears {_OPPOSITE[self.op]} {self.clear:g})"
+
+
+_OPPOSITE = {">=": "<", "<=": ">"}
+
+
+def default_thresholds(metric: str) -> tuple[AlertThreshold, ...]:
+    """The thresholds the default rules put on ``metric``: the one definition the metrics catalogue, its
+    reference page and ``spectral-monitor report`` read.
+
+    Args:
+        metric: a ``family/metric`` name (``attention/entropy``).
+
+    Returns:
+        One :class:`AlertThreshold` per condition of :func:`default_rules` matching ``metric``, in rule order.
+
+    Example:
+        >>> [t.rule for t in default_thresholds("attention/entropy")][:2]
+        ['uniform_attention', 'entropy_collapse']
+    """
+    return tuple(
+        AlertThreshold.of(rule, condition)
+        for rule in default_rules()
+        for condition in rule.conditions
+        if condition.matches(metric)
+    )
 
 
 def _heads_phrase(fraction: float) -> str:

@@ -61,7 +61,7 @@ class AttentionFamily(ProbeFamily):
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
         super().__init__(options, reports)
         self.plan = AttentionPlan(options, reports)
-        self._head_diversity_cadence = Cadence.of_logs(options.head_diversity_every_n_logs)
+        self._head_diversity_cadence = Cadence.of_logs(options.outputs.head_diversity_every_n_logs)
         self._capture: AttentionCapture | None = None
         self._recording: AttentionRecording | None = None
         self._previous_max_logit: dict[str, float] = {}
@@ -77,8 +77,8 @@ class AttentionFamily(ProbeFamily):
         if "attention" in self.options.families:
             self._capture = AttentionCapture(
                 run.model,
-                max_sequences=self.options.max_sequences,
-                max_bytes=int(self.options.memory_budget_mb * 2**20),
+                max_sequences=self.options.capture.max_sequences,
+                max_bytes=int(self.options.budget.memory_budget_mb * 2**20),
                 strict=self.options.strict,
             )
 
@@ -132,10 +132,10 @@ class AttentionFamily(ProbeFamily):
         self._previous_max_logit = entries.numbers("previous_max_logit")
 
     def _measure(self, progress: LoggingStep, recording: AttentionRecording) -> None:
-        write_histograms = self.options.histograms and self._kept(Capability.HISTOGRAMS)
+        write_histograms = self.options.outputs.histograms and self._kept(Capability.HISTOGRAMS)
         diversity_due = self._head_diversity_cadence.due(progress.logs_done)
         # What the capture holds stays alive throughout; the rest of the budget is the working memory.
-        room = int(self.options.memory_budget_mb * 2**20) - sum(
+        room = int(self.options.budget.memory_budget_mb * 2**20) - sum(
             captured.held_nbytes() for captured in recording.captured
         )
         layers = [captured for captured in recording.captured if layer_selected(self.options, captured.layer)]
@@ -147,7 +147,7 @@ class AttentionFamily(ProbeFamily):
             progress.measurements += layer_records + self._max_logit_growth(
                 progress.step, captured.layer, per_head
             )
-            if self.options.per_head:
+            if self.options.outputs.per_head:
                 progress.measurements += head_records
             else:
                 progress.read_only += head_records

@@ -84,7 +84,7 @@ class AttentionPlan:
         together: dict[tuple[Any, ...], list[int]] = {}
         for index, captured in enumerate(layers):
             n, m = captured.q.shape[2], captured.k.shape[2]
-            exact = uses_exact_path(n, m, self.options.metric_method, captured.causal)
+            exact = uses_exact_path(n, m, self.options.budget.metric_method, captured.causal)
             # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
             # not one matrix: the metrics come first.
             spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
@@ -203,8 +203,8 @@ class AttentionPlan:
             query_mask=_per_head(query_mask, heads),
             causal=first.causal,
             attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
-            method=self.options.metric_method,
-            include_rank_sums=self.options.attention_rank_sums,
+            method=self.options.budget.metric_method,
+            include_rank_sums=self.options.budget.attention_rank_sums,
             state=state,
             return_spectra=diversity or draw,
         )
@@ -226,7 +226,7 @@ class AttentionPlan:
             if dtype is None:
                 self._reports.once(
                     "spectra over budget",
-                    f"the memory budget ({self.options.memory_budget_mb:g} MB) leaves no room for the "
+                    f"the memory budget ({self.options.budget.memory_budget_mb:g} MB) leaves no room for the "
                     f"singular values of {first.layer}'s {n}×{m} attention; it is left out of head diversity "
                     "and the figures",
                 )
@@ -254,12 +254,12 @@ class AttentionPlan:
     def _blockwise_attention(self, captured: CapturedAttention, room: int, exact: bool) -> LayerAttention:
         """One layer's metrics from q and k in blocks within ``room``; on the Krylov path where the exact
         one would form whole matrices beyond it."""
-        method = self.options.metric_method
+        method = self.options.budget.metric_method
         if exact and not captured.measured_blockwise():
             method = "krylov"
             self._reports.once(
                 "exact over budget",
-                f"the memory budget ({self.options.memory_budget_mb:g} MB) is too small for the exact "
+                f"the memory budget ({self.options.budget.memory_budget_mb:g} MB) is too small for the exact "
                 f"measurement of one of {captured.layer}'s attention matrices "
                 f"({captured.dense_matrix_nbytes(True) / 2**20:.0f} MiB); it is measured on the Krylov path "
                 "from q and k",
@@ -268,7 +268,7 @@ class AttentionPlan:
             captured.blockwise_metrics(
                 method=method,
                 max_bytes=max(room, 2**20),
-                include_rank_sums=self.options.attention_rank_sums,
+                include_rank_sums=self.options.budget.attention_rank_sums,
                 state=self._krylov_state(captured),
             )
         )

@@ -199,7 +199,7 @@ class TokenFamily(ProbeFamily):
         if "tokens" in self.options.families:
             with self.reports.failures_of("finding the transformer blocks (tokens family)"):
                 self._capture = ResidualCapture(
-                    run.model, max_sequences=self.options.max_sequences, strict=self.options.strict
+                    run.model, max_sequences=self.options.capture.max_sequences, strict=self.options.strict
                 )
 
     def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
@@ -269,11 +269,11 @@ class OutputLogitFamily(ProbeFamily):
         return self._capture is not None
 
     def start(self, run: Run) -> None:
-        head = self.options.output_logits
+        head = self.options.outputs.output_logits
         if head is not False:
             with self.reports.failures_of("finding the LM head (output_logits)"):
                 self._capture = OutputLogitCapture(
-                    run.model, head if isinstance(head, str) else None, self.options.max_sequences
+                    run.model, head if isinstance(head, str) else None, self.options.capture.max_sequences
                 )
 
     def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
@@ -333,7 +333,7 @@ class WeightFamily(ProbeFamily):
 
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
         super().__init__(options, reports)
-        self._spectra_cadence = Cadence.of_logs(options.weight_spectra_every_n_logs)
+        self._spectra_cadence = Cadence.of_logs(options.outputs.weight_spectra_every_n_logs)
         self._parked = _ParkedState("weight_probe", WeightProbe)
         self._probe: WeightProbe | None = None
         self._run: Run | None = None
@@ -344,9 +344,9 @@ class WeightFamily(ProbeFamily):
             options = self.options
             self._probe = WeightProbe(
                 run.model,
-                include=options.include,
-                exclude=options.exclude,
-                per_head=options.per_head,
+                include=options.capture.include,
+                exclude=options.capture.exclude,
+                per_head=options.outputs.per_head,
                 warn=self.reports.warn,
             )
             self._parked.apply_to(self._probe)
@@ -362,14 +362,14 @@ class WeightFamily(ProbeFamily):
             full_parameters(run.training_root),
         ):
             progress.measurements += self._checked(probe.measure(progress.step))
-            if self.options.histograms and run.kept(Capability.HISTOGRAMS):
+            if self.options.outputs.histograms and run.kept(Capability.HISTOGRAMS):
                 progress.distributions += probe.distributions(
                     progress.step, full_spectrum=progress.figures_due
                 )
         if self._spectra_cadence.due(progress.logs_done):
             with self.reports.failures_of("measuring the weight spectra"), torch.no_grad():
                 spectra = weight_spectra(
-                    run.model, include=self.options.include, exclude=self.options.exclude
+                    run.model, include=self.options.capture.include, exclude=self.options.capture.exclude
                 )
                 progress.measurements += weight_spectrum_measurements(spectra, progress.step)
                 if run.kept(Capability.FIGURES):
@@ -469,16 +469,16 @@ class SecondOrderFamily(ProbeFamily):
 
 def layer_selected(options: MonitorOptions, layer: str) -> bool:
     """Whether the module named ``layer`` is measured by ``include``/``exclude``: ``WeightProbe``'s rule."""
-    if options.include is not None and not any_match([layer], options.include):
+    if options.capture.include is not None and not any_match([layer], options.capture.include):
         return False
-    return options.exclude is None or not any_match([layer], options.exclude)
+    return options.capture.exclude is None or not any_match([layer], options.capture.exclude)
 
 
 def warn_of_unmatched_patterns(options: MonitorOptions, reports: Reports, model: nn.Module) -> None:
     """Once, where an ``include`` or ``exclude`` pattern matches no module of ``model``, with examples of
     its module names."""
     names = [name for name, _ in unwrapped_named_modules(model) if name]
-    patterns = [*(options.include or ()), *(options.exclude or ())]
+    patterns = [*(options.capture.include or ()), *(options.capture.exclude or ())]
     unmatched = [pattern for pattern in patterns if not any_match(names, [pattern])]
     if unmatched:
         examples = names[:: max(1, len(names) // _EXAMPLE_NAMES)][:_EXAMPLE_NAMES]

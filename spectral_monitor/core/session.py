@@ -127,7 +127,7 @@ class MonitorSession:
         self._families = [family(options, self._reports) for family in _FAMILIES]
         self._writer = StepWriter(self._reports)
         self._logging_cadence = Cadence.of_steps(options.every_n_steps, first_step=options.log_first_step)
-        self._figures_cadence = Cadence.of_logs(options.figures_every_n_logs)
+        self._figures_cadence = Cadence.of_logs(options.outputs.figures_every_n_logs)
         self._sinks: list[Sink] = []
         self._model: nn.Module | None = None
         self._request_stop: Callable[[], None] = _no_stop
@@ -228,10 +228,10 @@ class MonitorSession:
         self._in_progress = progress
         for family in self._families:
             family.before_forward(progress)
-        if self.options.token_mask is not None:
+        if self.options.capture.token_mask is not None:
             with self._reports.failures_of("reading the batch's token mask (token_mask)"):
                 progress.token_mask = checked_token_mask(
-                    self.options.token_mask(batch), "the token_mask function's result"
+                    self.options.capture.token_mask(batch), "the token_mask function's result"
                 )
         progress.batch = batch
         if self._compiled.by_probe_forward:

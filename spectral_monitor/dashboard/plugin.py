@@ -52,6 +52,7 @@ from spectral_monitor.judging import (
 __all__ = ["CHART_POINTS", "PLUGIN_NAME", "SpectralMonitorPlugin"]
 
 PLUGIN_NAME = "spectral_monitor"
+"""The tab's name in TensorBoard, and the route prefix of its data."""
 CHART_POINTS = 400
 """Points per layer of a chart: a chart is a few hundred pixels wide."""
 SCALARS_PLUGIN = "scalars"

@@ -136,6 +136,8 @@ def orthonormal_rows(
     if block.shape[1] == 1:  # one row: a norm, not a QR factorisation
         norm = block.norm(dim=2, keepdim=True)
         tiny = norm[:, :, 0] <= threshold
+        if not bool(tiny.any()):
+            return block / norm, norm  # the row's coupling to its own direction is its norm
         q = block / torch.where(tiny[:, :, None], torch.ones_like(norm), norm)
     else:
         q, r = torch.linalg.qr(block.mT)
@@ -186,6 +188,10 @@ class GrowingRows:
     def count(self) -> int:
         return self._count
 
+    @property
+    def capacity(self) -> int:
+        return self._buffer.shape[1]
+
     def append(self, block: Tensor) -> None:
         needed = self._count + block.shape[1]
         capacity = self._buffer.shape[1]
@@ -207,6 +213,42 @@ class GrowingRows:
         kept = self._buffer.new_empty((rows.shape[0], *self._buffer.shape[1:]))
         kept[:, : self._count] = rows
         self._buffer = kept
+
+
+class BlockTridiagonal:
+    """The projected matrix Qᵀ Op Q of a block Lanczos basis, (B, m, m), written block by block into room
+    kept for it: growing a fresh zero matrix at every iteration cost more than the products on a small
+    Hessian."""
+
+    def __init__(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._buffer = torch.zeros((batch, capacity, capacity), dtype=dtype, device=device)
+        self._size = 0
+
+    @property
+    def matrix(self) -> Tensor:
+        """The matrix so far, (B, m, m): a view, valid until the next ``extend`` or ``keep``."""
+        return self._buffer[:, : self._size, : self._size]
+
+    def extend(self, diagonal: Tensor, coupling: Tensor | None) -> None:
+        """Append the diagonal block ``diagonal`` (B, b, b), coupled to the last block by ``coupling``
+        (B, b, c): the new block's rows against the last block's columns."""
+        size, width = self._size, diagonal.shape[1]
+        if size + width > self._buffer.shape[1]:
+            batch, capacity, _ = self._buffer.shape
+            grown_capacity = max(size + width, int(capacity * GrowingRows.GROWTH))
+            grown = self._buffer.new_zeros((batch, grown_capacity, grown_capacity))
+            grown[:, :size, :size] = self.matrix
+            self._buffer = grown
+        self._buffer[:, size : size + width, size : size + width] = diagonal
+        if coupling is not None:
+            previous = coupling.shape[2]
+            self._buffer[:, size : size + width, size - previous : size] = coupling
+            self._buffer[:, size - previous : size, size : size + width] = coupling.mT
+        self._size = size + width
+
+    def keep(self, index: Tensor) -> None:
+        """Drop every batch element but ``index`` (indices or a mask)."""
+        self._buffer = self._buffer[index]
 
 
 def lanczos_eigsh(
@@ -233,9 +275,10 @@ def lanczos_eigsh(
     θ: a bound on the error, usually far above it); ``"eigenvalue"``, the Kato–Temple error min(r, r²/δ)
     with δ the gap to the nearest other Ritz interval. ``relative_to="largest"`` judges against max|θ|;
     ``"each"`` judges each wanted pair against its own |θᵢ| (floored at ``EACH_FLOOR`` · max|θ|, where float
-    rounding of the products, not θ, sets the scale an error can reach). ``failure_probability`` adds the
-    Kaniel–Paige–Saad degree test, which makes a cluster the space has not split, or a warm vector that is an
-    eigenvector of a lower eigenvalue, cost products instead of accuracy.
+    rounding of the products, not θ, sets the scale an error can reach), and never below ``ROUNDING_FLOOR``
+    units of the operator dtype's rounding times the largest product norm seen. ``failure_probability`` adds
+    the Kaniel–Paige–Saad degree test, which makes a cluster the space has not split, or a warm vector that
+    is an eigenvector of a lower eigenvalue, cost products instead of accuracy.
     An element whose product is non-finite stops with NaN values, not converged. A ``block_size`` below
     ``k`` is allowed (single-vector Lanczos needs the fewest products when exact multiplicities are not
     expected). ``init`` (B, n, r) warm-starts from earlier vectors, as ``init_mode`` says. ``max_iters`` caps
@@ -306,9 +349,9 @@ def lanczos_eigsh(
     scale = torch.zeros(batch, dtype=work, device=op.device)
     q, _ = orthonormal_rows(start.mT, None, torch.ones(batch, dtype=work, device=op.device), generator)
     basis = GrowingRows(q, min(n, q.shape[1] * min(max_iters, INITIAL_BASIS_BLOCKS)))
-    previous: Tensor | None = None
     coupling: Tensor | None = None
-    tridiagonal = torch.zeros((batch, 0, 0), dtype=work, device=op.device)
+    projected = BlockTridiagonal(batch, basis.capacity, work, op.device)
+    undecided = torch.zeros(batch, dtype=torch.bool, device=op.device)
     # The certificate cannot pass below this degree (the gap is at most the spread and the tolerance at most
     # the spread), so the small eigenproblem is not solved before it.
     next_check = 1 if failure_probability is None else 1 + int(_least_degree(n, failure_probability))
@@ -320,9 +363,9 @@ def lanczos_eigsh(
         # zeroing its block, at every iteration it stays in the batch, keeps the batched small eigenproblems
         # finite for the others.
         norms = w.norm(dim=2).amax(dim=1)
-        non_finite = ~torch.isfinite(norms)
-        broken = non_finite & ~settled
-        if bool(non_finite.any()):
+        if not math.isfinite(float(norms.sum())):
+            non_finite = ~torch.isfinite(norms)
+            broken = non_finite & ~settled
             w = torch.where(non_finite[:, None, None], torch.zeros_like(w), w)
             norms = torch.where(non_finite, torch.zeros_like(norms), norms)
             done = active[broken]
@@ -332,37 +375,34 @@ def lanczos_eigsh(
             if bool(settled.all()):
                 break
         scale = torch.maximum(scale, norms)
-        alpha = w @ q.mT
+        # Classical Gram–Schmidt against the whole basis, twice (Kahan–Parlett: one pass loses orthogonality
+        # in float32): the current block is the basis's last rows, so the first pass's coefficients on it
+        # are the diagonal block of the projected matrix, and the three-term recurrence's own subtractions
+        # are part of the pass instead of a step before it.
+        rows = basis.rows
+        coefficients = w @ rows.mT
+        alpha = coefficients[:, :, -q.shape[1] :]
         alpha = (alpha + alpha.mT) / 2
-        w = torch.baddbmm(w, alpha, q, alpha=-1)
-        if previous is not None and coupling is not None:
-            w = torch.baddbmm(w, coupling, previous, alpha=-1)
-        w = reorthogonalise(w, basis.rows)
+        w = torch.baddbmm(w, coefficients, rows, alpha=-1)
+        w = torch.baddbmm(w, w @ rows.mT, rows, alpha=-1)
         room = n - basis.count
         if room >= w.shape[1]:
-            next_q, next_coupling = orthonormal_rows(w, basis.rows, scale, generator)
+            next_q, next_coupling = orthonormal_rows(w, rows, scale, generator)
         else:
             # The last block fits only ``room`` more directions; the residual lies in them (rank <= room).
             next_q = torch.linalg.svd(w.mT, full_matrices=False).U[:, :, : max(room, 0)].mT.contiguous()
             next_coupling = next_q @ w.mT
 
-        size, width_now = tridiagonal.shape[1], q.shape[1]
-        grown = torch.zeros(
-            (active.numel(), size + width_now, size + width_now), dtype=work, device=op.device
-        )
-        grown[:, :size, :size] = tridiagonal
-        grown[:, size:, size:] = alpha
-        if coupling is not None:
-            grown[:, size:, size - coupling.shape[2] : size] = coupling
-            grown[:, size - coupling.shape[2] : size, size:] = coupling.transpose(1, 2)
-        tridiagonal = grown
+        width_now = q.shape[1]
+        projected.extend(alpha, coupling)
+        tridiagonal = projected.matrix
         exhausted = room <= 0
         last = exhausted or iteration == max_iters
         if tridiagonal.shape[1] < k or (iteration < next_check and not last):
             # Not yet k Ritz values, or a degree the certificate cannot pass at: every party sharing the
             # operator still takes this iteration's (negative) decision, so collectives stay in step.
-            active_op.agreed(torch.zeros(active.numel(), dtype=torch.bool, device=op.device))
-            previous, q, coupling = q, next_q, next_coupling
+            active_op.agreed(undecided)
+            q, coupling = next_q, next_coupling
             basis.append(next_q)
             continue
 
@@ -378,6 +418,11 @@ def lanczos_eigsh(
         # Below float rounding of the products no residual can be asserted: that is the tolerance's floor.
         floor = ROUNDING_FLOOR * torch.finfo(op.dtype if op.dtype.is_floating_point else work).eps * scale
         tolerance = torch.maximum(tol * judged_against, floor[:, None])
+        if not last and _beyond_tolerance(theta, every_residual[:, -k:].flip(1), tolerance, criterion):
+            active_op.agreed(undecided)
+            q, coupling = next_q, next_coupling
+            basis.append(next_q)
+            continue
         verdict = _judge(
             theta, every_residual, k, tolerance, criterion, iteration - 1, n, failure_probability
         )
@@ -406,22 +451,18 @@ def lanczos_eigsh(
             if waiting.numel():
                 next_check = max(next_check, 1 + int(waiting.min().ceil()))
 
-        previous, q, coupling = q, next_q, next_coupling
+        q, coupling = next_q, next_coupling
         basis.append(next_q)
         remaining = ~settled
         if bool(settled.any()):
             restricted = active_op.restrict(remaining.nonzero().squeeze(1))
             if restricted is not None:
                 active_op = restricted
-                active, previous, q, coupling = (
-                    active[remaining],
-                    previous[remaining],
-                    q[remaining],
-                    coupling[remaining],
-                )
+                active, q, coupling = active[remaining], q[remaining], coupling[remaining]
                 basis.keep(remaining)
-                tridiagonal, scale = tridiagonal[remaining], scale[remaining]
-                settled = settled[remaining]
+                projected.keep(remaining)
+                scale, settled = scale[remaining], settled[remaining]
+                undecided = undecided[remaining]
 
     info = ConvergenceInfo(
         iterations=iterations,
@@ -527,6 +568,22 @@ def _judge(
     least = (lower / torch.acosh(1 + 2 * centre_gap / bare_spread)).amax(dim=1)
     least_degree = torch.where(met & ~certified, least, least_degree)
     return _Verdict(met & certified, torch.nan_to_num(least_degree, nan=0.0, posinf=float(2**31)))
+
+
+def _beyond_tolerance(
+    theta: Tensor, wanted_residual: Tensor, tolerance: Tensor, criterion: StopCriterion
+) -> bool:
+    """Whether every batch element fails test 1 of :func:`_judge` for certain, judged from bounds that cost a
+    few operations instead of the whole test: the error bound min(r, r²/δ) is at least min(r, r²/S) with S
+    the span of the Ritz values, since δ ≤ S whenever some Ritz value lies outside θᵢ's cluster, which it
+    must when S > 2τᵢ."""
+    if criterion == "residual":
+        return bool((wanted_residual > tolerance).any(dim=1).all())
+    span = (theta[:, -1] - theta[:, 0])[:, None]
+    least_error = torch.minimum(
+        wanted_residual, wanted_residual.square() / span.clamp_min(torch.finfo(theta.dtype).tiny)
+    )
+    return bool(((least_error > tolerance) & (span > 2 * tolerance)).any(dim=1).all())
 
 
 def _least_degree(n: int, failure_probability: float) -> float:

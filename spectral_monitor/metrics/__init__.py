@@ -4,8 +4,7 @@ The one definition of each metric lives here; nothing else in the package re-der
 """
 
 from spectral_monitor.metrics._common import ENERGY_LEVEL, METHODS
-from spectral_monitor.metrics.attention import METRIC_NAMES as ATTENTION_METRICS
-from spectral_monitor.metrics.attention import attention_metrics
+from spectral_monitor.metrics.attention import METRIC_NAMES, attention_metrics
 from spectral_monitor.metrics.attention_krylov import KrylovState
 from spectral_monitor.metrics.logits import LOGIT_METRIC_NAMES as ATTENTION_LOGIT_METRICS
 from spectral_monitor.metrics.logits import (
@@ -17,6 +16,9 @@ from spectral_monitor.metrics.logits import (
 from spectral_monitor.metrics.long_context import attention_metrics_from_qk
 from spectral_monitor.metrics.tokens import token_metrics
 from spectral_monitor.metrics.weights import marchenko_pastur_edge, weight_metrics
+
+ATTENTION_METRICS: tuple[str, ...] = METRIC_NAMES
+"""The names of the attention metrics, each a key of what :func:`attention_metrics` returns."""
 
 __all__ = [
     "ATTENTION_LOGIT_METRICS",

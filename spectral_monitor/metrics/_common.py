@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 METHODS = ("auto", "exact", "krylov")
+"""How the spectral metrics are computed: every singular value, the Krylov engine, or whichever fits n."""
 ENERGY_LEVEL = 0.99
 """Threshold rank keeps this fraction of the squared Frobenius norm (the threshold rank's definition)."""
 

@@ -183,6 +183,7 @@ def attention_metrics(
                 frobenius_squared,
                 state,
                 generator,
+                matrices=matrices,
             )
         )
     finished = finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)

@@ -11,18 +11,16 @@ those of the exact path.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from spectral_monitor.linalg import BatchedOperator, GramOperator, lanczos_quadrature, top_singular
+from spectral_monitor.linalg import BatchedOperator, top_singular
 from spectral_monitor.linalg.lanczos import GrowingRows, orthonormal_rows, reorthogonalise
-from spectral_monitor.linalg.operators import Passenger, default_generator, gaussian, rademacher
-from spectral_monitor.linalg.quadrature import QuadratureNodes
-from spectral_monitor.metrics._common import ENERGY_LEVEL
+from spectral_monitor.linalg.operators import Passenger, default_generator, gaussian
+from spectral_monitor.metrics.attention_rank_sums import rank_sums
 
 __all__ = ["KrylovState", "krylov_spectral_metrics"]
 
@@ -41,26 +39,6 @@ WARM_SINGULAR_TOL = 1e-4
 """The same, warm-started, where the estimate is optimistic: the random half of a warm block makes the Ritz
 gap look wider than it is, so a looser tolerance stops after one block with σ₂ off by more than it
 (benchmarks/README.md)."""
-ERANK_QUADRATURE_RTOL = 0.004
-"""Quadrature steps go on until the effective rank's estimated quadrature error is below this (relative)."""
-EXTRAPOLATION_SAFETY = 2.0
-"""The extrapolated effective rank's quadrature error is taken as this many times its last change: on
-structured spectra (causal, attention sink, local band) the change alone underestimates the remaining
-error."""
-QUADRATURE_FIRST_CHECK = 8
-QUADRATURE_CHECK_EVERY = 2
-EXTRAPOLATION_LAG = 3
-"""Checkpoints between the two whose rules are extrapolated (6 steps): further apart, their differences are
-larger than rounding and the error ratio is steadier. Frequent checks with the pair this far apart freeze
-elements early, and the mean freeze step is what the batch's products cost, since frozen elements leave it
-(benchmarks/README.md)."""
-ERANK_TARGET_RSE = 0.0075
-"""Probe rounds continue until the effective rank's standard error is below this fraction of it."""
-QUADRATURE_PROBES = 16
-ROUND_SAFETY = 1.25
-"""Probes a later round adds, as a multiple of what the jackknife standard error says are missing."""
-QUADRATURE_MAX_ROUNDS = 12
-QUADRATURE_MAX_STEPS = 64
 ARNOLDI_MAX_BLOCKS = 12
 ARNOLDI_FIRST_CHECK = 6
 ARNOLDI_CHECK_EVERY = 2
@@ -103,6 +81,7 @@ def krylov_spectral_metrics(
     frobenius_squared: Tensor,
     state: KrylovState | None,
     generator: torch.Generator | None,
+    matrices: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """σ₁, σ₂, eigen gap and (optionally) effective and threshold rank of a batch of attention operators.
 
@@ -115,6 +94,9 @@ def krylov_spectral_metrics(
         frobenius_squared: (B,) ‖A‖_F², from a pass over the matrices.
         state: warm-start vectors, read and updated in place; ``None`` starts cold and keeps nothing.
         generator: the source of every random draw; ``None`` = a private fixed-seed one.
+        matrices: (B, n, m) the operator's matrices where it is a dense batch, else None: an element whose
+            rank sums the quadrature cannot resolve is then factorised
+            (:func:`~spectral_monitor.metrics.attention_rank_sums.rank_sums`).
 
     Returns:
         (B,) tensors ``sigma1``, ``sigma2``, ``eigen_gap``, ``effective_rank``, ``effective_rank_se`` and
@@ -168,7 +150,9 @@ def krylov_spectral_metrics(
         metrics["eigen_gap"] = 1 - arnoldi.finish()
     nan = torch.full_like(sigma[:, 0], float("nan"))
     if include_rank_sums:
-        metrics.update(_rank_sums(operator, top.right, sigma, frobenius_squared, quadrature_draws))
+        metrics.update(
+            rank_sums(operator, top.right, sigma, frobenius_squared, quadrature_draws, matrices=matrices)
+        )
     else:
         metrics.update(effective_rank=nan, threshold_rank=nan, effective_rank_se=nan.clone())
     return metrics
@@ -178,300 +162,6 @@ def _independent_generators(generator: torch.Generator | None, count: int) -> li
     source = generator if generator is not None else default_generator(torch.device("cpu"))
     seeds = torch.randint(0, 2**62, (count,), generator=source, device=source.device).tolist()
     return [torch.Generator(device=source.device).manual_seed(seed) for seed in seeds]
-
-
-def _rank_sums(
-    operator: BatchedOperator,
-    top_vectors: Tensor,
-    sigma: Tensor,
-    frobenius_squared: Tensor,
-    generator: torch.Generator | None,
-) -> dict[str, Tensor]:
-    """Effective rank: the top pair exactly, the rest of Σσ and Σσ log σ by stochastic Lanczos quadrature.
-
-    The first round has ``QUADRATURE_PROBES`` probes; later rounds run for the elements whose standard error
-    (sampling, by jackknife over probes, and quadrature, see :class:`_ExtrapolatedQuadrature`) is still above
-    ``ERANK_TARGET_RSE`` of the estimate, with as many more probes as the sampling error says they need
-    (:func:`_probes_still_needed`), until ``QUADRATURE_MAX_ROUNDS`` rounds are spent. Threshold rank comes
-    from the top pair when it is resolved.
-
-    Each probe's zᵀ(PMP)z, the quadrature of f(x) = x and so exact, is a control variate with a known mean:
-    tr(PMP) = ‖A‖_F² − σ₁² − σ₂² (the deflated directions are Ritz vectors, so their Rayleigh quotients are
-    the squared singular values found). It correlates with what a probe contributes to the effective rank,
-    so regressing on it cuts the estimator's spread as more probes would (:func:`_controlled_erank`;
-    benchmarks/README.md).
-    """
-    gram = GramOperator(operator)
-    deflate = (
-        top_vectors
-        if gram.side == "right"
-        else operator.matmat(top_vectors) / sigma.clamp_min(1e-30)[:, None, :]
-    )
-    deflate, _ = torch.linalg.qr(deflate)
-    known = (sigma.sum(dim=1), torch.special.xlogy(sigma, sigma).sum(dim=1))
-    control_mean = (frobenius_squared.to(sigma.dtype) - sigma.square().sum(dim=1)).clamp_min(0)
-
-    batch = sigma.shape[0]
-    no_samples = sigma.new_empty((batch, 0))
-    # per probe; NaN where an element sat a round out
-    sums, entropy_sums, controls = no_samples, no_samples, no_samples
-    quadrature_errors, rounds_taken = torch.zeros_like(known[0]), torch.zeros_like(known[0])
-    pending = torch.arange(batch, device=sigma.device)
-    width = QUADRATURE_PROBES
-    for _ in range(QUADRATURE_MAX_ROUNDS):
-        # Later rounds run only for the elements still above the target, on the operator restricted to them.
-        restricted = gram if pending.numel() == batch else gram.restrict(pending)
-        if restricted is None:
-            restricted, pending = gram, torch.arange(batch, device=sigma.device)
-        tracker = _ExtrapolatedQuadrature(known[0][pending], known[1][pending])
-        # Drawn for the whole batch and then selected, so an element's probes do not depend on which
-        # others are still pending.
-        probes = rademacher(
-            (batch, operator.cols if gram.side == "right" else operator.rows, QUADRATURE_PROBES),
-            dtype=sigma.dtype,
-            device=sigma.device,
-            generator=generator,
-        )[pending, :, :width]
-        quadrature = lanczos_quadrature(
-            restricted,
-            num_probes=width,
-            probes=probes,
-            num_steps=QUADRATURE_MAX_STEPS,
-            deflate=deflate[pending],
-            until=tracker.converged,
-            check_every=QUADRATURE_CHECK_EVERY,
-            first_check=QUADRATURE_FIRST_CHECK,
-            generator=generator,
-        )
-        _, per_probe, quadrature_error = tracker.finish(quadrature)
-        round_samples = []
-        for part in (*per_probe, (quadrature.weights * quadrature.nodes).sum(dim=-1)):
-            samples = sigma.new_full((batch, width), float("nan"))
-            samples[pending] = part.to(sigma.dtype)
-            round_samples.append(samples)
-        sums = torch.cat([sums, round_samples[0]], dim=1)
-        entropy_sums = torch.cat([entropy_sums, round_samples[1]], dim=1)
-        controls = torch.cat([controls, round_samples[2]], dim=1)
-        quadrature_errors[pending] += quadrature_error
-        rounds_taken[pending] += 1
-        erank, sampling_error = _controlled_erank(sums, entropy_sums, controls, control_mean)
-        quadrature_part = quadrature_errors / rounds_taken
-        standard_error = torch.sqrt(sampling_error.square() + quadrature_part.square())
-        pending = (standard_error > ERANK_TARGET_RSE * erank).nonzero().flatten()
-        if pending.numel() == 0:
-            break
-        width = _probes_still_needed(
-            sampling_error[pending],
-            quadrature_part[pending],
-            ERANK_TARGET_RSE * erank[pending],
-            (~sums[pending].isnan()).sum(dim=1),
-        )
-    threshold = _threshold_rank_if_resolved(sigma, frobenius_squared)
-    rank_cap = float(min(operator.rows, operator.cols))
-    return {
-        "effective_rank": erank.clamp(1, rank_cap),
-        "effective_rank_se": standard_error,
-        "threshold_rank": threshold.clamp(1, rank_cap),
-    }
-
-
-def _probes_still_needed(
-    sampling_error: Tensor, quadrature_error: Tensor, target: Tensor, probes_taken: Tensor
-) -> int:
-    """Probes of the next round: enough for the element that needs most, in steps of 4 up to a full round.
-
-    A sampling error falls as 1/√probes, so p probes with error e reach the part of ``target`` that the
-    quadrature error leaves, t, with p·(e/t)² in all; ``ROUND_SAFETY`` covers the jackknife's own spread. An
-    element whose quadrature error alone exceeds the target gets a full round (more probes average it).
-    """
-    room = target.square() - quadrature_error.square()
-    wanted = torch.where(
-        room > 0,
-        probes_taken * (sampling_error.square() / room.clamp_min(torch.finfo(room.dtype).tiny) - 1),
-        torch.full_like(room, float(QUADRATURE_PROBES)),
-    )
-    most = float(wanted.amax()) * ROUND_SAFETY
-    return int(min(QUADRATURE_PROBES, max(4, 4 * math.ceil(most / 4))))
-
-
-class _ExtrapolatedQuadrature:
-    """The effective rank of one round of probes, from the Gauss and Gauss–Radau rules extrapolated in steps.
-
-    For √x-like functions Gauss over- and Gauss–Radau under-estimates, and both errors shrink like the same
-    power of the step count m, set by the spectrum's behaviour near 0. Two checkpoints m' < m then give the
-    ratio of the two errors, (G' − G)/(R − R'), and the value X = (G + ratio·R)/(1 + ratio) at which both
-    rules would meet, long before the Gauss–Radau bracket narrows to the same accuracy
-    (benchmarks/README.md). The quadrature error of the effective rank is taken as
-    ``EXTRAPOLATION_SAFETY`` times the change of X between checkpoints; where the rules do not narrow
-    monotonically (exact zero singular values, padded rows) X is the bracket's midpoint and the error its
-    half-width as a uniform error, (G − R)/(2√3).
-    """
-
-    def __init__(self, known_sum: Tensor, known_entropy_sum: Tensor) -> None:
-        self.known = (known_sum, known_entropy_sum)
-        self.checkpoints: list[tuple[Tensor, Tensor]] = []  # (gauss (2, B), radau (2, B))
-        self.previous_erank: Tensor | None = None
-        self.steps_seen = 0
-        batch = known_sum.shape[0]
-        # Each element's result is frozen at the first checkpoint where it converged, so it does not depend
-        # on how long the other elements of the batch kept the process going.
-        self.frozen = torch.zeros(batch, dtype=torch.bool, device=known_sum.device)
-        self.sums = known_sum.new_zeros((2, batch))
-        self.error = known_sum.new_zeros(batch)
-        self.per_probe: Tensor | None = None  # (2, B, probes): each probe's midpoint of its two rules
-
-    def converged(self, quadrature: QuadratureNodes) -> Tensor:
-        self._update(quadrature, finishing=False)
-        return self.frozen
-
-    def finish(self, quadrature: QuadratureNodes) -> tuple[Tensor, Tensor, Tensor]:
-        """(Σσ and Σσ log σ (2, B), their per-probe samples (2, B, probes), the effective rank's quadrature
-        error (B,)), each element's as of the checkpoint where it converged, else of the last step."""
-        if self.steps_seen != quadrature.nodes.shape[-1]:
-            self._update(quadrature, finishing=True)
-        assert self.per_probe is not None
-        # The per-probe samples are shifted by the extrapolation correction: the quadrature bias is common to
-        # a round's probes, the spread between them is sampling error.
-        shift = self.sums - self.per_probe.mean(dim=2)
-        return self.sums, self.per_probe + shift[:, :, None], self.error
-
-    def _update(self, quadrature: QuadratureNodes, *, finishing: bool) -> None:
-        self.steps_seen = quadrature.nodes.shape[-1]
-        gauss, radau = (
-            torch.stack(
-                [
-                    known + _rule(quadrature, f, radau).mean(dim=1)
-                    for known, f in zip(self.known, _SUMMANDS, strict=True)
-                ]
-            )
-            for radau in (False, True)
-        )
-        midpoint = (gauss + radau) / 2
-        bracket_error = (_erank(*gauss) - _erank(*radau)).abs() / (2 * math.sqrt(3))
-        extrapolated, monotone = midpoint, torch.zeros_like(gauss[0], dtype=torch.bool)
-        if len(self.checkpoints) >= EXTRAPOLATION_LAG:
-            previous_gauss, previous_radau = self.checkpoints[-EXTRAPOLATION_LAG]
-            gauss_step, radau_step, spread = previous_gauss - gauss, radau - previous_radau, gauss - radau
-            narrowing = (gauss_step * spread > 0) & (radau_step * spread > 0)
-            ratio = gauss_step / torch.where(narrowing, radau_step, torch.ones_like(radau_step))
-            extrapolated = torch.where(narrowing, (gauss + ratio * radau) / (1 + ratio), midpoint)
-            monotone = narrowing.all(dim=0)
-        erank = _erank(*extrapolated)
-        error = bracket_error
-        if self.previous_erank is not None:
-            change = EXTRAPOLATION_SAFETY * (erank - self.previous_erank).abs()
-            error = torch.where(monotone, torch.minimum(change, bracket_error), bracket_error)
-        self.checkpoints.append((gauss, radau))
-        self.previous_erank = erank
-
-        per_probe = torch.stack(
-            [
-                known[:, None] + _midpoint(quadrature, f)
-                for known, f in zip(self.known, _SUMMANDS, strict=True)
-            ]
-        )
-        if self.per_probe is None:
-            self.per_probe = per_probe
-        open_elements = ~self.frozen
-        self.sums[:, open_elements] = extrapolated[:, open_elements]
-        self.per_probe[:, open_elements] = per_probe[:, open_elements]
-        self.error[open_elements] = error[open_elements]
-        if not finishing:
-            self.frozen |= error <= ERANK_QUADRATURE_RTOL * erank
-
-
-def _sqrt(eigenvalues: Tensor) -> Tensor:
-    return eigenvalues.clamp_min(0).sqrt()
-
-
-def _half_sqrt_log(eigenvalues: Tensor) -> Tensor:
-    # σ log σ written in λ = σ²: ½ √λ log λ.
-    clamped = eigenvalues.clamp_min(0)
-    return 0.5 * torch.special.xlogy(clamped.sqrt(), clamped)
-
-
-_SUMMANDS = (_sqrt, _half_sqrt_log)
-
-
-def _midpoint(quadrature: QuadratureNodes, f: Callable[[Tensor], Tensor]) -> Tensor:
-    """Each probe's midpoint of the Gauss and Gauss–Radau rules for zᵀ f(M) z: (B, probes)."""
-    return (_rule(quadrature, f, False) + _rule(quadrature, f, True)) / 2
-
-
-def _rule(quadrature: QuadratureNodes, f: Callable[[Tensor], Tensor], radau: bool) -> Tensor:
-    """Each probe's quadrature of zᵀ f(M) z, by the Gauss or the Gauss–Radau rule: (B, probes)."""
-    nodes, weights = (
-        (quadrature.radau_nodes, quadrature.radau_weights)
-        if radau
-        else (quadrature.nodes, quadrature.weights)
-    )
-    return (weights * f(nodes)).sum(dim=-1)
-
-
-def _erank(singular_sum: Tensor, entropy_sum: Tensor) -> Tensor:
-    """exp(−Σ pₖ log pₖ) with pₖ = σₖ/S, written as exp(log S − Σ σ log σ / S)."""
-    safe = singular_sum.clamp_min(torch.finfo(singular_sum.dtype).tiny)
-    return torch.exp(torch.log(safe) - entropy_sum / safe)
-
-
-def _controlled_erank(
-    sums: Tensor, entropy_sums: Tensor, controls: Tensor, control_mean: Tensor
-) -> tuple[Tensor, Tensor]:
-    """The effective rank exp(log S − E/S) from per-probe samples of S = Σσ and E = Σσ log σ, each mean
-    corrected by its regression on the control variate T (per-probe samples, known mean ``control_mean``),
-    and its standard error by leave-one-probe-out jackknife (the regression refitted each time).
-
-    (B, probes) samples; NaN marks a probe an element did not take (it sat that round out). Where T does not
-    vary (a rank-one matrix: PMP = 0) the plain means are used.
-    """
-    probes = sums.shape[1]
-    taken = ~sums.isnan()
-    every = _controlled_erank_on(sums, entropy_sums, controls, control_mean, taken)
-    # Row l of the leave-out masks drops probe l; a probe the element never took gives no replicate.
-    leave_out = taken[:, None, :] & ~torch.eye(probes, dtype=torch.bool, device=sums.device)
-    replicates = _controlled_erank_on(
-        *(samples[:, None, :] for samples in (sums, entropy_sums, controls)), control_mean[:, None], leave_out
-    )
-    replicates = torch.where(taken, replicates, torch.full_like(replicates, float("nan")))
-    count = taken.sum(dim=1).to(sums.dtype)
-    spread = (replicates - replicates.nanmean(dim=1, keepdim=True)).square().nansum(dim=1)
-    return every, ((count - 1) / count * spread).sqrt()
-
-
-def _controlled_erank_on(
-    sums: Tensor, entropy_sums: Tensor, controls: Tensor, control_mean: Tensor, taken: Tensor
-) -> Tensor:
-    """:func:`_controlled_erank`'s estimate over the probes ``taken`` (broadcast against the samples)."""
-    count = taken.sum(dim=-1).to(sums.dtype).clamp_min(1)
-
-    def centred_and_mean(samples: Tensor) -> tuple[Tensor, Tensor]:
-        kept = torch.where(taken, samples, torch.zeros_like(samples))
-        mean = kept.sum(dim=-1) / count
-        return torch.where(taken, samples - mean[..., None], torch.zeros_like(kept)), mean
-
-    control_deviation, control_sample_mean = centred_and_mean(controls)
-    variance = control_deviation.square().sum(dim=-1)
-    safe_variance = torch.where(variance > 0, variance, torch.ones_like(variance))
-    corrected = []
-    for samples in (sums, entropy_sums):
-        deviation, mean = centred_and_mean(samples)
-        covariance = (deviation * control_deviation).sum(dim=-1)
-        slope = torch.where(variance > 0, covariance / safe_variance, torch.zeros_like(covariance))
-        corrected.append(mean - slope * (control_sample_mean - control_mean))
-    return _erank(*corrected)
-
-
-def _threshold_rank_if_resolved(sigma: Tensor, frobenius_squared: Tensor) -> Tensor:
-    """Smallest k reaching 99% of ‖A‖_F² when the known top singular values reach it, else NaN.
-
-    Read off a stochastic spectral density this count is ill-conditioned (the 99% level sits in the dense
-    low end of the spectrum, where a few probes' estimates scatter widely), so the Krylov path reports it
-    only where it is exact, which is the collapse regime that matters.
-    """
-    top_energy = sigma.square().cumsum(dim=1)
-    reached = top_energy >= ENERGY_LEVEL * frobenius_squared[:, None]
-    rank = (~reached).sum(dim=1).to(sigma.dtype) + 1
-    return torch.where(reached[:, -1], rank, torch.full_like(rank, float("nan")))
 
 
 def _second_eigenvalue_modulus(

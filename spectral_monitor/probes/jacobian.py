@@ -38,9 +38,20 @@ END_TO_END = "model"
 class JacobianNorms:
     """Spectral norms per block (model order), the end-to-end norm, and warm vectors for the next event.
 
-    ``converged``: block name (or ``"model"``) → whether every norm of it met the tolerance (the test of
-    :func:`~spectral_monitor.linalg.lanczos_eigsh`); a norm that did not is still reported, flagged here.
-    ``skipped``: block name (or ``"model"``) → why it was not measured.
+    Attributes:
+        jacobian_norm: Block name → ‖∂x_l/∂x_{l−1}‖₂.
+        residual_branch_norm: Block name → ‖J − I‖₂, what the block adds to the stream.
+        end_to_end_norm: The norm of the composed map, or None where it was not measured.
+        converged: Block name (or ``"model"``) → whether every norm of it met the tolerance (the test of
+            :func:`~spectral_monitor.linalg.lanczos_eigsh`); a norm that did not is still reported.
+        warm: Start vectors for the next call's ``warm``.
+        skipped: Block name (or ``"model"``) → why it was not measured.
+
+    Examples:
+        What :func:`block_jacobian_norms` returns; made by hand, it is empty:
+
+        >>> JacobianNorms().jacobian_norm, JacobianNorms().end_to_end_norm
+        ({}, None)
     """
 
     jacobian_norm: dict[str, float] = field(default_factory=dict)
@@ -115,11 +126,42 @@ def block_jacobian_norms(
 ) -> JacobianNorms:
     """‖∂x_l/∂x_{l−1}‖₂ (and ‖J − I‖₂) of each transformer block, for sequence ``sequence`` of the batch.
 
-    ``forward()`` runs the model once (a loss closure will do: only the blocks' inputs are read).
-    Blocks are found by :func:`~spectral_monitor.probes.residual.find_transformer_blocks` or named by
-    ``block_patterns``. ``end_to_end``: also the norm of the composed map from the first block's input to
-    the last block's output, when each block's input is the previous block's output. Runs in
-    ``probing(module, mode)``.
+    Runs in ``probing(module, mode)``.
+
+    Args:
+        module: The model.
+        forward: Runs the model once (a loss closure will do: only the blocks' inputs are read).
+        block_patterns: ``fnmatch`` patterns naming the blocks; by default they are found by
+            :func:`~spectral_monitor.probes.find_transformer_blocks`.
+        sequence: Which sequence of the batch (which example, for (batch, features) inputs).
+        residual_branch: Also ‖J − I‖₂, the norm of what each block adds to the stream.
+        end_to_end: Also the norm of the composed map from the first block's input to the last block's
+            output, when each block's input is the previous block's output.
+        tol: Relative tolerance of each norm (that of :func:`~spectral_monitor.linalg.lanczos_eigsh`).
+        max_iters: Most block Lanczos iterations per norm.
+        warm: The ``warm`` vectors of the previous result, to start from.
+        mode: ``"eval"`` or ``"train"``, the module's mode while probed.
+        generator: The random generator of the cold starts.
+
+    Returns:
+        The norms per block (model order), the end-to-end norm, convergence flags and warm vectors.
+
+    Raises:
+        ValueError: No transformer block is found or named.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.copy_(2 * torch.eye(4))
+        ...     _ = model[1].weight.copy_(3 * torch.eye(4))
+        >>> x = torch.randn(2, 4)
+        >>> norms = block_jacobian_norms(model, lambda: model(x), block_patterns=["0", "1"])
+        >>> {block: round(norm, 4) for block, norm in norms.jacobian_norm.items()}
+        {'0': 2.0, '1': 3.0}
+        >>> round(norms.end_to_end_norm, 4)
+        6.0
     """
     names = find_transformer_blocks(module, block_patterns)
     if not names:

@@ -27,10 +27,27 @@ MAX_EXAMPLES = 64
 
 @dataclass
 class NTKEstimate:
-    """``kernel`` (N, N) and its summaries: ``eigenvalues`` (N,) descending, ``trace``, ``max_eigenvalue``,
-    ``condition_number`` (λ_max/λ_min; inf when λ_min ≤ 0), ``effective_rank`` (Roy & Vetterli, of the
-    eigenvalues), ``materialised``: whether J was formed. A kernel holding NaN or inf (a non-finite output or
-    gradient) has NaN eigenvalues and summaries."""
+    """The empirical NTK and its summaries, as :func:`empirical_ntk` returns them.
+
+    A kernel holding NaN or inf (a non-finite output or gradient) has NaN eigenvalues and summaries.
+
+    Attributes:
+        kernel: K, (N, N).
+        eigenvalues: K's eigenvalues (N,), descending.
+        trace: tr K.
+        max_eigenvalue: λ_max.
+        condition_number: λ_max/λ_min; inf when λ_min ≤ 0.
+        effective_rank: Roy & Vetterli's effective rank of the eigenvalues.
+        materialised: Whether J was formed (else K was built a column at a time).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> linear = nn.Linear(2, 1, bias=False)
+        >>> ntk = empirical_ntk(linear, lambda: linear(torch.tensor([[1.0, 0.0], [1.0, 1.0]])).squeeze(-1))
+        >>> ntk.eigenvalues.tolist() == sorted(ntk.eigenvalues.tolist(), reverse=True), ntk.trace
+        (True, 3.0)
+    """
 
     kernel: Tensor
     eigenvalues: Tensor
@@ -49,9 +66,37 @@ def empirical_ntk(
     max_bytes: int = 256 * 2**20,
     mode: ProbeMode = "eval",
 ) -> NTKEstimate:
-    """The empirical NTK of the per-example outputs ``outputs_fn()`` (a (N,) tensor, N ≤ 64).
+    """The empirical NTK of the per-example outputs ``outputs_fn()``.
 
-    Runs in ``probing(module, mode)``; parameters: ``space`` (default every trainable parameter).
+    Runs in ``probing(module, mode)``.
+
+    Args:
+        module: The model.
+        outputs_fn: Returns the per-example outputs, a (N,) tensor with N ≤ 64 (per-example losses, or a
+            scalar output per example).
+        space: The parameters the Jacobian is taken over; by default every trainable parameter.
+        max_bytes: J is formed when its N × P numbers fit in this; otherwise K is built a column at a time.
+        mode: ``"eval"`` or ``"train"``, the module's mode while probed.
+
+    Returns:
+        The (N, N) kernel and its eigenvalues and summaries.
+
+    Raises:
+        ValueError: ``outputs_fn`` does not return a (N,) tensor with 1 ≤ N ≤ 64.
+
+    Examples:
+        The kernel of a linear map on orthonormal inputs is the identity:
+
+        >>> import torch
+        >>> from torch import nn
+        >>> linear = nn.Linear(3, 1, bias=False)
+        >>> ntk = empirical_ntk(linear, lambda: linear(torch.eye(3)).squeeze(-1))
+        >>> ntk.kernel
+        tensor([[1., 0., 0.],
+                [0., 1., 0.],
+                [0., 0., 1.]])
+        >>> ntk.trace, ntk.materialised
+        (3.0, True)
     """
     space = space if space is not None else ParameterSpace.of(module)
     with probing(module, mode):

@@ -101,6 +101,7 @@ __all__ = [
 ]
 
 WEIGHT_FAMILY = "weights"
+"""The family of the weight probe's measurements: the first part of their tags."""
 
 _COLD_START_MAX_ITERATIONS = 60  # once per weight, so it may cost what converging to ``tol`` costs
 # A matrix with a side this short (a head's rows, a small layer) gets its exact σ₁ (eigvalsh): there a few

@@ -24,6 +24,9 @@ MARGIN = "Margin"
 
 ChartSpec = tuple[str, tuple[str, ...]]
 Layout = dict[str, dict[str, ChartSpec]]
+"""A Custom Scalars layout: category title → chart title → (chart kind, tag regular expressions).
+
+The kind is ``"Multiline"`` (one line per matching tag) or ``"Margin"`` (a value between two bounds)."""
 
 _PER_HEAD_SUFFIX = re.compile(r"/head_\d+$")
 

@@ -50,7 +50,19 @@ EXACT_MAX_SIDE = 2048
 
 @dataclass(frozen=True)
 class Finding:
-    """One result of the preflight: which ``check``, how serious, where (a module name), and why."""
+    """One result of the preflight.
+
+    Attributes:
+        check: Which check: ``heads``, ``head_dim``, ``depth``, ``logit_scale``, ...
+        severity: ``"info"`` or ``"warning"``.
+        where: The module's qualified name (``"model"`` for the whole model).
+        message: Why, in a sentence.
+
+    Examples:
+        >>> finding = Finding("head_dim", "warning", "blocks.0.attn", "d_k = 4: logits of rank <= 4")
+        >>> finding.where, finding.severity
+        ('blocks.0.attn', 'warning')
+    """
 
     check: str
     severity: Severity
@@ -60,9 +72,26 @@ class Finding:
 
 @torch.no_grad()
 def architecture_preflight(model: nn.Module, *, context_length: int | None = None) -> list[Finding]:
-    """Run the checks of the module docstring on ``model``; ``context_length`` enables ``logit_scale``.
+    """Run the checks of the module docstring on ``model``.
 
     Reads weights only (detached float64 copies); no forward is run and nothing is modified.
+
+    Args:
+        model: The transformer to check.
+        context_length: The longest context it will see; enables the ``logit_scale`` check.
+
+    Returns:
+        The findings, each with its check, severity, module and reason.
+
+    Raises:
+        ValueError: ``model`` is not a module, or ``context_length`` is not an int of at least 2.
+
+    Examples:
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        >>> findings = architecture_preflight(nn.TransformerEncoder(layer, num_layers=2))
+        >>> [(finding.check, finding.severity) for finding in findings]
+        [('head_dim', 'info'), ('head_dim', 'info'), ('depth', 'info')]
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -83,7 +112,20 @@ def architecture_preflight(model: nn.Module, *, context_length: int | None = Non
 
 
 def preflight_markdown(findings: list[Finding]) -> str:
-    """The findings as a markdown table, warnings first."""
+    """The findings as a markdown table, warnings first.
+
+    Args:
+        findings: What :func:`architecture_preflight` returned.
+
+    Returns:
+        The table, one row per finding.
+
+    Examples:
+        >>> print(preflight_markdown([Finding("depth", "info", "model", "2 blocks, 4 norms")]))
+        | severity | check | where | finding |
+        |---|---|---|---|
+        | info | depth | model | 2 blocks, 4 norms |
+    """
     lines = ["| severity | check | where | finding |", "|---|---|---|---|"]
     for finding in sorted(findings, key=lambda f: f.severity != "warning"):
         lines.append(f"| {finding.severity} | {finding.check} | {finding.where} | {finding.message} |")

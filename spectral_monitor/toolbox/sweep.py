@@ -50,8 +50,18 @@ the s of the baselines."""
 class SweepResult:
     """The table of a sweep: one row per (n, family, layer, metric), values averaged over sequences and heads.
 
-    ``head_dims``: d_k of each attention layer. ``masked``: whether each attention layer is causal or masked
-    (the baselines are for unmasked attention and are not drawn for masked layers).
+    Attributes:
+        lengths: The sequence lengths swept.
+        rows: ``{"n", "family", "layer", "metric", "value"}`` dicts.
+        head_dims: d_k of each attention layer.
+        masked: Whether each attention layer is causal or masked (the baselines are for unmasked attention
+            and are not drawn for masked layers).
+
+    Examples:
+        >>> result = SweepResult([8], [{"n": 8, "family": "attention", "layer": "a", "metric": "entropy",
+        ...                              "value": 0.5}])
+        >>> result.value(8, "a", "entropy"), result.layers()
+        (0.5, ['a'])
     """
 
     lengths: list[int]
@@ -102,12 +112,36 @@ def rank_collapse_sweep(
 ) -> SweepResult:
     """Measure ``model``'s attention and token metrics at each sequence length of ``lengths``.
 
-    Inputs, in order of precedence: ``inputs``, a batch of the user's own (batch, ≥ max(lengths), ...) whose
-    first n positions are used at each n; ``make_inputs(n, generator)``; else :func:`default_inputs` (random
-    token ids for a model with an embedding, Gaussian vectors for an attention module or a model that starts
-    with a linear layer). ``num_sequences`` sequences per length; ``method`` and ``include_rank_sums`` are
-    those of :func:`~spectral_monitor.metrics.attention_metrics` (effective and threshold rank cost a full
-    spectrum, so they are off by default). Token metrics are measured when the model has transformer blocks.
+    Token metrics are measured when the model has transformer blocks. The model is left as found.
+
+    Args:
+        model: A transformer, or a single attention module.
+        lengths: The sequence lengths n, each at least 2.
+        make_inputs: ``make_inputs(n, generator)`` returns the batch of length n; by default
+            :func:`default_inputs` (random token ids for a model with an embedding, Gaussian vectors for an
+            attention module or a model that starts with a linear layer).
+        inputs: A batch of the user's own, (batch, ≥ max(lengths), ...), whose first n positions are used at
+            each n; it takes precedence over ``make_inputs``.
+        num_sequences: Sequences measured per length.
+        method: That of :func:`~spectral_monitor.metrics.attention_metrics`.
+        include_rank_sums: Also the effective and threshold ranks, which cost a full spectrum.
+        seed: Seed of the random inputs' private generator.
+
+    Returns:
+        The table, one row per (n, family, layer, metric), values averaged over sequences and heads.
+
+    Raises:
+        ValueError: ``model`` is not a module, a length is below 2, ``num_sequences`` is not a positive int,
+            or ``inputs`` has fewer than max(lengths) positions.
+
+    Examples:
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        >>> result = rank_collapse_sweep(nn.TransformerEncoder(layer, num_layers=2), [8, 32])
+        >>> result.lengths, result.layers()
+        ([8, 32], ['layers.0.self_attn', 'layers.1.self_attn'])
+        >>> bool(0 <= result.value(32, "layers.0.self_attn", "entropy") <= 1)
+        True
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -153,10 +187,29 @@ def rank_collapse_sweep(
 
 
 def default_inputs(model: nn.Module, num_sequences: int = 2) -> InputFactory:
-    """Random inputs for ``model``: uniform token ids for a model with an ``nn.Embedding`` (the first one's
-    vocabulary), q = k = v standard-normal vectors for an ``nn.MultiheadAttention``, and standard-normal
-    (batch, n, features) vectors for a model whose first linear layer takes ``features`` (an attention
-    module such as :class:`~spectral_monitor.toolbox.LengthScaledAttention`). Raises ValueError otherwise."""
+    """Random inputs for ``model``.
+
+    Args:
+        model: A model with an ``nn.Embedding``, an ``nn.MultiheadAttention``, or a model whose first linear
+            layer takes the features (an attention module such as
+            :class:`~spectral_monitor.toolbox.LengthScaledAttention`).
+        num_sequences: The batch size.
+
+    Returns:
+        ``make_inputs(n, generator)``: uniform token ids of the first embedding's vocabulary, q = k = v
+        standard-normal vectors for an ``nn.MultiheadAttention``, or standard-normal (batch, n, features)
+        vectors.
+
+    Raises:
+        ValueError: The model is none of these.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> make_inputs = default_inputs(nn.Sequential(nn.Embedding(10, 4)), num_sequences=3)
+        >>> make_inputs(5, torch.Generator().manual_seed(0)).shape
+        torch.Size([3, 5])
+    """
     if isinstance(model, nn.MultiheadAttention):
 
         def multi_head(n: int, generator: torch.Generator) -> dict[str, Tensor]:
@@ -198,6 +251,23 @@ def sweep_figure(
     ``attention/spectral_gap`` gets the iid-logit gap 1 − 2√(e^{s²} − 1)/√n and ``attention/sigma2`` (log
     axis) the real-logit law (s/√d_k)(1 + √(d_k/n))², both dashed, at each non-causal layer's measured logit
     standard deviation s (rows ``logit_std``).
+
+    Args:
+        result: What :func:`rank_collapse_sweep` returned.
+        metrics: The (family, metric) panels.
+        title: The figure's title.
+
+    Returns:
+        A matplotlib ``Figure``, not registered with ``pyplot``.
+
+    Raises:
+        ValueError: The sweep has no rows for any of ``metrics``.
+
+    Examples:
+        >>> result = SweepResult([8, 16], [{"n": n, "family": "attention", "layer": "a", "metric": "entropy",
+        ...                                 "value": 0.5} for n in (8, 16)])
+        >>> len(sweep_figure(result, [("attention", "entropy")]).axes)
+        1
     """
     panels = [(family, metric) for family, metric in metrics if result.layers(family)]
     if not panels:

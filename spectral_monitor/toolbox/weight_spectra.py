@@ -66,6 +66,26 @@ def weight_spectra(
     """The :class:`WeightSpectrum` of every weight ``WeightProbe(model, include=..., exclude=...)`` measures.
 
     One batched ``torch.linalg.svdvals`` per weight shape, in float64 on detached copies.
+
+    Args:
+        model: The model whose weights are read.
+        include: ``fnmatch`` patterns over qualified module names; only matching weights are read.
+        exclude: Patterns of weights left out.
+
+    Returns:
+        One spectrum per weight, in the model's order.
+
+    Raises:
+        ValueError: ``include`` or ``exclude`` is not a sequence of patterns.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.copy_(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])))
+        >>> [(spectrum.layer, spectrum.singular_values.tolist()) for spectrum in weight_spectra(model)]
+        [('0', [4.0, 3.0, 2.0, 1.0])]
     """
     probe = WeightProbe(model, include=include, exclude=exclude, per_head=False)
     named = list(probe.named_matrices())

@@ -83,7 +83,7 @@ def run_steps(session: MonitorSession, model: torch.nn.Module, steps: Iterable[i
 
 def options(**overrides: Any) -> MonitorOptions:
     defaults: dict[str, Any] = {"families": ["attention", "weights"], "preflight": False}
-    return MonitorOptions(**{**defaults, **overrides})
+    return MonitorOptions.from_keywords(**{**defaults, **overrides})
 
 
 def test_only_logging_steps_are_measured_and_each_is_written_once() -> None:

@@ -75,8 +75,8 @@ def assert_agrees_with_the_exact_path(
     the dense probabilities; Dobrushin within [τ/2, τ] (the documented estimate) and equal to
     the dense path's own estimate; threshold rank exact or an unresolved NaN. The effective rank also equals
     the dense Krylov path's with the same generator to 0.5% (same probes, same algorithm, products that
-    differ by rounding); ``exact_effective_rank=False`` checks only that, where the estimator itself misses
-    2% on both paths."""
+    differ by rounding) where that path kept its quadrature estimate; ``exact_effective_rank=False`` checks
+    only that, where the estimator itself misses 2% on both paths."""
     masks = {name: options[name] for name in ("key_mask", "query_mask") if name in options}
     causal = options.get("causal", False)
     dense = dense_probabilities(q, k, bias=options.get("bias"), causal=causal, **masks)
@@ -102,8 +102,11 @@ def assert_agrees_with_the_exact_path(
         for name, (rtol, atol) in tolerances.items()
         if not np.allclose(got[name], want[name], rtol=rtol, atol=atol, equal_nan=True)
     ]
+    # Where the dense path factorised a head its quadrature left above target (se 0), the probes are not
+    # comparable: the blockwise path has no matrix to factorise and keeps its estimate.
+    estimated = dense_estimate["effective_rank_se"].numpy() > 0
     same_probes = dense_estimate["effective_rank"].double().numpy()
-    if not np.allclose(got["effective_rank"], same_probes, rtol=5e-3, equal_nan=True):
+    if not np.allclose(got["effective_rank"][estimated], same_probes[estimated], rtol=5e-3, equal_nan=True):
         misses.append(f"effective_rank: {got['effective_rank']} vs the dense Krylov path's {same_probes}")
     dobrushin, true_dobrushin = got["dobrushin"], want["dobrushin"]
     if not ((true_dobrushin / 2 <= dobrushin) & (dobrushin <= true_dobrushin * (1 + 1e-5))).all():

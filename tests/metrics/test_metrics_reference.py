@@ -240,6 +240,26 @@ def test_near_uniform_causal_attention_of_a_fresh_model_gets_the_exact_effective
     assert (metrics["effective_rank_se"] == 0).all()
 
 
+@pytest.mark.slow
+def test_near_uniform_causal_attention_past_the_exact_size_gets_the_exact_effective_rank() -> None:
+    # Past EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP the Krylov path runs; on near-uniform causal attention its
+    # quadrature cannot reach its target (it read the effective rank 7-15% low there), so the matrix is
+    # factorised instead, while sharp attention keeps its quadrature estimate.
+    n = attention_module.EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP + 16
+    rng = np.random.default_rng(5)
+    causal_mask = np.tril(np.ones((n, n))) > 0
+    near_uniform = row_softmax(np.where(causal_mask, query_key_logits(rng, (1, n, n)) * 0.01, -np.inf))
+    sharp = row_softmax(np.where(causal_mask, query_key_logits(rng, (1, n, n)) * 9.0, -np.inf))
+    attn = torch.from_numpy(np.concatenate([near_uniform, sharp]))
+    assert not attention_module.uses_exact_path(n, n, "auto", causal=True)
+    metrics = attention_metrics(attn.float(), causal=True, generator=torch.Generator().manual_seed(0))
+    expected = [attention_reference(matrix, causal=True)["effective_rank"] for matrix in attn.numpy()]
+    np.testing.assert_allclose(metrics["effective_rank"][0].double().item(), expected[0], rtol=1e-5)
+    assert metrics["effective_rank_se"][0] == 0
+    se = metrics["effective_rank_se"][1].item()
+    assert se > 0 and abs(metrics["effective_rank"][1].item() - expected[1]) <= 4 * se
+
+
 @pytest.mark.parametrize("n", [2, 5, 16])
 def test_uniform_attention_is_rank_one_with_full_entropy(n: int) -> None:
     metrics = closed_form(uniform_attention(n))
