@@ -15,8 +15,8 @@ __all__ = ["LANE_BYTES", "VECTORISED_FROM_BYTES", "crc32c", "masked_crc32c"]
 
 CASTAGNOLI_POLYNOMIAL = 0x82F63B78  # CRC-32C, bit-reflected
 _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum mask
-# Measured on the 2-core development VM: 32-byte lanes were fastest or within 15% from 4 KB to 1 MB; the
-# lanes' fixed ≈ 0.3 ms pays from ≈ 2 KB (an event's header, 8 bytes, takes the byte loop).
+# The lane width and the length from which lanes pay for their fixed cost are measured choices
+# (benchmarks/README.md); shorter records, such as an event's 8-byte header, take the byte loop.
 LANE_BYTES = 32
 VECTORISED_FROM_BYTES = 2048
 

@@ -11,7 +11,7 @@ Two regimes, for A = softmax(logits) over n keys, no mask:
   deviation s): to first order A ≈ (1/n)(11ᵀ + scale·QKᵀ), and QKᵀ has rank d_k with singular values near
   ab(√n + √d_k)², so σ₂ ≈ (s/√d_k)(1 + √(d_k/n))² when n ≫ d_k ((1/√d_k)(1 + √(d_k/n))² at s = 1). It tends to
   s/√d_k, not 0: random low-rank attention does not collapse as n grows. Measured within 6% for d_k ≥ 16 at
-  n ≥ 32·d_k (tests/test_toolbox_sweep.py); for d_k ≤ 8 the neglected nonlinear terms add up to ~20%.
+  n ≥ 32·d_k; for d_k ≤ 8 the neglected nonlinear terms add up to ~20%.
 """
 
 from __future__ import annotations

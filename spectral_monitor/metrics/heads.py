@@ -19,12 +19,31 @@ import math
 import torch
 from torch import Tensor
 
+__all__ = ["head_diversity", "head_spectral_distances", "most_redundant_head_pairs"]
+
 
 def head_spectral_distances(singular_values: Tensor) -> Tensor:
     """Jensen–Shannon distances (bits) between the normalised spectra of heads: (..., H, k) -> (..., H, H).
 
-    ``singular_values`` holds each head's singular values (any order; sorted here). A head whose singular
-    values are all zero has no spectrum: its row and column are NaN.
+    Args:
+        singular_values: Floating point (..., H, k), each head's singular values in any order (sorted here).
+
+    Returns:
+        Float64 (..., H, H) distances in [0, 1), symmetric with a zero diagonal. A head whose singular values
+        are all zero has no spectrum: its row and column are NaN.
+
+    Raises:
+        ValueError: ``singular_values`` is not a floating-point tensor of at least 2 dimensions.
+
+    Examples:
+        Two heads of the same spectrum, and a rank-one head:
+
+        >>> import torch
+        >>> spectra = torch.tensor([[1.0, 1.0], [2.0, 2.0], [1.0, 0.0]])
+        >>> head_spectral_distances(spectra).round(decimals=4)
+        tensor([[0.0000, 0.0000, 0.5579],
+                [0.0000, 0.0000, 0.5579],
+                [0.5579, 0.5579, 0.0000]], dtype=torch.float64)
     """
     if not isinstance(singular_values, Tensor) or singular_values.ndim < 2:
         raise ValueError(
@@ -48,8 +67,19 @@ def head_spectral_distances(singular_values: Tensor) -> Tensor:
 def head_diversity(distances: Tensor) -> dict[str, Tensor]:
     """The summaries of a layer's (..., H, H) head distances over pairs h < g.
 
-    ``head_diversity``: the mean distance; ``head_diversity_min``: the closest pair's distance (its most
-    redundant pair). NaN with fewer than two heads.
+    Args:
+        distances: (..., H, H) distances of :func:`head_spectral_distances`.
+
+    Returns:
+        Tensors of shape ``distances.shape[:-2]`` by name: ``head_diversity``, the mean distance;
+        ``head_diversity_min``, the closest pair's distance (its most redundant pair). NaN with fewer than
+        two heads.
+
+    Examples:
+        >>> import torch
+        >>> distances = torch.tensor([[0.0, 0.2, 0.6], [0.2, 0.0, 0.4], [0.6, 0.4, 0.0]])
+        >>> {name: round(value.item(), 6) for name, value in head_diversity(distances).items()}
+        {'head_diversity': 0.4, 'head_diversity_min': 0.2}
     """
     heads = distances.shape[-1]
     upper = torch.triu(torch.ones(heads, heads, dtype=torch.bool, device=distances.device), diagonal=1)
@@ -61,7 +91,24 @@ def head_diversity(distances: Tensor) -> dict[str, Tensor]:
 
 
 def most_redundant_head_pairs(distances: Tensor, count: int = 3) -> list[tuple[int, int, float]]:
-    """The ``count`` closest head pairs ``(h, g, distance)``, h < g, closest first, of one (H, H) matrix."""
+    """The ``count`` closest head pairs of one layer, closest first.
+
+    Args:
+        distances: One (H, H) matrix of :func:`head_spectral_distances`.
+        count: How many pairs, at most; pairs at a NaN distance are left out.
+
+    Returns:
+        ``(h, g, distance)`` tuples with h < g.
+
+    Raises:
+        ValueError: ``distances`` is not one square matrix, or ``count`` is not a positive int.
+
+    Examples:
+        >>> import torch
+        >>> distances = torch.tensor([[0.0, 0.2, 0.6], [0.2, 0.0, 0.4], [0.6, 0.4, 0.0]])
+        >>> [(h, g, round(d, 6)) for h, g, d in most_redundant_head_pairs(distances, count=2)]
+        [(0, 1, 0.2), (1, 2, 0.4)]
+    """
     if distances.ndim != 2 or distances.shape[0] != distances.shape[1]:
         raise ValueError(f"distances must be one (heads, heads) matrix, got shape {tuple(distances.shape)}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:

@@ -20,13 +20,30 @@ from spectral_monitor.metrics._common import (
 def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, Tensor]:
     """Token similarity and rank of residual-stream states ``x`` (..., n, d).
 
-    ``token_mask`` (..., n) bool, True = real token; padded tokens are left out. Keys (each of shape
-    ``x.shape[:-2]``):
-    ``cosine_similarity`` (mean over pairs i ≠ j of cos(xᵢ, xⱼ), Noci et al. 2022; NaN with < 2 tokens),
-    ``token_residual`` (‖X − 1x̄ᵀ‖_F / ‖X‖_F, Dong et al. 2021), ``stable_rank`` (‖X‖_F²/σ₁²),
-    ``effective_rank`` (Roy & Vetterli), and ``nonfinite`` (True where x had a NaN/Inf; that element's
-    metrics are NaN). Where no token is real, or every real token is zero, there is nothing to measure: every
-    metric is NaN and ``nonfinite`` False. Exact (every singular value): sampled sequences are short enough.
+    Exact (every singular value): sampled sequences are short enough. Where no token is real, or every real
+    token is zero, there is nothing to measure: every metric is NaN and ``nonfinite`` False.
+
+    Args:
+        x: Floating-point states of n tokens × d features, batched over any leading dimensions.
+        token_mask: Bool (..., n), True = real token; padded tokens are left out. None: every token is real.
+
+    Returns:
+        Tensors of shape ``x.shape[:-2]`` by name: ``cosine_similarity`` (mean over pairs i ≠ j of
+        cos(xᵢ, xⱼ), Noci et al. 2022; NaN with fewer than 2 tokens), ``token_residual``
+        (‖X − 1x̄ᵀ‖_F / ‖X‖_F, Dong et al. 2021), ``stable_rank`` (‖X‖_F²/σ₁²), ``effective_rank`` (Roy &
+        Vetterli) and ``nonfinite`` (True where x had a NaN or inf; that element's metrics are NaN).
+
+    Raises:
+        ValueError: ``x`` is not a floating-point tensor of at least 2 dimensions, or ``token_mask`` does not
+            match its leading shape.
+
+    Examples:
+        Four orthogonal tokens share no direction and span four:
+
+        >>> import torch
+        >>> m = token_metrics(torch.eye(4, dtype=torch.float64))
+        >>> m["cosine_similarity"].item(), m["stable_rank"].item(), round(m["effective_rank"].item(), 6)
+        (0.0, 4.0, 4.0)
     """
     x = check_matrices(x, "x")
     batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]

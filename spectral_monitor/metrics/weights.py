@@ -13,7 +13,22 @@ EXACT_MAX_SIZE = 512
 
 
 def marchenko_pastur_edge(frobenius_squared: Tensor, rows: int, cols: int) -> Tensor:
-    """Largest singular value of an iid N×M matrix of the same Frobenius norm: σ̂(√N + √M)."""
+    """Largest singular value of an iid N×M matrix of the same Frobenius norm: σ̂(√N + √M).
+
+    Args:
+        frobenius_squared: ‖W‖_F² of each weight, any shape.
+        rows: N, the rows of each weight.
+        cols: M, its columns.
+
+    Returns:
+        σ̂(√N + √M) with σ̂² = ‖W‖_F²/(NM), shaped like ``frobenius_squared``: the edge of the singular values
+        of a random matrix with W's variance.
+
+    Examples:
+        >>> import torch
+        >>> marchenko_pastur_edge(torch.tensor(16.0), 4, 4)
+        tensor(4.)
+    """
     sigma_hat = (frobenius_squared / (rows * cols)).sqrt()
     return sigma_hat * (rows**0.5 + cols**0.5)
 
@@ -23,12 +38,28 @@ def weight_metrics(
 ) -> dict[str, Tensor]:
     """Spectral summary of weights ``w`` (..., N, M).
 
-    Keys (shape ``w.shape[:-2]``): ``spectral_norm`` σ₁, ``frobenius_norm``, ``stable_rank`` ‖W‖_F²/σ₁²;
-    on the exact path also ``mp_edge`` (σ̂(√N + √M) with σ̂² = ‖W‖_F²/(NM), the bulk edge of a random matrix
-    with W's variance) and ``mp_spikes`` (#{σᵢ > mp_edge}, learned structure above the noise bulk).
-    ``method``: "exact" (svdvals), "krylov" (block Lanczos, σ₁ only), "auto" (exact up to
-    ``EXACT_MAX_SIZE`` on the smaller side). For a persistent warm-started estimate during training use
-    :class:`spectral_monitor.probes.WeightProbe`.
+    For a persistent warm-started estimate during training use :class:`spectral_monitor.probes.WeightProbe`.
+
+    Args:
+        w: Floating-point weights, batched over any leading dimensions.
+        method: ``"exact"`` (every singular value), ``"krylov"`` (block Lanczos, σ₁ only) or ``"auto"``
+            (exact up to ``EXACT_MAX_SIZE`` on the smaller side).
+        generator: The random generator of the Krylov start, for a reproducible estimate.
+
+    Returns:
+        Tensors of shape ``w.shape[:-2]`` by name: ``spectral_norm`` σ₁, ``frobenius_norm``, ``stable_rank``
+        ‖W‖_F²/σ₁²; on the exact path also ``mp_edge`` (:func:`marchenko_pastur_edge`) and ``mp_spikes``
+        (#{σᵢ > mp_edge}, learned structure above the noise bulk).
+
+    Raises:
+        ValueError: ``w`` is not a floating-point tensor of at least 2 dimensions, or ``method`` is not one
+            of the three.
+
+    Examples:
+        >>> import torch
+        >>> m = weight_metrics(torch.diag(torch.tensor([3.0, 1.0], dtype=torch.float64)))
+        >>> m["spectral_norm"].item(), round(m["stable_rank"].item(), 6)
+        (3.0, 1.111111)
     """
     w = check_matrices(w, "w")
     method = check_method(method)

@@ -5,8 +5,8 @@ registered globally, nothing has to be closed to be freed, and the user's backen
 (rendering goes through the Agg canvas the sink creates). Sizes are fixed so each PNG stays small.
 
 They are drawn on training steps, so they are laid out by hand (fixed margins, explicit colour-bar axes)
-and use no mathtext: the constrained layout engine and TeX-like labels were half of each figure's cost
-(measured on the demo's four figures: 450 → 220 ms for the spectrum, 200 → 110 ms for a heatmap).
+and use no mathtext: the constrained layout engine and TeX-like labels were about half of each figure's
+cost (benchmarks/README.md).
 
 A monitor draws the same figures every few hundred steps with new data. :class:`SpectrumImages`,
 :class:`AttentionHeatmapImages` and :class:`LayerHeadHeatmapImages` keep each figure and redraw only what
@@ -120,7 +120,7 @@ class _Spectrum:
         values_axes.set_yscale("log")
         values_axes.set_ylim(10.0 ** (low / 2), 10.0 ** (high / 2))
         # Decades labelled in plain text, no minor ticks: matplotlib's own log ticks are mathtext labels and
-        # eight minor ticks a decade, which made up half of a new spectrum figure's cost (≈ 330 → 170 ms).
+        # eight minor ticks a decade, which made up about half of a new spectrum figure's cost.
         values_axes.yaxis.set_major_locator(LogLocator(base=10.0))
         values_axes.yaxis.set_major_formatter(FuncFormatter(_power_of_ten))
         values_axes.yaxis.set_minor_locator(NullLocator())
@@ -439,8 +439,8 @@ class RedrawnFigure:
     Its static artists (axes, ticks, labels) are rendered once into a background; each :meth:`render`
     restores it and draws only ``changing``, in that order, over it (matplotlib's blitting, as its
     animations use). The caller updates the changing artists between renders and makes a new
-    ``RedrawnFigure`` when anything else must change. On the demo's 64 × 64 attention heatmap: 150 ms to
-    create and draw afresh, 30–50 ms redrawn (title, spines and colour bar included).
+    ``RedrawnFigure`` when anything else must change. A redraw costs a fraction of drawing afresh
+    (benchmarks/README.md).
     """
 
     def __init__(self, figure: Figure, changing: Sequence[Artist]) -> None:
@@ -556,7 +556,7 @@ class DrawnHead:
 
 class AttentionImages:
     """The attention figures, kept from one figure step to the next and redrawn with each one's data
-    (:class:`~spectral_monitor.sinks.figures.RedrawnFigure`: ~30 ms a figure instead of ~200 ms)."""
+    (:class:`~spectral_monitor.sinks.figures.RedrawnFigure`), which costs a fraction of drawing afresh."""
 
     def __init__(self, metrics: Sequence[str], titles: Mapping[str, str], figure_head: int) -> None:
         """Args:
@@ -568,7 +568,7 @@ class AttentionImages:
         self.figure_head = figure_head
         self.spectrum = SpectrumImages()
         # By the drawn matrix's shape, for the shapes of the last figure step: layers of one shape share a
-        # figure (a new heatmap figure costs ~120 ms, a redraw ~30 ms), and padded batches whose shapes
+        # figure (a redraw costs a fraction of a new figure), and padded batches whose shapes
         # change from step to step cannot pile figures up.
         self.heatmaps: dict[tuple[int, ...], AttentionHeatmapImages] = {}
         self.layer_head = {metric: LayerHeadHeatmapImages() for metric in metrics}

@@ -126,8 +126,8 @@ class TensorBoardSink(Sink):
 
     def write_measurements(self, records: Iterable[Measurement]) -> None:
         """Each record as a scalar. The scalars of one step go out as one event holding them all (as
-        TensorFlow's merged summaries did): a logging step writes hundreds, and one event per scalar cost
-        ~0.1 ms each."""
+        TensorFlow's merged summaries did): a logging step writes hundreds, and each event carries a header,
+        a checksum and a write of its own."""
         records = list(records)
         for record in records:
             check_tag_and_step(record.tag, record.step)
@@ -149,8 +149,7 @@ class TensorBoardSink(Sink):
 
         Non-finite values have no bin; the matching scalars still show them. The histograms of one step go
         out as one event, each with ``HISTOGRAM_BINS`` equal-width buckets over its values (TensorBoard
-        re-bins them for display anyway): ``add_histogram`` with its 1549 default buckets cost ~0.6 ms per
-        histogram, most of a logging step's writing.
+        re-bins them for display anyway), far fewer than ``add_histogram``'s 1549 default buckets.
         """
         finite_records = []
         for record in records:
@@ -261,7 +260,7 @@ class TensorBoardSink(Sink):
         The layout written is the union of every layout given so far, so passing the charts of one step
         never hides charts shown before. ``add_custom_scalars`` writes every layout at step 0, and the
         Custom Scalars plugin shows the newest layout record of each run, with TensorBoard's Python loader
-        and its Rust data server alike (tests/test_tensorboard_server.py checks both on a live server).
+        and its Rust data server alike.
         Returns whether a layout was written.
         """
         check_layout(layout)
@@ -310,9 +309,9 @@ def equal_width_histogram(
     them (a constant array gets the unit-wide range around its value, as numpy gives it). ``low`` and
     ``high``, when given, must be the values' min and max (a caller that has them saves a pass).
 
-    The bucket index is computed directly: ``np.histogram``'s general path cost 0.08 ms per call, most of a
-    logging step's 56 histograms on the demo model. A value within rounding of an inner edge may land in the
-    neighbouring bucket from numpy's, which nothing displayed can show.
+    The bucket index is computed directly, without the fixed cost of ``np.histogram``'s general-purpose
+    path, which a logging step would pay once per histogram (benchmarks/README.md). A value within rounding
+    of an inner edge may land in the neighbouring bucket from numpy's, which nothing displayed can show.
     """
     low = float(values.min()) if low is None else low
     high = float(values.max()) if high is None else high
@@ -328,8 +327,8 @@ def equal_width_histogram(
 def _png_proto(image: np.ndarray) -> Summary.Image:
     """``image`` (height, width, 3 or 4) uint8 as TensorBoard's image proto, PNG at zlib level 1.
 
-    ``add_image`` encodes at PIL's default level 6: 11–17 ms for each of the demo's figures against 7–10 ms
-    at level 1, for files within ±10% of the size (a redrawn figure itself takes 25–50 ms).
+    ``add_image`` encodes at PIL's default level 6, which on the monitor's flat-coloured figures takes longer
+    than level 1 for files of about the same size (benchmarks/README.md).
     """
     buffer = io.BytesIO()
     PIL.Image.fromarray(image).save(buffer, format="PNG", compress_level=1)

@@ -1,9 +1,9 @@
 """The monitor's own TensorBoard event file: TFRecord framing checksummed by a vectorised CRC-32C.
 
 Without TensorFlow, TensorBoard's writer frames each event as a TFRecord whose masked CRC-32C it computes a
-byte at a time in pure Python (``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.crc32c``): ≈ 0.3 µs a
-byte, 17–22 ms for the ≈ 70 KB a logging step of the demo writes, holding the GIL against the training
-thread. Here the same checksum is computed over many lanes of the record at once with numpy
+byte at a time in pure Python (``tensorboard.compat.tensorflow_stub.pywrap_tensorflow.crc32c``),
+holding the GIL against the training thread for every byte a logging step writes (benchmarks/README.md).
+Here the same checksum is computed over many lanes of the record at once with numpy
 (:mod:`spectral_monitor.checksum`), bit for bit what TensorBoard computes. It frames the monitor's own
 records only: the training framework's event file is left to its own writer.
 """

@@ -22,10 +22,32 @@ def low_rank_linear(
 ) -> nn.Sequential:
     """A new ``nn.Sequential(Linear(in, r, bias=False), Linear(r, out))`` computing x ↦ W_r x + b.
 
-    Exactly one of ``rank`` (1 ≤ r ≤ min(N, M)) or ``energy`` (a fraction in (0, 1]: r is the smallest rank
-    keeping that share of ‖W‖_F²) chooses r. The factors split Σ_r evenly (U_r Σ_r^½ and Σ_r^½ V_rᵀ), so
-    their scales match; the bias is copied. ``linear`` is not modified. The SVD runs in float64; the factors
-    take the layer's dtype and device.
+    The factors split Σ_r evenly (U_r Σ_r^½ and Σ_r^½ V_rᵀ), so their scales match; the bias is copied.
+    ``linear`` is not modified. The SVD runs in float64; the factors take the layer's dtype and device.
+
+    Args:
+        linear: The layer to factorise.
+        rank: r, with 1 ≤ r ≤ min(N, M).
+        energy: A fraction in (0, 1]: r is the smallest rank keeping that share of ‖W‖_F². Exactly one of
+            ``rank`` and ``energy`` is given.
+
+    Returns:
+        The two factors as an ``nn.Sequential``, W_r = U_r Σ_r V_rᵀ the best rank-r approximation of W.
+
+    Raises:
+        ValueError: ``linear`` is not an ``nn.Linear``, both or neither of ``rank`` and ``energy`` are given,
+            or ``rank`` is out of range.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(8, 6, dtype=torch.float64)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.copy_(torch.outer(torch.arange(6.0), torch.ones(8)))
+        >>> compressed = low_rank_linear(layer, rank=1)
+        >>> x = torch.randn(3, 8, dtype=torch.float64)
+        >>> torch.allclose(compressed(x), layer(x))
+        True
     """
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")

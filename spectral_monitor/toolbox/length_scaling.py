@@ -61,12 +61,28 @@ def attention_logit_scale(
 ) -> float:
     """The factor multiplying q·k before the softmax, for ``n_keys`` keys of width ``head_dim``.
 
-    - ``"standard"``: 1/√d_k.
-    - ``"log_n"``: γ·log n/√d_k (γ = ``log_n_gamma``, 1.0 if None).
-    - ``"log_n"`` with ``train_seq_len``: γ·(log n/log n_train)/√d_k, the relative form, which equals
-      γ/√d_k at the training length and grows only when the context does.
+    Args:
+        head_dim: d_k, the width of a head's queries and keys.
+        n_keys: n, the number of keys of the call; under a causal mask, the longest row's.
+        logit_scaling: ``"standard"``, 1/√d_k; ``"log_n"``, γ·log n/√d_k, or with ``train_seq_len`` the
+            relative form γ·(log n/log n_train)/√d_k, which equals γ/√d_k at the training length and grows
+            only when the context does.
+        log_n_gamma: γ of ``"log_n"`` (1.0 if None).
+        train_seq_len: n_train of the relative ``"log_n"`` form.
 
-    n is the number of keys of the call; under a causal mask it is the longest row's.
+    Returns:
+        The scale, a float.
+
+    Raises:
+        ValueError: ``head_dim`` or ``n_keys`` is below 1, ``logit_scaling`` is neither choice,
+            ``log_n_gamma`` or ``train_seq_len`` is given with ``"standard"``, ``log_n_gamma`` is not
+            positive or ``train_seq_len`` is below 2.
+
+    Examples:
+        >>> attention_logit_scale(64, 1024)
+        0.125
+        >>> attention_logit_scale(64, 4096, "log_n", train_seq_len=1024)
+        0.15
     """
     if head_dim < 1:
         raise ValueError(f"head_dim must be >= 1, got {head_dim!r}")
