@@ -4,7 +4,8 @@ Add :class:`SpectralMonitor` to a Lightning ``Trainer``; wrap the forward of a p
 :class:`Monitor`'s ``with monitor.step(step, batch=batch):``; drive a :class:`MonitorSession` from any other
 training loop; or call the metric functions (:mod:`spectral_monitor.metrics`) and probes
 (:mod:`spectral_monitor.probes`) directly, without a training framework. Everything a user configures is
-importable from here: ``from spectral_monitor import SpectralMonitor, AlertConfig, CurvatureOptions``.
+importable from here:
+``from spectral_monitor import SpectralMonitor, MonitorOptions, AlertConfig, CurvatureOptions``.
 
 The names below are imported on first use, so the parts that need neither torch nor Lightning
 (``spectral-monitor report``, :mod:`spectral_monitor.catalog`) start without loading them.
@@ -17,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule, default_rules
-    from spectral_monitor.core import MonitorOptions, MonitorSession
+    from spectral_monitor.core import (
+        BudgetOptions,
+        CaptureOptions,
+        MonitorOptions,
+        MonitorSession,
+        OutputOptions,
+    )
     from spectral_monitor.core.second_order import (
         CurvatureOptions,
         JacobianOptions,
@@ -34,6 +41,8 @@ __version__ = "0.1.0"
 _HOMES = {
     "AlertConfig": "spectral_monitor.alerts",
     "AlertEvent": "spectral_monitor.alerts",
+    "BudgetOptions": "spectral_monitor.core",
+    "CaptureOptions": "spectral_monitor.core",
     "Condition": "spectral_monitor.alerts",
     "CurvatureOptions": "spectral_monitor.core.second_order",
     "Distribution": "spectral_monitor.records",
@@ -43,6 +52,7 @@ _HOMES = {
     "MonitorOptions": "spectral_monitor.core",
     "MonitorSession": "spectral_monitor.core",
     "NTKOptions": "spectral_monitor.core.second_order",
+    "OutputOptions": "spectral_monitor.core",
     "ProbeDataOptions": "spectral_monitor.core.second_order",
     "Rule": "spectral_monitor.alerts",
     "SpectralMonitor": "spectral_monitor.lightning",
@@ -55,6 +65,8 @@ _HOMES = {
 __all__ = [
     "AlertConfig",
     "AlertEvent",
+    "BudgetOptions",
+    "CaptureOptions",
     "Condition",
     "CurvatureOptions",
     "Distribution",
@@ -64,6 +76,7 @@ __all__ = [
     "MonitorOptions",
     "MonitorSession",
     "NTKOptions",
+    "OutputOptions",
     "ProbeDataOptions",
     "Rule",
     "SpectralMonitor",

@@ -4,10 +4,11 @@ collapse looks like, where it comes from, where the dashboard shows it and which
 Plain data with no dependency on torch or Lightning: the TensorBoard layout
 (:func:`spectral_monitor.sinks.layout.diagnosis_layout`), ``spectral-monitor report``, the validation of
 alert rules and the metrics reference page (``python -m spectral_monitor.catalog`` writes
-``docs/metrics.md``) all read it. The alert thresholds are not copied here: each is defined once, by its
-rule in :mod:`spectral_monitor.alerts.rules`, and :attr:`MetricInfo.thresholds` and :data:`DIAGNOSES` read
-them from :func:`~spectral_monitor.alerts.default_rules`. The definitions themselves live in :mod:`spectral_monitor.metrics` and the
-probes; a scalar tag is ``family/metric/layer[/head_h]`` (``spectral_monitor.records.Measurement.tag``).
+``docs/metrics.md``) all read it. The definitions themselves live in :mod:`spectral_monitor.metrics` and
+the probes; a scalar tag is ``family/metric/layer[/head_h]`` (``spectral_monitor.records.Measurement.tag``).
+The alert thresholds are not copied here: each is defined once, by its rule in
+:mod:`spectral_monitor.alerts.rules`, and :attr:`MetricInfo.thresholds` and :data:`DIAGNOSES` read them from
+:func:`~spectral_monitor.alerts.default_rules`.
 
 Per attention layer the monitor writes every metric's mean over heads, and ``<metric>_min`` /
 ``<metric>_max`` over heads only where :attr:`MetricInfo.head_aggregates` says the spread diagnoses

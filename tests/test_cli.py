@@ -34,8 +34,10 @@ trainer:
   callbacks:
     - class_path: spectral_monitor.SpectralMonitor
       init_args:
-        every_n_steps: 2
-        figures_every_n_logs: 0
+        options:
+          every_n_steps: 2
+          outputs:
+            figures_every_n_logs: 0
 """
 
 # Bidirectional attention checked at a context far beyond its 16 positions: the preflight's logit-scale
@@ -57,8 +59,10 @@ trainer:
   callbacks:
     - class_path: spectral_monitor.SpectralMonitor
       init_args:
-        figures_every_n_logs: 0
-        preflight_context_length: 8192
+        options:
+          preflight_context_length: 8192
+          outputs:
+            figures_every_n_logs: 0
 """
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,11 +9,12 @@ import pytest
 import yaml
 
 from spectral_monitor.cli import main, shipped_configs
+from spectral_monitor.core.options import grouped_keywords
 
 
 def demo_config(tmp_path: Path, **monitor_arguments: object) -> Path:
     config = yaml.safe_load(shipped_configs()["demo"].read_text())
-    config["trainer"]["callbacks"][0]["init_args"].update(monitor_arguments)
+    config["trainer"]["callbacks"][0]["init_args"]["options"].update(grouped_keywords(monitor_arguments))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

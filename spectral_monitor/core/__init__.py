@@ -6,8 +6,24 @@ Nothing under this package imports Lightning or another training framework; the 
 :class:`MonitorSession` calls.
 """
 
-from spectral_monitor.core.options import ALL_FAMILIES, FAMILIES, MonitorOptions
+from spectral_monitor.core.options import (
+    ALL_FAMILIES,
+    FAMILIES,
+    BudgetOptions,
+    CaptureOptions,
+    MonitorOptions,
+    OutputOptions,
+)
 from spectral_monitor.core.reports import outputs_not_kept
 from spectral_monitor.core.session import MonitorSession
 
-__all__ = ["ALL_FAMILIES", "FAMILIES", "MonitorOptions", "MonitorSession", "outputs_not_kept"]
+__all__ = [
+    "ALL_FAMILIES",
+    "FAMILIES",
+    "BudgetOptions",
+    "CaptureOptions",
+    "MonitorOptions",
+    "MonitorSession",
+    "OutputOptions",
+    "outputs_not_kept",
+]

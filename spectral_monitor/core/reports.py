@@ -86,9 +86,9 @@ def outputs_not_kept(options: MonitorOptions, sinks: Sequence[Sink]) -> list[str
     """What the options ask to write that none of ``sinks`` keeps (``"histograms"``, ``"figures"``, ...),
     for the integration's one warning naming its loggers."""
     wanted = {Capability.LAYOUT: "the custom-scalars layout"}
-    if options.histograms:
+    if options.outputs.histograms:
         wanted[Capability.HISTOGRAMS] = "histograms"
-    if options.figures_every_n_logs:
+    if options.outputs.figures_every_n_logs:
         wanted[Capability.FIGURES] = "figures"
     return [what for capability, what in wanted.items() if not kept_by(sinks, capability)]
 

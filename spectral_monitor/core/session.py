@@ -168,9 +168,9 @@ class MonitorSession:
         self.alerting = Alerting(options.alerts, options.on_alert, options.stop_on, options.families)
         self._reports = Reports(options.strict)
         self._logging_cadence = Cadence.of_steps(options.every_n_steps, first_step=options.log_first_step)
-        self._figures_cadence = Cadence.of_logs(options.figures_every_n_logs)
-        self._head_diversity_cadence = Cadence.of_logs(options.head_diversity_every_n_logs)
-        self._weight_spectra_cadence = Cadence.of_logs(options.weight_spectra_every_n_logs)
+        self._figures_cadence = Cadence.of_logs(options.outputs.figures_every_n_logs)
+        self._head_diversity_cadence = Cadence.of_logs(options.outputs.head_diversity_every_n_logs)
+        self._weight_spectra_cadence = Cadence.of_logs(options.outputs.weight_spectra_every_n_logs)
         self._sinks: list[Sink] = []
         self._model: nn.Module | None = None
         self._request_stop: Callable[[], None] = _no_stop
@@ -254,25 +254,27 @@ class MonitorSession:
         if "attention" in options.families:
             self._attention_capture = AttentionCapture(
                 model,
-                max_sequences=options.max_sequences,
-                max_bytes=int(options.memory_budget_mb * 2**20),
+                max_sequences=options.capture.max_sequences,
+                max_bytes=int(options.budget.memory_budget_mb * 2**20),
                 strict=options.strict,
             )
         if "tokens" in options.families:
             with self._reports.failures_of("finding the transformer blocks (tokens family)"):
                 self._residual_capture = ResidualCapture(
-                    model, max_sequences=options.max_sequences, strict=options.strict
+                    model, max_sequences=options.capture.max_sequences, strict=options.strict
                 )
-        if options.output_logits is not False:
+        if options.outputs.output_logits is not False:
             with self._reports.failures_of("finding the LM head (output_logits)"):
-                head = options.output_logits if isinstance(options.output_logits, str) else None
-                self._output_capture = OutputLogitCapture(model, head, options.max_sequences)
+                head = (
+                    options.outputs.output_logits if isinstance(options.outputs.output_logits, str) else None
+                )
+                self._output_capture = OutputLogitCapture(model, head, options.capture.max_sequences)
         if "weights" in options.families:
             self._weight_probe = WeightProbe(
                 model,
-                include=options.include,
-                exclude=options.exclude,
-                per_head=options.per_head,
+                include=options.capture.include,
+                exclude=options.capture.exclude,
+                per_head=options.outputs.per_head,
                 warn=self._reports.warn,
             )
         self._training_root = training_root
@@ -338,15 +340,15 @@ class MonitorSession:
                 full_parameters(self._training_root),
             ):
                 progress.measurements += self._checked_weights(self._weight_probe.measure(step))
-                if options.histograms and self._kept(Capability.HISTOGRAMS):
+                if options.outputs.histograms and self._kept(Capability.HISTOGRAMS):
                     progress.distributions += self._weight_probe.distributions(step, full_spectrum=costly)
             if self._weight_spectra_cadence.due(self._logging_steps_done):
                 with self._reports.failures_of("measuring the weight spectra"), torch.no_grad():
                     self._measure_weight_spectra(progress, self._model)
-        if options.token_mask is not None:
+        if options.capture.token_mask is not None:
             with self._reports.failures_of("reading the batch's token mask (token_mask)"):
                 progress.token_mask = checked_token_mask(
-                    options.token_mask(batch), "the token_mask function's result"
+                    options.capture.token_mask(batch), "the token_mask function's result"
                 )
         progress.batch = batch
         if self._by_probe_forward:
@@ -584,10 +586,10 @@ class MonitorSession:
 
     def _measure_attention(self, progress: _LoggingStep) -> None:
         recording = progress.attention
-        write_histograms = self.options.histograms and self._kept(Capability.HISTOGRAMS)
+        write_histograms = self.options.outputs.histograms and self._kept(Capability.HISTOGRAMS)
         diversity_due = self._head_diversity_cadence.due(self._logging_steps_done)
         # What the capture holds stays alive throughout; the rest of the budget is the working memory.
-        room = int(self.options.memory_budget_mb * 2**20) - sum(
+        room = int(self.options.budget.memory_budget_mb * 2**20) - sum(
             captured.held_nbytes() for captured in recording.captured
         )
         layers = [captured for captured in recording.captured if self._selected(captured.layer)]
@@ -603,7 +605,7 @@ class MonitorSession:
             progress.measurements += layer_records + self._max_logit_growth(
                 progress.step, captured.layer, per_head
             )
-            if self.options.per_head:
+            if self.options.outputs.per_head:
                 progress.measurements += head_records
             else:
                 progress.read_only += head_records
@@ -637,7 +639,9 @@ class MonitorSession:
                     )
 
     def _measure_weight_spectra(self, progress: _LoggingStep, model: nn.Module) -> None:
-        spectra = weight_spectra(model, include=self.options.include, exclude=self.options.exclude)
+        spectra = weight_spectra(
+            model, include=self.options.capture.include, exclude=self.options.capture.exclude
+        )
         progress.measurements += weight_spectrum_measurements(spectra, progress.step)
         if self._kept(Capability.FIGURES):
             progress.figures += [
@@ -679,7 +683,7 @@ class MonitorSession:
         together: dict[tuple[Any, ...], list[int]] = {}
         for index, captured in enumerate(layers):
             n, m = captured.q.shape[2], captured.k.shape[2]
-            exact = uses_exact_path(n, m, self.options.metric_method, captured.causal)
+            exact = uses_exact_path(n, m, self.options.budget.metric_method, captured.causal)
             # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
             # not one matrix: the metrics come first.
             spectra_room = spectrum_working_nbytes(n, m, torch.float32) if diversity or draw else 0
@@ -798,8 +802,8 @@ class MonitorSession:
             query_mask=_per_head(query_mask, heads),
             causal=first.causal,
             attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
-            method=self.options.metric_method,
-            include_rank_sums=self.options.attention_rank_sums,
+            method=self.options.budget.metric_method,
+            include_rank_sums=self.options.budget.attention_rank_sums,
             state=state,
             return_spectra=diversity or draw,
         )
@@ -821,7 +825,7 @@ class MonitorSession:
             if dtype is None:
                 self._reports.once(
                     "spectra over budget",
-                    f"the memory budget ({self.options.memory_budget_mb:g} MB) leaves no room for the "
+                    f"the memory budget ({self.options.budget.memory_budget_mb:g} MB) leaves no room for the "
                     f"singular values of {first.layer}'s {n}×{m} attention; it is left out of head diversity "
                     "and the figures",
                 )
@@ -861,12 +865,12 @@ class MonitorSession:
     def _blockwise_attention(self, captured: CapturedAttention, room: int, exact: bool) -> _LayerAttention:
         """One layer's metrics from q and k in blocks within ``room``; on the Krylov path where the exact
         one would form whole matrices beyond it."""
-        method = self.options.metric_method
+        method = self.options.budget.metric_method
         if exact and not captured.measured_blockwise():
             method = "krylov"
             self._reports.once(
                 "exact over budget",
-                f"the memory budget ({self.options.memory_budget_mb:g} MB) is too small for the exact "
+                f"the memory budget ({self.options.budget.memory_budget_mb:g} MB) is too small for the exact "
                 f"measurement of one of {captured.layer}'s attention matrices "
                 f"({captured.dense_matrix_nbytes(True) / 2**20:.0f} MiB); it is measured on the Krylov path "
                 "from q and k",
@@ -875,7 +879,7 @@ class MonitorSession:
             captured.blockwise_metrics(
                 method=method,
                 max_bytes=max(room, 2**20),
-                include_rank_sums=self.options.attention_rank_sums,
+                include_rank_sums=self.options.budget.attention_rank_sums,
                 state=self._krylov_state(captured),
             )
         )
@@ -983,9 +987,9 @@ class MonitorSession:
 
     def _selected(self, layer: str) -> bool:
         """Whether the module named ``layer`` is measured: the same rule as ``WeightProbe``'s."""
-        if self.options.include is not None and not _any_match([layer], self.options.include):
+        if self.options.capture.include is not None and not _any_match([layer], self.options.capture.include):
             return False
-        return self.options.exclude is None or not _any_match([layer], self.options.exclude)
+        return self.options.capture.exclude is None or not _any_match([layer], self.options.capture.exclude)
 
     def _report_skipped(self, what: str, skipped: list[SkippedCapture]) -> None:
         """Once per distinct reason, with the layers it applied to the first time."""
@@ -997,7 +1001,7 @@ class MonitorSession:
 
     def _warn_about_unmatched_patterns(self, model: nn.Module) -> None:
         names = [name for name, _ in unwrapped_named_modules(model) if name]
-        patterns = [*(self.options.include or ()), *(self.options.exclude or ())]
+        patterns = [*(self.options.capture.include or ()), *(self.options.capture.exclude or ())]
         unmatched = [pattern for pattern in patterns if not _any_match(names, [pattern])]
         if unmatched:
             examples = names[:: max(1, len(names) // _EXAMPLE_NAMES)][:_EXAMPLE_NAMES]

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from spectral_monitor.core import MonitorOptions, MonitorSession
+from spectral_monitor.core.options import options_of
 from spectral_monitor.sinks import TensorBoardSink
 
 __all__ = ["STATE_FILE_NAME", "SpectralMonitorCallback", "model_output_loss", "tensorboard_run_directory"]
@@ -84,25 +85,27 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     Args:
         log_dir: the run directory the monitor's event file goes into. None: the Trainer's TensorBoard run,
             found as :func:`tensorboard_run_directory` says.
-        **options: the arguments of :class:`~spectral_monitor.SpectralMonitor`, by keyword
-            (``every_n_steps=10``, ``preset="light"``, ``stop_on=["rank_collapse"]``, ...), with the same
-            meaning and defaults.
+        options: the monitor's options (:class:`~spectral_monitor.core.MonitorOptions`, where each is
+            documented); None: their defaults, or those the keywords give.
+        **keywords: options as flat keywords (``every_n_steps=10``, ``preset="light"``,
+            ``stop_on=["rank_collapse"]``, ...), when ``options`` is not given
+            (:meth:`~spectral_monitor.core.MonitorOptions.from_keywords`).
 
     Raises:
-        ValueError: if an option is out of range (the message names it).
-        TypeError: if an argument is not one of the options.
+        ValueError: if an option is unknown or out of range (the message names it and what is allowed), or
+            ``log_dir`` is not a path.
     """
 
-    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
-        unknown = sorted(set(options) - set(MonitorOptions.__dataclass_fields__))
-        if unknown:
-            raise TypeError(
-                f"SpectralMonitorCallback got unknown arguments {', '.join(unknown)}: it takes log_dir and "
-                f"the options of SpectralMonitor ({', '.join(MonitorOptions.__dataclass_fields__)})"
-            )
+    def __init__(
+        self,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        options: MonitorOptions | None = None,
+        **keywords: Any,
+    ) -> None:
         if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
             raise ValueError(f"log_dir must be a directory path or None, got {type(log_dir).__name__}")
-        self.options = MonitorOptions(**options)
+        self.options = options_of(options, keywords, owner="SpectralMonitorCallback")
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.run_directory: str | None = None
         """Where the monitor's event file of the current or last run went (world process zero)."""

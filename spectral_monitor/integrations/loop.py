@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_monitor.core import MonitorOptions, MonitorSession
+from spectral_monitor.core.options import options_of
 from spectral_monitor.core.second_order import OPT_IN_FAMILIES
 from spectral_monitor.distributed import global_rank
 from spectral_monitor.probes.wrappers import data_parallel_unwrapped
@@ -42,7 +43,6 @@ __all__ = ["Monitor"]
 
 _LARGEST_STEP = 2**63 - 1
 """The largest step a TensorBoard event can store (``Event.step`` is a protobuf int64)."""
-_OPTION_NAMES = tuple(name for name in MonitorOptions.__dataclass_fields__ if name != "every_n_steps")
 
 
 class Monitor:
@@ -79,8 +79,6 @@ class Monitor:
             ``torch.utils.tensorboard.SummaryWriter`` (or the directory of one) whose run the records
             join, so TensorBoard shows the loop's own scalars and the monitor's as one run. The writer
             itself is not written through, and stays the caller's to close.
-        every_n_steps: measure when ``(step + 1) % every_n_steps == 0`` (and at the first step, with
-            ``log_first_step``).
         optimizer: the training optimizer; the curvature probe reads its learning rate (and Adam's
             state) for the edge of stability. Not needed otherwise.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``, for the second-order probes (``curvature=``,
@@ -89,12 +87,15 @@ class Monitor:
         writes: whether this process writes, warns and calls ``on_alert``. None: rank 0 of
             ``torch.distributed`` when a process group is initialised, else True. Every rank must enter
             every ``step`` block, on the same steps: some measurements are collectives.
-        **options: any other option of the monitor, by keyword: ``preset``, ``families``, ``stop_on``,
-            ``alerts``, ``curvature``, ... (:class:`~spectral_monitor.core.MonitorOptions`; each one's
-            meaning is documented on :class:`~spectral_monitor.SpectralMonitor`).
+        options: the monitor's options (:class:`~spectral_monitor.core.MonitorOptions`, where each is
+            documented); None: their defaults, or those the keywords give.
+        **keywords: options as flat keywords (``every_n_steps=50``, ``preset="light"``, ``stop_on=[...]``,
+            ``curvature=CurvatureOptions()``, ...), when ``options`` is not given
+            (:meth:`~spectral_monitor.core.MonitorOptions.from_keywords`).
 
     Raises:
-        ValueError: if an argument is out of range or unknown (the message names it).
+        ValueError: if an argument or option is unknown or out of range (the message names it and what is
+            allowed).
     """
 
     def __init__(
@@ -102,11 +103,11 @@ class Monitor:
         model: nn.Module,
         logdir: str | os.PathLike[str] | SummaryWriter,
         *,
-        every_n_steps: int = 50,
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
         writes: bool | None = None,
-        **options: Any,
+        options: MonitorOptions | None = None,
+        **keywords: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__} {model!r}")
@@ -115,15 +116,8 @@ class Monitor:
             raise ValueError(f"optimizer must be None or a torch.optim.Optimizer, got {optimizer!r}")
         self.loss_fn = check_callable("loss_fn", loss_fn, "a function loss_fn(model, batch) -> scalar loss")
         self.writes = global_rank() == 0 if writes is None else check_bool("writes", writes)
-        unknown = sorted(set(options) - set(_OPTION_NAMES))
-        if unknown:
-            raise ValueError(
-                f"{', '.join(unknown)} {'is not an option' if len(unknown) == 1 else 'are not options'} of "
-                f"Monitor; its options are model, logdir, every_n_steps, optimizer, loss_fn, writes and "
-                f"{', '.join(_OPTION_NAMES)}"
-            )
-        self.options = MonitorOptions(every_n_steps=every_n_steps, **options)
-        _check_a_loss_for_the_second_order_probes(self.options, loss_fn, options)
+        self.options = options_of(options, keywords, owner="Monitor")
+        _check_a_loss_for_the_second_order_probes(self.options, loss_fn, keywords)
         self.optimizer = optimizer
         self.model = model
         self._measured = data_parallel_unwrapped(model)
@@ -253,7 +247,7 @@ def _run_directory(logdir: object) -> str:
 
 
 def _check_a_loss_for_the_second_order_probes(
-    options: MonitorOptions, loss_fn: Callable[..., Tensor] | None, given: dict[str, Any]
+    options: MonitorOptions, loss_fn: Callable[..., Tensor] | None, given: Mapping[str, Any]
 ) -> None:
     """A ValueError naming the option that turned a second-order probe on, and ``loss_fn``, when no loss is
     given for it."""
@@ -261,7 +255,7 @@ def _check_a_loss_for_the_second_order_probes(
     if not turned_on or loss_fn is not None or options.probe_data.loss_fn is not None:
         return
     family = turned_on[0]
-    if given.get(family) is not None:
+    if given.get(family) is not None or options.preset != "full":
         cause = f"{family}="
     else:
         cause = f"preset={options.preset!r}, which sets {family}="

@@ -22,14 +22,13 @@ Every rank calls the session; global rank 0 alone writes.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
-from spectral_monitor.alerts import AlertConfig, AlertEvent
 from spectral_monitor.core import MonitorOptions, MonitorSession, outputs_not_kept
-from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
+from spectral_monitor.core.options import KEYWORD_GROUPS, options_of
 from spectral_monitor.lightning.losses import lightning_module_loss
 from spectral_monitor.lightning.namespaces import (
     CALLBACK_BASES,
@@ -46,8 +45,6 @@ else:
     from typing_extensions import override
 
 __all__ = ["SpectralMonitor"]
-
-_OPTION_NAMES = frozenset(MonitorOptions.__dataclass_fields__)
 
 
 class SpectralMonitor(*CALLBACK_BASES):
@@ -90,176 +87,44 @@ class SpectralMonitor(*CALLBACK_BASES):
 
     Metrics a layer does not define (``eigen_gap`` of causal attention) are not written for it.
 
+    Its options are :class:`~spectral_monitor.core.MonitorOptions`, where each is documented: given whole,
+    or as flat keywords (each a field of the options or of their groups), which
+    :meth:`~spectral_monitor.core.MonitorOptions.from_keywords` maps onto them::
+
+        SpectralMonitor(every_n_steps=10, families=["attention"], per_head=True)
+        SpectralMonitor(options=MonitorOptions(every_n_steps=10, outputs=OutputOptions(per_head=True)))
+
+    Under ``LightningCLI`` the options are a nested mapping (``configs/demo.yaml``)::
+
+        callbacks:
+          - class_path: spectral_monitor.SpectralMonitor
+            init_args:
+              options:
+                every_n_steps: 25
+                outputs: {figures_every_n_logs: 0}
+
     Args:
-        every_n_steps: measure when ``(step + 1) % every_n_steps == 0``, Lightning's own ``log_every_n_steps``
-            rule, so with equal values both land on the same steps.
-        families: which of ``"attention"``, ``"tokens"``, ``"weights"`` to measure (empty: none of them,
-            where an opt-in probe's options are given). None: the preset's (standard: all three). The
-            opt-in ``"curvature"``, ``"jacobian"`` and ``"ntk"`` are turned on by their options objects
-            alone (``curvature=CurvatureOptions()``); naming one here is refused.
-        include: ``fnmatch`` patterns over qualified module names: an attention module, a block or a weight's
-            module is measured if its name matches one (``"blocks.0*"``: the first block and everything in
-            it). ``None``: everything.
-        exclude: patterns of module names not to measure; applied after ``include``.
-        max_sequences: sequences of the batch captured (the first ones: no random numbers drawn).
-        memory_budget_mb: most memory (MiB: 2²⁰ bytes; at least 1/1024) a logging step's attention work
-            adds at its peak: the q and k the capture holds from the forward, the probabilities formed from
-            them, the metrics' working memory, the singular values for head diversity and the figures, and
-            the drawn attention. Over it the capture keeps fewer sequences, then heads, then layers, with a
-            warning, so that each layer's probabilities fit whole. Each layer is then measured a chunk of
-            its matrices at a time, as many as fit what the capture leaves with their working memory (about
-            8.5 times a float32 matrix on the exact path, 2.3–3.8 on the Krylov path); where not even one
-            fits, or from ``BLOCKWISE_MIN_TOKENS`` (4096) tokens, from q and k in blocks within it
-            (``attention_metrics_from_qk``, on the Krylov path where the exact one was asked for, with a
-            warning), and the layer is left out of the figures and head diversity. Singular values are
-            taken in float64 where that fits, else in float32 (σ within ~1e-7 σ₁), else the layer is left
-            out of them with a warning. The heatmaps keep block means of at most 128 × 128. Not covered:
-            the model's own forward and backward, the other families (tokens, weights and the opt-in
-            probes), the figures' canvases kept between figure steps and their PNG encoding, and memory
-            the allocator keeps after it is freed. With all of those, a logging step at n = 2048 (2 layers,
-            2 sequences, 2 heads, figures and head diversity on) grew the resident set by at most 68.4 MiB
-            with a 64 MB budget and 148.7 MiB with 256 MB (``tests/test_memory_budget.py``).
-        per_head: also write each head's values as scalars: attention metrics, and the weight metrics of
-            each head's rows of W_Q, W_K, W_V with their histograms. Off by default, so a 12-layer,
-            12-head model writes 27 attention scalars per layer rather than 195; the alert rules read
-            every head either way, and the attention histograms and layer × head images show them. None:
-            the preset's (on only in ``"full"``).
-        histograms: write histograms of per-head values and of weight singular values. None: the preset's
-            (off only in ``"light"``).
-        figures_every_n_logs: on every k-th logging step, starting with the first, draw the figures and write
-            histograms of each weight's singular values (a full SVD of every weight); 0: never; None: the
-            preset's (0 in ``"light"``, else 10). Every 10th (every 500 steps at the default cadence)
-            writes as many images as TensorBoard shows: it keeps 10 per tag unless started with
-            ``--samples_per_plugin images=N``. The figures are kept
-            and redrawn (``spectral_monitor.sinks.figures.RedrawnFigure``): on the demo model the first
-            logging step, which draws each figure new, spends ~1 s in the monitor on a slow CPU core, and
-            a later figure step redraws its four figures in ~0.1 s (their PNGs and the weights' full SVDs
-            come on top).
-        metric_method: ``method`` of ``attention_metrics``: ``"auto"``, ``"exact"`` or ``"krylov"``.
-        attention_rank_sums: measure the attention's effective and threshold ranks, the members that need
-            the whole spectrum. On the Krylov path (long sequences) their quadrature is most of the time: 64
-            heads at n = 2048 took 14 s with them and 6 s without (``benchmarks/README.md``); near-uniform
-            attention at n = 4096 about 100 s a head. False leaves them (and the effective-rank figure) out.
-        strict: raise failures of the monitor (a probe or sink raising, non-finite measurements) instead of
-            warning once per kind and going on without them.
-        log_first_step: also measure step 0, the model before any update.
-        curvature: options of the loss-Hessian probe (:class:`CurvatureOptions`); giving them turns it on.
-            None: the preset's (``CurvatureOptions()`` in ``"full"``, else off).
-        jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
-        ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
-        probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
-        head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
-            ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
-            attention spectra, :mod:`spectral_monitor.metrics.heads`), ``head_diversity_min`` (the closest
-            pair) and a text entry ``attention/redundant_heads`` listing each layer's closest head pairs
-            (one ``svdvals`` per sampled head); 0: never; None: the preset's (0 in ``"light"``, 4 in
-            ``"standard"``, 1 in ``"full"``).
-        weight_spectra_every_n_logs: on every k-th logging step, starting with the first, a full SVD of every
-            weight: ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
-            exponent of σ², WeightWatcher's convention), ``alpha_ks_distance``, ``energy_rank_90`` and
-            ``energy_rank_99`` (compressible rank), and ESD-against-Marchenko–Pastur figures
-            ``weights/figures/esd/<weight>``, with the "weights" family on; 0: never; None: the preset's (10
-            in ``"full"``, else 0).
-        preflight: at fit start, run :func:`spectral_monitor.toolbox.preflight.architecture_preflight` once:
-            warnings through ``rank_zero_warn``, every finding in the text entry ``preflight``.
-        preflight_context_length: context length of the preflight's logit-scale check (None: the model's
-            ``hparams.seq_len`` if it has one, else the check is skipped).
-        alerts: which alert rules run: ``None`` for :func:`~spectral_monitor.alerts.default_rules`, or an
-            :class:`~spectral_monitor.alerts.AlertConfig` that disables, tunes or adds rules.
-        on_alert: called on global rank 0 with each :class:`~spectral_monitor.alerts.AlertEvent`, fired
-            and resolved (``event.kind``), after its console line.
-        stop_on: names of rules whose firing stops training: every rank stops after the same step.
-        token_mask: a function of the training batch returning its (batch, tokens) token mask, True (or
-            nonzero) = real token, or None. Needed only where the model's forward does not say which tokens
-            are padding: a Hugging Face ``attention_mask`` and ``nn.Transformer``'s ``src_key_padding_mask``
-            / ``tgt_key_padding_mask`` are read from the forward itself. Padded queries leave the attention
-            metrics of every layer with that many queries, and padded tokens the token metrics.
-        output_logits: also write ``outputs/max_logit/model`` (the largest output logit over the sampled
-            sequences' real tokens) and ``outputs/log_partition/model`` (the mean over them of the
-            log-sum-exp over the vocabulary, the z-loss quantity), from a forward hook on the LM head on
-            logging steps. True: the head is ``get_output_embeddings()`` of a Hugging Face model, else the
-            last ``nn.Linear`` with as many outputs as the first ``nn.Embedding`` has rows; a string names
-            the head module. False (default): off.
-        preset: what the arguments left at None default to (``spectral_monitor.core.options.PRESETS``):
-            ``"light"`` (attention and weight scalars: no tokens, histograms, figures or head diversity),
-            ``"standard"`` (the defaults above), or ``"full"`` (also per-head scalars, head diversity on every
-            logging step, weight spectra every 10th and the loss-Hessian probe). An argument given explicitly
-            overrides it.
+        options: the monitor's options; None: their defaults, or those the keywords give.
+        **keywords: options as flat keywords (``every_n_steps=10``, ``max_sequences=1``,
+            ``preset="light"``), when ``options`` is not given.
 
     Raises:
-        ValueError: if an argument is out of range (the message names it).
+        ValueError: if an option is unknown or out of range (the message names it and what is allowed).
         MisconfigurationException: at ``setup`` if the Trainer has no logger.
     """
 
-    def __init__(
-        self,
-        every_n_steps: int = 50,
-        families: Sequence[str] | None = None,
-        include: Sequence[str] | None = None,
-        exclude: Sequence[str] | None = None,
-        max_sequences: int = 2,
-        memory_budget_mb: float = 256.0,
-        per_head: bool | None = None,
-        histograms: bool | None = None,
-        figures_every_n_logs: int | None = None,
-        metric_method: str = "auto",
-        attention_rank_sums: bool = True,
-        strict: bool = False,
-        log_first_step: bool = True,
-        curvature: CurvatureOptions | None = None,
-        jacobian: JacobianOptions | None = None,
-        ntk: NTKOptions | None = None,
-        probe_data: ProbeDataOptions | None = None,
-        head_diversity_every_n_logs: int | None = None,
-        weight_spectra_every_n_logs: int | None = None,
-        preflight: bool = True,
-        preflight_context_length: int | None = None,
-        alerts: AlertConfig | None = None,
-        on_alert: Callable[[AlertEvent], Any] | None = None,
-        stop_on: Sequence[str] = (),
-        token_mask: Callable[[Any], Tensor | None] | None = None,
-        output_logits: bool | str = False,
-        preset: str = "standard",
-    ) -> None:
+    def __init__(self, options: MonitorOptions | None = None, **keywords: Any) -> None:
         super().__init__()
-        self.options = MonitorOptions(
-            every_n_steps=every_n_steps,
-            families=families,
-            include=include,
-            exclude=exclude,
-            max_sequences=max_sequences,
-            memory_budget_mb=memory_budget_mb,
-            per_head=per_head,
-            histograms=histograms,
-            figures_every_n_logs=figures_every_n_logs,
-            metric_method=metric_method,
-            attention_rank_sums=attention_rank_sums,
-            strict=strict,
-            log_first_step=log_first_step,
-            curvature=curvature,
-            jacobian=jacobian,
-            ntk=ntk,
-            probe_data=probe_data,
-            head_diversity_every_n_logs=head_diversity_every_n_logs,
-            weight_spectra_every_n_logs=weight_spectra_every_n_logs,
-            preflight=preflight,
-            preflight_context_length=preflight_context_length,
-            alerts=alerts,
-            on_alert=on_alert,
-            stop_on=stop_on,
-            token_mask=token_mask,
-            output_logits=output_logits,
-            preset=preset,
-        )
+        self.options = options_of(options, keywords, owner="SpectralMonitor")
         self._session = MonitorSession(self.options)
         self._alerting = self._session.alerting
         self._sinks: list[Sink] = []
 
     def __getattr__(self, name: str) -> Any:
-        # The options read as the callback's own attributes (monitor.every_n_steps), as given validated.
+        # The options read as the callback's own attributes (monitor.max_sequences), as given validated.
         options = self.__dict__.get("options")
-        if options is not None and name in _OPTION_NAMES:
-            return getattr(options, name)
+        if options is not None and name in KEYWORD_GROUPS:
+            return options.keyword_value(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
@@ -268,8 +133,8 @@ class SpectralMonitor(*CALLBACK_BASES):
         return self._generate_state_key(
             every_n_steps=self.options.every_n_steps,
             families=list(self.options.families),
-            include=self.options.include,
-            exclude=self.options.exclude,
+            include=self.options.capture.include,
+            exclude=self.options.capture.exclude,
         )
 
     @override

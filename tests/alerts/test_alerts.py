@@ -322,16 +322,17 @@ def test_lightning_cli_builds_the_alert_configuration_from_yaml() -> None:
     config = parser.parse_string(
         """
 monitor:
-  stop_on: [rank_collapse]
-  alerts:
-    disable: [token_collapse]
-    tune:
-      uniform_attention: {patience: 3}
-    rules:
-      - name: qk_growth
-        conditions:
-          - {metric: weights/qk_spectral_norm, op: ">=", threshold: 5.0, relative_to: first}
-        patience: 2
+  options:
+    stop_on: [rank_collapse]
+    alerts:
+      disable: [token_collapse]
+      tune:
+        uniform_attention: {patience: 3}
+      rules:
+        - name: qk_growth
+          conditions:
+            - {metric: weights/qk_spectral_norm, op: ">=", threshold: 5.0, relative_to: first}
+          patience: 2
 """
     )
     monitor = parser.instantiate(config).monitor

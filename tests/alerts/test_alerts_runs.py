@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertEvent, default_rules
 from spectral_monitor.cli import main, shipped_configs
+from spectral_monitor.core.options import grouped_keywords
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.report import KEY_METRICS, ReportError, write_report
@@ -32,7 +33,8 @@ COLLAPSING_LAYERS = ("blocks.0.attention", "blocks.1.attention")
 
 def fit_config(name: str, logdir: Path, max_steps: int, **monitor: object) -> pl.Trainer:
     """Train the shipped config ``name`` as LightningCLI would, with fewer steps and these monitor args."""
-    callback = {"class_path": "spectral_monitor.SpectralMonitor", "init_args": monitor}
+    options = grouped_keywords(monitor)
+    callback = {"class_path": "spectral_monitor.SpectralMonitor", "init_args": {"options": options}}
     logger = {
         "class_path": "pytorch_lightning.loggers.TensorBoardLogger",
         "init_args": {"save_dir": str(logdir)},

@@ -1,8 +1,9 @@
-"""Configuration: every constructor argument is checked at construction, and every shipped YAML loads.
+"""Configuration: every option is checked at construction, and every shipped YAML loads.
 
-Each argument of ``SpectralMonitor.__init__`` has bad values here; a bad value raises ``ValueError`` whose
-message names the argument and says what is allowed, before any training starts. A new argument without a
-case here fails ``test_every_constructor_argument_has_bad_value_cases``. Patterns that match no module warn
+Each option ``SpectralMonitor`` takes (``options=`` and every flat keyword of ``MonitorOptions``) has bad
+values here; a bad value raises ``ValueError`` whose message names the option and says what is allowed,
+before any training starts. A new option without a case here fails
+``test_every_option_has_bad_value_cases``. Patterns that match no module warn
 once, listing module names that exist. Every ``configs/*.yaml``, present and future, instantiates through
 ``LightningCLI`` (no fit).
 """
@@ -21,6 +22,7 @@ from pytorch_lightning.cli import LightningCLI
 
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertConfig, Condition, Rule, default_rules
+from spectral_monitor.core.options import keyword_names
 from spectral_monitor.core.second_order import CurvatureOptions, JacobianOptions, NTKOptions, ProbeDataOptions
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.validation import check_metric_pattern
@@ -61,6 +63,10 @@ BAD_VALUES = {
     "token_mask": ([3, "attention_mask"], "function of the batch"),
     "output_logits": ([1, None, ""], "True, False or the name of the LM head module"),
     "preset": (["heavy", None, "Light"], "('light', 'standard', 'full')"),
+    "capture": ([{"max_sequences": 1}, 3], "CaptureOptions or None"),
+    "outputs": ([{"per_head": True}, "all"], "OutputOptions or None"),
+    "budget": ([{"memory_budget_mb": 64}, 64], "BudgetOptions or None"),
+    "options": ([{"every_n_steps": 5}, 5], "MonitorOptions or None"),
 }
 
 BAD_CASES = [
@@ -70,9 +76,9 @@ BAD_CASES = [
 ]
 
 
-def test_every_constructor_argument_has_bad_value_cases() -> None:
-    arguments = [name for name in inspect.signature(SpectralMonitor.__init__).parameters if name != "self"]
-    assert sorted(BAD_VALUES) == sorted(arguments)
+def test_every_option_has_bad_value_cases() -> None:
+    assert list(inspect.signature(SpectralMonitor.__init__).parameters) == ["self", "options", "keywords"]
+    assert sorted(BAD_VALUES) == sorted(["options", *keyword_names()])
 
 
 @pytest.mark.parametrize(("argument", "value", "allowed"), BAD_CASES)
@@ -183,10 +189,11 @@ def test_a_misspelt_metric_in_yaml_is_refused_when_lightning_cli_builds_the_moni
     config = parser.parse_string(
         """
 monitor:
-  alerts:
-    rules:
-      - name: low_entropy
-        conditions: [{metric: atention/entropy, op: "<=", threshold: 0.1}]
+  options:
+    alerts:
+      rules:
+        - name: low_entropy
+          conditions: [{metric: atention/entropy, op: "<=", threshold: 0.1}]
 """
     )
     with pytest.raises(ValueError, match=r"did you mean 'attention/entropy'"):

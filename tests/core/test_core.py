@@ -21,6 +21,7 @@ from spectral_monitor import (
     Measurement,
     MonitorOptions,
     MonitorSession,
+    OutputOptions,
     ProbeDataOptions,
     Rule,
 )
@@ -190,17 +191,19 @@ def test_each_preset_sets_what_it_documents_and_an_explicit_argument_overrides_i
     options = MonitorOptions(preset=preset)
     assert (
         options.families,
-        options.per_head,
-        options.histograms,
-        options.figures_every_n_logs,
-        options.head_diversity_every_n_logs,
-        options.weight_spectra_every_n_logs,
+        options.outputs.per_head,
+        options.outputs.histograms,
+        options.outputs.figures_every_n_logs,
+        options.outputs.head_diversity_every_n_logs,
+        options.outputs.weight_spectra_every_n_logs,
     ) == PRESET_VALUES[preset]
     assert MonitorOptions(preset=preset) == MonitorOptions(preset=preset)  # fresh options, equal
-    overridden = MonitorOptions(preset=preset, histograms=not options.histograms, families=["tokens"])
-    assert overridden.histograms is not options.histograms
+    overridden = MonitorOptions(
+        preset=preset, outputs=OutputOptions(histograms=not options.outputs.histograms), families=["tokens"]
+    )
+    assert overridden.outputs.histograms is not options.outputs.histograms
     assert overridden.families[0] == "tokens"
-    assert overridden.per_head is options.per_head  # the rest stays the preset's
+    assert overridden.outputs.per_head is options.outputs.per_head  # the rest stays the preset's
 
 
 def test_the_default_preset_is_the_standard_one() -> None:

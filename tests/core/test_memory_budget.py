@@ -108,7 +108,7 @@ def test_measuring_a_chunk_of_matrices_at_a_time_gives_what_one_call_gives(matri
     spectra_room = spectrum_working_nbytes(40, 40, torch.float32)
     assert layers[0].matrices_per_chunk(room - spectra_room, exact=True) == matrices_per_chunk
 
-    monitor = MonitorSession(MonitorOptions(metric_method="exact"))
+    monitor = MonitorSession(MonitorOptions.from_keywords(metric_method="exact"))
     chunked = monitor._attention_of_layers(layers, room, diversity=True, draw=True)
     whole = monitor._attention_of_layers(layers, 2**30, diversity=True, draw=True)
     for captured, by_chunks, at_once in zip(layers, chunked, whole, strict=True):

@@ -143,7 +143,7 @@ def test_the_run_directory_is_the_explicit_one_then_logging_dir_then_the_environ
 
 
 def test_unknown_arguments_and_a_bad_log_dir_are_refused_by_name() -> None:
-    with pytest.raises(TypeError, match="every_n_step.*every_n_steps"):
+    with pytest.raises(ValueError, match="every_n_step.*every_n_steps"):
         SpectralMonitorCallback(every_n_step=3)
     with pytest.raises(ValueError, match="log_dir"):
         SpectralMonitorCallback(log_dir=3)

@@ -111,9 +111,11 @@ def write_config(tmp_path: Path, logger_class: str) -> Path:
               callbacks:
                 - class_path: spectral_monitor.SpectralMonitor
                   init_args:
-                    every_n_steps: 3
-                    families: [attention, weights]
-                    per_head: false
+                    options:
+                      every_n_steps: 3
+                      families: [attention, weights]
+                      outputs:
+                        per_head: false
             """
         )
     )
