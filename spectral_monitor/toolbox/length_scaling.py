@@ -105,6 +105,26 @@ class LengthScaledAttention(nn.Module):
     With ``logit_scaling="standard"`` and ``qk_norm="none"`` it is ordinary scaled dot-product attention.
     ``qk_norm`` (one of :data:`QKNorm`) normalises q and k per head over the head width before SDPA, so the
     q and k the kernel receives, and any capture of its inputs sees, are the normalised ones.
+
+    Args:
+        d_model: The model width.
+        n_heads: The number of heads, a divisor of ``d_model``.
+        causal: Whether query i attends only keys j <= i.
+        dropout: The attention dropout probability, in [0, 1).
+        logit_scaling: That of :func:`attention_logit_scale`.
+        log_n_gamma: γ of ``"log_n"``.
+        train_seq_len: n_train of the relative ``"log_n"`` form.
+        qk_norm: One of :data:`QKNorm`.
+
+    Raises:
+        ValueError: ``n_heads`` does not divide ``d_model``, ``dropout`` is out of range, or the scaling or
+            normalisation is not one of the choices.
+
+    Examples:
+        >>> import torch
+        >>> attention = LengthScaledAttention(16, 4, logit_scaling="log_n", qk_norm="rms")
+        >>> attention(torch.randn(2, 10, 16)).shape
+        torch.Size([2, 10, 16])
     """
 
     def __init__(

@@ -31,6 +31,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.probes.ntk",
     "spectral_monitor.records",
     "spectral_monitor.toolbox.compression",
+    "spectral_monitor.toolbox.length_scaling",
     "spectral_monitor.toolbox.preflight",
     "spectral_monitor.toolbox.sweep",
 )
