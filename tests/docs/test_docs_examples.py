@@ -29,6 +29,7 @@ PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 RUNNABLE = {"python": "python", "bash": "shell", "sh": "shell", "shell": "shell"}
 CHECKOUT_ENTRIES = (
     "README.md",
+    "CHANGELOG.md",
     "LICENSE",
     "pyproject.toml",
     "mkdocs.yml",
