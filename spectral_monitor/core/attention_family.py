@@ -20,8 +20,8 @@ from spectral_monitor.catalog import CATALOG, histogram_metrics
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.core.attention_plan import AttentionPlan, attention_images, drawn_head
 from spectral_monitor.core.families import (
+    CaptureFamily,
     LoggingStep,
-    ProbeFamily,
     Run,
     layer_selected,
     mean_over_sequences,
@@ -53,24 +53,21 @@ _NO_ATTENTION_SEEN = (
 )
 
 
-class AttentionFamily(ProbeFamily):
+class AttentionFamily(CaptureFamily):
     """Attention: its q and k captured during the forward, measured at the step's end within the memory
     budget (:class:`~spectral_monitor.core.attention_plan.AttentionPlan`), summed up over sequences and heads,
     with head diversity on its own cadence and the figures on figure steps."""
+
+    capture_name = "attention"
+    metrics_name = "attention metrics"
 
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
         super().__init__(options, reports)
         self.plan = AttentionPlan(options, reports)
         self._head_diversity_cadence = Cadence.of_logs(options.outputs.head_diversity_every_n_logs)
-        self._capture: AttentionCapture | None = None
-        self._recording: AttentionRecording | None = None
         self._previous_max_logit: dict[str, float] = {}
         self._images = attention_images()
         self._kept: Callable[[Capability], bool] = lambda capability: False
-
-    @property
-    def captures(self) -> bool:
-        return self._capture is not None
 
     def start(self, run: Run) -> None:
         self._kept = run.kept
@@ -82,37 +79,15 @@ class AttentionFamily(ProbeFamily):
                 strict=self.options.strict,
             )
 
-    def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
-        if self._capture is not None:
-            with self.reports.failures_of("arming the attention capture"):
-                self._capture.arm(token_mask, every_module=every_module)
-
-    def disarm(self) -> None:
-        capture = self._capture
-        if capture is None or not capture.is_armed:
-            return
-        with self.reports.failures_of("disarming the attention capture"):
-            self._recording = capture.disarm()
-            report_skipped(self.reports, "attention", self._recording.skipped)
-            if not self._recording.captured and not self._recording.skipped:
-                self.reports.once(
-                    "no attention", f"{_NO_ATTENTION_SEEN}; {attention_not_seen_advice(capture.model)}"
-                )
-
-    def discard(self) -> None:
-        if self._capture is not None and self._capture.is_armed:
-            self._capture.disarm()
-        self._recording = None
-
-    def measure(self, progress: LoggingStep) -> None:
-        recording, self._recording = self._recording, None
-        if recording is not None:
-            with self.reports.failures_of("computing the attention metrics"):
-                self._measure(progress, recording)
-
     def close(self) -> None:
-        self._capture = self._recording = None
+        super().close()
         self._images = attention_images()  # kept figures hold canvases: not past a run
+
+    def _recorded(self, recording: AttentionRecording) -> None:
+        report_skipped(self.reports, "attention", recording.skipped)
+        if not recording.captured and not recording.skipped:
+            advice = attention_not_seen_advice(self._capture.model)
+            self.reports.once("no attention", f"{_NO_ATTENTION_SEEN}; {advice}")
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -42,6 +42,7 @@ from spectral_monitor.toolbox.preflight import architecture_preflight, preflight
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
 
 __all__ = [
+    "CaptureFamily",
     "LoggingStep",
     "OutputLogitFamily",
     "PreflightFamily",
@@ -182,36 +183,34 @@ class PreflightFamily(ProbeFamily):
             run.texts.append(("preflight", preflight_markdown(findings)))
 
 
-class TokenFamily(ProbeFamily):
-    """The residual stream: each transformer block's output captured during the forward, its token metrics
-    measured at the step's end, blocks of one shape in one call."""
+class CaptureFamily(ProbeFamily):
+    """A family that records during the forward, through a capture armed around it, and measures what it
+    recorded at the logging step's end. A subclass makes its capture in :meth:`start`, names it
+    (``capture_name``, ``metrics_name``: how its failures are reported), and turns a recording into records
+    in :meth:`_measure`; :meth:`_recorded` looks at a recording as the capture is disarmed."""
+
+    capture_name = ""
+    metrics_name = ""
 
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
         super().__init__(options, reports)
-        self._capture: ResidualCapture | None = None
-        self._recording: ResidualRecording | None = None
+        self._capture: Any = None
+        self._recording: Any = None
 
     @property
     def captures(self) -> bool:
         return self._capture is not None
 
-    def start(self, run: Run) -> None:
-        if "tokens" in self.options.families:
-            with self.reports.failures_of("finding the transformer blocks (tokens family)"):
-                self._capture = ResidualCapture(
-                    run.model, max_sequences=self.options.capture.max_sequences, strict=self.options.strict
-                )
-
     def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
         if self._capture is not None:
-            with self.reports.failures_of("arming the residual-stream capture"):
+            with self.reports.failures_of(f"arming the {self.capture_name} capture"):
                 self._capture.arm(token_mask, every_module=every_module)
 
     def disarm(self) -> None:
         if self._capture is not None and self._capture.is_armed:
-            with self.reports.failures_of("disarming the residual-stream capture"):
+            with self.reports.failures_of(f"disarming the {self.capture_name} capture"):
                 self._recording = self._capture.disarm()
-                report_skipped(self.reports, "residual stream", self._recording.skipped)
+                self._recorded(self._recording)
 
     def discard(self) -> None:
         if self._capture is not None and self._capture.is_armed:
@@ -221,11 +220,36 @@ class TokenFamily(ProbeFamily):
     def measure(self, progress: LoggingStep) -> None:
         recording, self._recording = self._recording, None
         if recording is not None:
-            with self.reports.failures_of("computing the token metrics"):
+            with self.reports.failures_of(f"computing the {self.metrics_name}"):
                 self._measure(progress, recording)
 
     def close(self) -> None:
         self._capture = self._recording = None
+
+    def _recorded(self, recording: Any) -> None:
+        """What the capture held when disarmed, before it is measured."""
+
+    def _measure(self, progress: LoggingStep, recording: Any) -> None:
+        """``recording`` turned into records in ``progress``."""
+        raise NotImplementedError
+
+
+class TokenFamily(CaptureFamily):
+    """The residual stream: each transformer block's output captured during the forward, its token metrics
+    measured at the step's end, blocks of one shape in one call."""
+
+    capture_name = "residual-stream"
+    metrics_name = "token metrics"
+
+    def start(self, run: Run) -> None:
+        if "tokens" in self.options.families:
+            with self.reports.failures_of("finding the transformer blocks (tokens family)"):
+                self._capture = ResidualCapture(
+                    run.model, max_sequences=self.options.capture.max_sequences, strict=self.options.strict
+                )
+
+    def _recorded(self, recording: ResidualRecording) -> None:
+        report_skipped(self.reports, "residual stream", recording.skipped)
 
     def _measure(self, progress: LoggingStep, recording: ResidualRecording) -> None:
         samples = [sample for sample in recording.states if layer_selected(self.options, sample.layer)]
@@ -256,17 +280,11 @@ class TokenFamily(ProbeFamily):
                         )
 
 
-class OutputLogitFamily(ProbeFamily):
+class OutputLogitFamily(CaptureFamily):
     """The LM head's logits (the ``output_logits`` option): the largest and the log-partition function."""
 
-    def __init__(self, options: MonitorOptions, reports: Reports) -> None:
-        super().__init__(options, reports)
-        self._capture: OutputLogitCapture | None = None
-        self._sample: OutputLogitSample | None = None
-
-    @property
-    def captures(self) -> bool:
-        return self._capture is not None
+    capture_name = "output-logit"
+    metrics_name = "output-logit metrics"
 
     def start(self, run: Run) -> None:
         head = self.options.outputs.output_logits
@@ -276,29 +294,8 @@ class OutputLogitFamily(ProbeFamily):
                     run.model, head if isinstance(head, str) else None, self.options.capture.max_sequences
                 )
 
-    def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
-        if self._capture is not None:
-            with self.reports.failures_of("arming the output-logit capture"):
-                self._capture.arm(token_mask, every_module=every_module)
-
-    def disarm(self) -> None:
-        if self._capture is not None and self._capture.is_armed:
-            with self.reports.failures_of("disarming the output-logit capture"):
-                self._sample = self._capture.disarm()
-
-    def discard(self) -> None:
-        if self._capture is not None and self._capture.is_armed:
-            self._capture.disarm()
-        self._sample = None
-
-    def measure(self, progress: LoggingStep) -> None:
-        sample, self._sample = self._sample, None
-        if sample is not None:
-            with self.reports.failures_of("computing the output-logit metrics"):
-                progress.measurements += _output_logit_measurements(progress.step, sample)
-
-    def close(self) -> None:
-        self._capture = self._sample = None
+    def _measure(self, progress: LoggingStep, recording: OutputLogitSample) -> None:
+        progress.measurements += _output_logit_measurements(progress.step, recording)
 
 
 class _ParkedState:
