@@ -67,7 +67,7 @@ class AttentionFamily(CaptureFamily):
         self._head_diversity_cadence = Cadence.of_logs(options.outputs.head_diversity_every_n_logs)
         self._previous_max_logit: dict[str, float] = {}
         self._images = attention_images()
-        self._kept: Callable[[Capability], bool] = lambda capability: False
+        self._kept: Callable[[Capability], bool] = _nothing_kept  # picklable: ddp_spawn pickles the monitor
 
     def start(self, run: Run) -> None:
         self._kept = run.kept
@@ -214,3 +214,7 @@ def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
     # A non-finite sequence's value is NaN, which amax propagates.
     largest = torch.where(counted, values, torch.full_like(values, -math.inf)).amax(dim=0)
     return largest.masked_fill(~counted.any(dim=0), math.nan)
+
+
+def _nothing_kept(capability: Capability) -> bool:
+    return False

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -186,7 +187,7 @@ class MonitorSession:
         run = Run(
             model,
             model if training_root is None else training_root,
-            kept=lambda capability: kept_by(self._sinks, capability),
+            kept=partial(kept_by, self._sinks),
             default_loss=default_loss,
             step_offset=step_offset,
         )

@@ -263,20 +263,21 @@ FIT_PROBE = """
     import pytorch_lightning as pl
     from pytorch_lightning.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
-    from spectral_monitor import MonitorSession, SpectralMonitor
+    from spectral_monitor import SpectralMonitor
+    from spectral_monitor.core.attention_family import AttentionFamily
     from spectral_monitor.demo import DemoTransformer
 
     logdir, n, budget_mb = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     map_large_buffers_alone()
     peaks = []
-    measure = MonitorSession._measure_attention
+    measure = AttentionFamily._measure
 
-    def measured(self, progress):
+    def measured(self, progress, recording):
         baseline = reset_peak()
-        measure(self, progress)
+        measure(self, progress, recording)
         peaks.append(status("VmHWM") - baseline)
 
-    MonitorSession._measure_attention = measured
+    AttentionFamily._measure = measured
     # Peaked attention (init_std 0.3): near-uniform causal attention (the default init) needs all twelve
     # quadrature rounds for its effective rank, about 100 s per head at this n on a loaded core.
     model = DemoTransformer(vocab_size=16, d_model=32, n_layers=1, n_heads=2, seq_len=n, causal=True,
