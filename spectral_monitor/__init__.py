@@ -13,8 +13,9 @@ The names below are imported on first use, so the parts that need neither torch 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from spectral_monitor.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from spectral_monitor.alerts import AlertConfig, AlertEvent, Condition, Rule, default_rules
@@ -87,14 +88,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'spectral_monitor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -10,8 +10,9 @@ The names below are imported on first use, so what reads the rules alone (the me
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from spectral_monitor.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from spectral_monitor.alerts.engine import AlertEngine, AlertEvent
@@ -41,14 +42,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'spectral_monitor.alerts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
