@@ -27,6 +27,11 @@ import spectral_monitor
 
 PACKAGE = Path(spectral_monitor.__file__).parent
 COMPLETE_DOCSTRINGS = (
+    "spectral_monitor.dashboard.plugin",
+    "spectral_monitor.demo.data",
+    "spectral_monitor.demo.lightning_pytorch",
+    "spectral_monitor.demo.model",
+    "spectral_monitor.judging",
     "spectral_monitor.metrics.baselines",
     "spectral_monitor.metrics.heads",
     "spectral_monitor.metrics.masks",
