@@ -31,7 +31,7 @@ KRYLOV_COST = 3.0
 BLOCKWISE_COST = 6.0
 """Cost of measuring one matrix blockwise from q and k without the rank sums: each product recomputes its
 softmax rows."""
-BLOCKWISE_RANK_SUMS_COST = 250.0
+BLOCKWISE_RANK_SUMS_COST = 400.0
 """Cost of measuring one matrix blockwise with the rank sums on near-uniform attention, whose quadrature
 runs every round it has, each a sweep of products over the blocks."""
 MIN_BUDGETED_TOKENS = 256
@@ -88,8 +88,8 @@ def layer_budget(
     its training work (:func:`training_cost` of the captured sequences).
 
     Every sequence of as many heads as fit, at least one head; where not one head of every sequence fits, one
-    head of as many sequences as fit, at least one; where not even one matrix fits with the rank sums and it
-    would without them, without them. The heads measured rotate: step t measures heads t·k, t·k + 1, ...
+    head of as many sequences as fit, at least one; where not even one matrix fits with the rank sums off the
+    exact path, without them. The heads measured rotate: step t measures heads t·k, t·k + 1, ...
     (mod H), so every head is measured within ⌈H/k⌉ logging steps.
     """
     sequences, heads = captured.num_sequences, captured.num_heads
@@ -106,7 +106,7 @@ def layer_budget(
         return math.floor(allowed / cost)
 
     matrices = affordable(rank_sums)
-    if matrices == 0 and rank_sums and not exact and affordable(False) > 0:
+    if matrices == 0 and rank_sums and not exact:
         rank_sums, matrices = False, affordable(False)
     if matrices >= sequences * heads:
         return LayerBudget(everything.heads, sequences, rank_sums, heads)

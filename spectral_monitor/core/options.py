@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 0,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
-        "attention_cost_ratio": 0.25,
+        "attention_cost_ratio": 0.5,
     },
     "standard": {
         "families": FAMILIES,
@@ -80,7 +80,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 4,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
-        "attention_cost_ratio": 0.5,
+        "attention_cost_ratio": 1.0,
     },
     "full": {
         "families": FAMILIES,
@@ -238,7 +238,7 @@ class BudgetOptions:
             on the Krylov path, without the rank sums. The layer's ``heads_measured`` is then written, the
             per-layer means are over the heads measured, and each has a ``<metric>_head_se``, the standard
             error of that mean as an estimate of the mean over every head. ``math.inf``: every head always.
-            None: the preset's (0.25 in ``"light"``, 0.5 in ``"standard"``, ``math.inf`` in ``"full"``).
+            None: the preset's (0.5 in ``"light"``, 1 in ``"standard"``, ``math.inf`` in ``"full"``).
 
     Raises:
         ValueError: if a field is out of range (the message names it).
