@@ -104,6 +104,15 @@ class Verdict:
         op: ``">="`` or ``"<="`` (``"nonfinite"`` for the NaN check).
         relative_to: what ``value`` is relative to (``value``, ``first``, ``median``, ``depth``).
         how_to_measure: for a diagnosis not measured, what turns it on.
+
+    Examples:
+        A verdict comes from :func:`judge`:
+
+        >>> import numpy as np
+        >>> entropy = {"attention/entropy": {"blocks.0.attn": (np.array([0, 10]), np.array([0.6, 0.02]))}}
+        >>> verdict = judge(entropy)[2]
+        >>> verdict.diagnosis.rule, verdict.verdict, verdict.layer, verdict.step
+        ('entropy_collapse', 'collapsed', 'blocks.0.attn', 10)
     """
 
     diagnosis: Diagnosis
@@ -121,7 +130,11 @@ class Verdict:
     how_to_measure: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        """The verdict as JSON-ready data (non-finite values as strings)."""
+        """The verdict as JSON-ready data.
+
+        Returns:
+            The verdict's fields by name, the levels under ``"threshold"``, non-finite values as strings.
+        """
         return {
             "title": self.diagnosis.title,
             "meaning": self.diagnosis.meaning,
@@ -157,7 +170,24 @@ class _Judged:
 
 @dataclass(frozen=True)
 class AlertRow:
-    """One alert of the open-alerts table the monitor writes as text (``alerts/table``)."""
+    """One alert of the open-alerts table the monitor writes as text (``alerts/table``).
+
+    Attributes:
+        rule: The alert rule's name.
+        severity: The rule's severity.
+        where: The layer (or ``family/metric/layer`` series) it fired on.
+        since: The first step of the streak that fired it.
+        fired_at: The step it fired.
+        reading: The reading that fired it, in words.
+        remedy: What to try.
+
+    Examples:
+        Rows come from :func:`alert_rows`:
+
+        >>> row = AlertRow("entropy_collapse", "warning", "blocks.0.attn", 10, 12, "entropy 0.02", "lower lr")
+        >>> row.as_dict()["fired_at"]
+        12
+    """
 
     rule: str
     severity: str
@@ -168,7 +198,11 @@ class AlertRow:
     remedy: str
 
     def as_dict(self) -> dict[str, Any]:
-        """The alert as JSON-ready data."""
+        """The alert as JSON-ready data.
+
+        Returns:
+            The alert's fields by name.
+        """
         return {
             "rule": self.rule,
             "severity": self.severity,
@@ -189,6 +223,15 @@ def alert_rows(tables: Sequence[str]) -> list[AlertRow]:
 
     Returns:
         One :class:`AlertRow` per (rule, where, step it fired).
+
+    Examples:
+        >>> table = (
+        ...     "| rule | severity | where | since | fired at | reading | remedy |\\n"
+        ...     "|---|---|---|---|---|---|---|\\n"
+        ...     "| entropy_collapse | warning | blocks.0.attn | 10 | 12 | entropy 0.02 | lower lr |"
+        ... )
+        >>> [(row.rule, row.where, row.fired_at) for row in alert_rows([table, table])]
+        [('entropy_collapse', 'blocks.0.attn', 12)]
     """
     found: dict[tuple[str, str, int], AlertRow] = {}
     for table in tables:
@@ -214,13 +257,31 @@ def judge(series: Series) -> list[Verdict]:
 
     Returns:
         One :class:`Verdict` per diagnosis.
+
+    Examples:
+        >>> import numpy as np
+        >>> entropy = {"attention/entropy": {"blocks.0.attn": (np.array([0, 10]), np.array([0.6, 0.02]))}}
+        >>> [(verdict.diagnosis.rule, verdict.verdict) for verdict in judge(entropy)][2:4]
+        [('entropy_collapse', 'collapsed'), ('logit_growth', 'not measured')]
     """
     return [_verdict(series, entry) for entry in DIAGNOSES]
 
 
 def worst(judged: Sequence[Verdict]) -> Verdict | None:
-    """The worst verdict of ``judged`` (the first in diagnosis order among equals), ``None`` when nothing
-    was measured."""
+    """The worst verdict of ``judged``, the first in diagnosis order among equals.
+
+    Args:
+        judged: The verdicts of :func:`judge`.
+
+    Returns:
+        The worst measured verdict, ``None`` when nothing was measured.
+
+    Examples:
+        >>> import numpy as np
+        >>> entropy = {"attention/entropy": {"blocks.0.attn": (np.array([0, 10]), np.array([0.6, 0.02]))}}
+        >>> worst(judge(entropy)).diagnosis.rule, worst(judge({}))
+        ('entropy_collapse', None)
+    """
     measured = [entry for entry in judged if entry.verdict in VERDICTS]
     if not measured:
         return None
@@ -228,7 +289,20 @@ def worst(judged: Sequence[Verdict]) -> Verdict | None:
 
 
 def overall_line(judged: Sequence[Verdict]) -> str:
-    """One line saying how the run is: the worst verdict, its diagnosis and its layers."""
+    """One line saying how the run is.
+
+    Args:
+        judged: The verdicts of :func:`judge`.
+
+    Returns:
+        The worst verdict, its diagnosis and its layers, with the others at that verdict.
+
+    Examples:
+        >>> import numpy as np
+        >>> entropy = {"attention/entropy": {"blocks.0.attn": (np.array([0, 10]), np.array([0.6, 0.02]))}}
+        >>> overall_line(judge(entropy))
+        'COLLAPSED: entropy collapse in blocks.0.attn'
+    """
     top = worst(judged)
     if top is None:
         return "NOT MEASURED: the run holds none of the metrics the diagnoses read"
@@ -243,12 +317,37 @@ def overall_line(judged: Sequence[Verdict]) -> str:
 
 
 def relative_phrase(relative_to: str) -> str:
-    """What a threshold ``relative_to`` compares, in words (empty for a plain value)."""
+    """What a threshold compares, in words.
+
+    Args:
+        relative_to: A threshold's ``relative_to``: ``"value"``, ``"first"``, ``"median"`` or ``"depth"``.
+
+    Returns:
+        The words to put after the metric's name (empty for a plain value).
+
+    Raises:
+        KeyError: ``relative_to`` is none of those.
+
+    Examples:
+        >>> relative_phrase("first")
+        ' as a multiple of its first value'
+    """
     return _RELATIVE_WORDS[relative_to]
 
 
 def natural_order(layer: str) -> tuple[tuple[int, int | str], ...]:
-    """A sort key putting ``blocks.2`` before ``blocks.10``: digits compare as numbers."""
+    """A sort key putting ``blocks.2`` before ``blocks.10``.
+
+    Args:
+        layer: A layer name.
+
+    Returns:
+        The key, in which runs of digits compare as numbers.
+
+    Examples:
+        >>> sorted(["blocks.10", "blocks.2"], key=natural_order)
+        ['blocks.2', 'blocks.10']
+    """
     return tuple(
         (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", layer) if part
     )
@@ -336,6 +435,11 @@ def diagnosis_series(entry: Diagnosis, available: Collection[str]) -> list[str]:
 
     Returns:
         The names read, each once.
+
+    Examples:
+        >>> from spectral_monitor.catalog import diagnosis
+        >>> diagnosis_series(diagnosis("entropy_collapse")[0], ["attention/entropy", "attention/entropy_min"])
+        ['attention/entropy']
     """
     names = [
         _series_name(info, threshold, entry.any_head, available)
@@ -393,7 +497,18 @@ def _judge(name: str, value: float, threshold: AlertThreshold, step: int) -> _Ju
 
 
 def format_number(value: float) -> str:
-    """``value`` with three significant decimals, in scientific notation when very large or small."""
+    """A number as the report writes it.
+
+    Args:
+        value: The number.
+
+    Returns:
+        Three decimals, or three significant digits in scientific notation when very large or small.
+
+    Examples:
+        >>> format_number(0.5), format_number(1234.5), format_number(float("nan"))
+        ('0.500', '1.23e+03', 'nan')
+    """
     if not math.isfinite(value):
         return str(value)
     return f"{value:.3g}" if abs(value) >= 1000 or (value != 0 and abs(value) < 0.001) else f"{value:.3f}"

@@ -72,6 +72,14 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
     Args:
         context: TensorBoard's ``TBContext``; its ``data_provider`` is read and its ``sampling_hints``
             (``--samples_per_plugin``) bound how many points of a series are read.
+
+    Examples:
+        TensorBoard makes the plugin from its entry point; without a data provider it has nothing to show:
+
+        >>> from tensorboard.plugins import base_plugin
+        >>> plugin = SpectralMonitorPlugin(base_plugin.TBContext(data_provider=None))
+        >>> sorted(plugin.get_plugin_apps()), plugin.is_active()
+        (['/chart', '/index.js', '/style.css', '/summary', '/verdicts'], False)
     """
 
     plugin_name = PLUGIN_NAME
@@ -83,7 +91,11 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
         self._cache: dict[tuple[str, str], tuple[tuple, tuple]] = {}
 
     def get_plugin_apps(self) -> dict[str, Any]:
-        """The routes, each under ``/data/plugin/spectral_monitor``."""
+        """The tab's routes.
+
+        Returns:
+            Each route under ``/data/plugin/spectral_monitor`` → the WSGI application serving it.
+        """
         return {
             "/index.js": self._serve_static,
             "/style.css": self._serve_static,
@@ -93,7 +105,11 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
         }
 
     def is_active(self) -> bool:
-        """Whether any run holds a scalar of the monitor's."""
+        """Whether TensorBoard shows the tab.
+
+        Returns:
+            Whether any run holds a scalar of the monitor's.
+        """
         if self._data_provider is None:
             return False
         listing = self._data_provider.list_scalars(
@@ -102,14 +118,33 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
         return any(monitor_metric(tag) for tags in listing.values() for tag in tags)
 
     def data_plugin_names(self) -> tuple[str, ...]:
-        # The monitor writes plain scalars: whether they are the monitor's is decided by is_active.
+        """The summary plugins whose data activates the tab.
+
+        Returns:
+            No plugin: the monitor writes plain scalars, and whether they are the monitor's is decided by
+            :meth:`is_active`.
+        """
         return ()
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        """How TensorBoard loads the tab.
+
+        Returns:
+            The ES module of the frontend and the tab's title.
+        """
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Spectral monitor")
 
     def run_verdicts(self, ctx: tb_context.RequestContext, experiment: str) -> dict[str, dict[str, Any]]:
-        """Each run's verdicts: ``{run: {rule: verdict as a dict, with its alerts}}``."""
+        """Each run's verdicts, the ``verdicts`` route's answer.
+
+        Args:
+            ctx: The request's context.
+            experiment: The experiment id (empty for a logdir).
+
+        Returns:
+            ``{run: {rule: verdict}}``, each verdict as :meth:`~spectral_monitor.judging.Verdict.as_dict`
+            with the alerts of that rule that fired (``alerts``).
+        """
         return {
             run: {
                 entry.diagnosis.rule: {**entry.as_dict(), "alerts": alerts[entry.diagnosis.rule]}
@@ -119,8 +154,17 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
         }
 
     def run_summary(self, ctx: tb_context.RequestContext, experiment: str) -> dict[str, dict[str, Any]]:
-        """Each run's overall line, its verdicts and charts in diagnosis order (the series each diagnosis
-        is judged on) and its other metrics."""
+        """Each run's summary, the ``summary`` route's answer.
+
+        Args:
+            ctx: The request's context.
+            experiment: The experiment id (empty for a logdir).
+
+        Returns:
+            ``{run: {overall, worst, verdicts, charts, more}}``: the overall line, the worst verdict, the
+            verdicts in diagnosis order, the charts to draw first (per diagnosis, the series it is judged
+            on) and the run's other metrics.
+        """
         summary = {}
         for run, (judged, alerts, metrics) in self._judged_runs(ctx, experiment).items():
             charts = [
@@ -181,7 +225,19 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
     def chart(
         self, ctx: tb_context.RequestContext, experiment: str, run: str, metric: str, layer: str | None
     ) -> dict[str, Any]:
-        """One chart of ``run``: ``metric`` by layer (or, with ``layer``, by head of that layer)."""
+        """One chart of a run, the ``chart`` route's answer.
+
+        Args:
+            ctx: The request's context.
+            experiment: The experiment id (empty for a logdir).
+            run: The run.
+            metric: The ``family/metric`` drawn.
+            layer: ``None`` for one line per layer; a layer for one line per head of that layer.
+
+        Returns:
+            The run, the metric, its lines in natural layer order (steps and values, at most
+            :data:`CHART_POINTS` points each), its alert thresholds and what it means.
+        """
         tags = self._monitor_tags(ctx, experiment).get(run, {})
         if layer is None:
             wanted = [tag for tag in tags if monitor_metric(tag) == metric]

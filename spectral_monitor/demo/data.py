@@ -39,7 +39,33 @@ def associative_recall_batch(
     num_pairs: int,
     num_queries: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch of (tokens, targets), both (batch_size, seq_len) int64, drawn from ``generator`` only."""
+    """One batch of the associative-recall task, drawn from ``generator`` only.
+
+    Args:
+        generator: The only source of randomness.
+        batch_size: Sequences in the batch.
+        seq_len: Tokens per sequence, queries included.
+        vocab_size: Token ids used, fillers included.
+        num_keys: Distinct keys a pair can hold.
+        num_values: Distinct values a key can be bound to.
+        num_pairs: Pairs hidden in each sequence (distinct keys).
+        num_queries: Queries at the end of each sequence (distinct keys among the pairs).
+
+    Returns:
+        ``(tokens, targets)``, both (batch_size, seq_len) int64; a target is the pair token a query asks
+        for, ``IGNORE_INDEX`` elsewhere.
+
+    Examples:
+        >>> import torch
+        >>> tokens, targets = associative_recall_batch(
+        ...     torch.Generator().manual_seed(0), batch_size=2, seq_len=12, vocab_size=40, num_keys=4,
+        ...     num_values=2, num_pairs=2, num_queries=1,
+        ... )
+        >>> tokens.shape, bool((targets[:, :-1] == IGNORE_INDEX).all())
+        (torch.Size([2, 12]), True)
+        >>> all(bool(targets[i, -1] in tokens[i, :-1]) for i in range(2))  # the answer is in the context
+        True
+    """
     first_pair_token = num_keys
     first_filler_token = num_keys + num_keys * num_values
     num_fillers = vocab_size - first_filler_token
@@ -106,6 +132,17 @@ class SyntheticDataMixin:
     Everything of the demo data but its Lightning base: :class:`SyntheticDataModule` adds
     ``pytorch_lightning.LightningDataModule``,
     :class:`spectral_monitor.demo.lightning_pytorch.SyntheticDataModule` ``lightning.pytorch``'s.
+
+    Raises:
+        ValueError: ``task`` is not a known task, a count is below 1 (``seed``, ``num_workers`` below 0),
+            there are more pairs than keys or more queries than pairs, or ``seq_len`` or ``vocab_size``
+            is too small to hold them.
+
+    Examples:
+        >>> data = SyntheticDataModule(seq_len=16, batch_size=2, num_batches=3)
+        >>> tokens, targets = next(iter(data.train_dataloader()))
+        >>> tokens.shape, len(data.train_dataloader())
+        (torch.Size([2, 16]), 3)
     """
 
     def __init__(
@@ -168,6 +205,11 @@ class SyntheticDataMixin:
         )
 
     def train_dataloader(self) -> DataLoader:
+        """The training batches.
+
+        Returns:
+            A loader of the epoch's batches, in the same order every epoch.
+        """
         # Each item is already a whole batch: no re-batching, no shuffling (order is part of the seed). The
         # loader draws a base seed for its workers on every epoch; a generator of its own keeps that draw
         # off the global RNG too.
@@ -183,4 +225,10 @@ class SyntheticDataMixin:
 class SyntheticDataModule(SyntheticDataMixin, pl.LightningDataModule):
     """:class:`SyntheticDataMixin` (arguments in its docstring) as a ``pytorch_lightning`` data module, or a
     ``lightning.pytorch`` one where only that is installed; for ``lightning.pytorch`` next to
-    ``pytorch_lightning``, :class:`spectral_monitor.demo.lightning_pytorch.SyntheticDataModule`."""
+    ``pytorch_lightning``, :class:`spectral_monitor.demo.lightning_pytorch.SyntheticDataModule`.
+
+    Examples:
+        >>> data = SyntheticDataModule(seq_len=16, batch_size=2, num_batches=3)
+        >>> [part.shape for part in next(iter(data.train_dataloader()))]
+        [torch.Size([2, 16]), torch.Size([2, 16])]
+    """

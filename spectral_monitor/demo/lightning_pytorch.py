@@ -18,8 +18,20 @@ __all__ = ["DemoTransformer", "SyntheticDataModule"]
 
 
 class DemoTransformer(DemoTransformerMixin, pl.LightningModule):
-    """:class:`~spectral_monitor.demo.model.DemoTransformerMixin` as a ``lightning.pytorch`` module."""
+    """:class:`~spectral_monitor.demo.model.DemoTransformerMixin` as a ``lightning.pytorch`` module.
+
+    Examples:
+        >>> import lightning.pytorch as pl
+        >>> isinstance(DemoTransformer(d_model=16, n_layers=1, n_heads=2), pl.LightningModule)
+        True
+    """
 
 
 class SyntheticDataModule(SyntheticDataMixin, pl.LightningDataModule):
-    """:class:`~spectral_monitor.demo.data.SyntheticDataMixin` as a ``lightning.pytorch`` data module."""
+    """:class:`~spectral_monitor.demo.data.SyntheticDataMixin` as a ``lightning.pytorch`` data module.
+
+    Examples:
+        >>> import lightning.pytorch as pl
+        >>> isinstance(SyntheticDataModule(num_batches=1), pl.LightningDataModule)
+        True
+    """

@@ -35,7 +35,25 @@ IGNORE_INDEX = -100
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+    """Pre-LN transformer block: x + attention(LN(x)), then x + MLP(LN(x)).
+
+    Args:
+        d_model: Residual-stream width.
+        n_heads: Attention heads; must divide ``d_model``.
+        causal: Whether query i attends only keys j <= i.
+        dropout: Dropout on attention weights, attention output and MLP output.
+        logit_scaling: That of :func:`attention_logit_scale`.
+        log_n_gamma: γ of ``"log_n"``.
+        train_seq_len: n_train of the relative ``"log_n"`` form.
+        qk_norm: ``"none"``, ``"layer"`` or ``"rms"``, as :class:`LengthScaledAttention` takes it.
+
+    Examples:
+        >>> import torch
+        >>> block = Block(16, 2, causal=True, dropout=0.0, logit_scaling="standard", log_n_gamma=None,
+        ...               train_seq_len=None)
+        >>> block(torch.randn(1, 5, 16)).shape
+        torch.Size([1, 5, 16])
+    """
 
     def __init__(
         self,
@@ -62,6 +80,14 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the block.
+
+        Args:
+            x: The residual stream, (batch, n, d_model).
+
+        Returns:
+            The stream after the block, the shape of ``x``.
+        """
         x = x + self.attention(self.attention_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -101,6 +127,16 @@ class DemoTransformerMixin(nn.Module):
     Everything of the demo model but its Lightning base: :class:`DemoTransformer` adds
     ``pytorch_lightning.LightningModule``, :class:`spectral_monitor.demo.lightning_pytorch.DemoTransformer`
     ``lightning.pytorch.LightningModule``.
+
+    Raises:
+        ValueError: A size is below 1, ``lr`` or ``init_std`` is not positive, ``weight_decay`` is
+            negative, or ``warmup_steps`` is not an int >= 0.
+
+    Examples:
+        >>> import torch
+        >>> model = DemoTransformer(d_model=16, n_layers=1, n_heads=2, seq_len=8)
+        >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 160])
     """
 
     def __init__(
@@ -168,7 +204,17 @@ class DemoTransformerMixin(nn.Module):
                 parameter.normal_(0.0, std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits over the vocabulary at every position, shape (batch, n, vocab_size)."""
+        """Logits over the vocabulary at every position.
+
+        Args:
+            tokens: Token ids, (batch, n) with n at most ``seq_len``.
+
+        Returns:
+            The logits, (batch, n, vocab_size).
+
+        Raises:
+            ValueError: ``tokens`` has more than ``seq_len`` positions.
+        """
         n = tokens.shape[1]
         if n > self.hparams.seq_len:
             raise ValueError(f"tokens has {n} positions; the model has seq_len={self.hparams.seq_len}")
@@ -179,6 +225,15 @@ class DemoTransformerMixin(nn.Module):
         return self.head(self.final_norm(x))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The cross-entropy over the positions with a target; logs it and the accuracy there.
+
+        Args:
+            batch: ``(tokens, targets)``, both (batch, n).
+            batch_idx: The batch's index (unused).
+
+        Returns:
+            The loss.
+        """
         tokens, targets = batch
         logits = self(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
@@ -189,6 +244,11 @@ class DemoTransformerMixin(nn.Module):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict:
+        """AdamW, with weight decay on matrices and embeddings only, and the linear warmup if any.
+
+        Returns:
+            The optimizer, or with ``warmup_steps`` a dict of it and its per-step schedule.
+        """
         matrices = [p for p in self.parameters() if p.dim() >= 2]
         vectors = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
@@ -208,4 +268,10 @@ class DemoTransformerMixin(nn.Module):
 class DemoTransformer(DemoTransformerMixin, pl.LightningModule):
     """:class:`DemoTransformerMixin` (arguments in its docstring) as a ``pytorch_lightning`` module, or a
     ``lightning.pytorch`` one where only that is installed; for ``lightning.pytorch`` next to
-    ``pytorch_lightning``, :class:`spectral_monitor.demo.lightning_pytorch.DemoTransformer`."""
+    ``pytorch_lightning``, :class:`spectral_monitor.demo.lightning_pytorch.DemoTransformer`.
+
+    Examples:
+        >>> model = DemoTransformer(d_model=16, n_layers=1, n_heads=2, seq_len=8, warmup_steps=10)
+        >>> type(model.configure_optimizers()["optimizer"]).__name__
+        'AdamW'
+    """

@@ -159,6 +159,14 @@ class LengthScaledAttention(nn.Module):
         self.output_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over the sequence.
+
+        Args:
+            x: The input, (batch, n, d_model).
+
+        Returns:
+            The attention block's output, the shape of ``x``.
+        """
         batch, n, d_model = x.shape
         # (batch, n, 3·d) -> three (batch, heads, n, head_dim)
         q, k, v = self.qkv(x).view(batch, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)

@@ -70,14 +70,36 @@ class SweepResult:
     masked: dict[str, bool] = field(default_factory=dict)
 
     def value(self, n: int, layer: str, metric: str, family: str = "attention") -> float:
-        """The value of one cell; KeyError if the sweep has no such row."""
+        """The value of one cell.
+
+        Args:
+            n: The sequence length.
+            layer: The layer name.
+            metric: The metric name.
+            family: The metric family.
+
+        Returns:
+            The measured value.
+
+        Raises:
+            KeyError: The sweep has no such row.
+        """
         for row in self.rows:
             if (row["n"], row["family"], row["layer"], row["metric"]) == (n, family, layer, metric):
                 return row["value"]
         raise KeyError(f"no row for n={n}, family={family!r}, layer={layer!r}, metric={metric!r}")
 
     def series(self, layer: str, metric: str, family: str = "attention") -> np.ndarray:
-        """The values of one (layer, metric) at each of ``lengths`` (NaN where missing)."""
+        """The values of one (layer, metric) at each of ``lengths``.
+
+        Args:
+            layer: The layer name.
+            metric: The metric name.
+            family: The metric family.
+
+        Returns:
+            One value per length, NaN where the sweep has no row.
+        """
         lookup = {
             row["n"]: row["value"]
             for row in self.rows
@@ -86,10 +108,25 @@ class SweepResult:
         return np.array([lookup.get(n, math.nan) for n in self.lengths], dtype=float)
 
     def layers(self, family: str = "attention") -> list[str]:
+        """The layers measured in one family.
+
+        Args:
+            family: The metric family.
+
+        Returns:
+            The layer names, in the order of the rows.
+        """
         return list(dict.fromkeys(row["layer"] for row in self.rows if row["family"] == family))
 
     def to_markdown(self, metrics: Sequence[tuple[str, str]] = DEFAULT_FIGURE_METRICS) -> str:
-        """A table with one line per (family, metric, layer) and one column per n."""
+        """The sweep as a Markdown table, one line per (family, metric, layer) and one column per n.
+
+        Args:
+            metrics: The (family, metric) pairs to show.
+
+        Returns:
+            The table's Markdown.
+        """
         header = "| family | metric | layer | " + " | ".join(f"n={n}" for n in self.lengths) + " |"
         lines = [header, "|---|---|---|" + "---:|" * len(self.lengths)]
         for family, metric in metrics:
