@@ -5,7 +5,8 @@ Add :class:`SpectralMonitor` to a Lightning ``Trainer``; wrap the forward of a p
 training loop; or call the metric functions (:mod:`spectral_monitor.metrics`) and probes
 (:mod:`spectral_monitor.probes`) directly, without a training framework. Everything a user configures is
 importable from here:
-``from spectral_monitor import SpectralMonitor, MonitorOptions, AlertConfig, CurvatureOptions``.
+``from spectral_monitor import SpectralMonitor, MonitorOptions, AlertConfig, CurvatureOptions``
+(and ``AttentionFamilies``, what a monitor knows of attention-module families).
 
 The names below are imported on first use, so the parts that need neither torch nor Lightning
 (``spectral-monitor report``, :mod:`spectral_monitor.catalog`) start without loading them.
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from spectral_monitor.integrations.loop import Monitor
     from spectral_monitor.lightning import SpectralMonitor
     from spectral_monitor.metrics import attention_metrics, token_metrics, weight_metrics
+    from spectral_monitor.probes import AttentionFamilies
     from spectral_monitor.records import Distribution, Measurement
 
 __version__ = "0.1.0"
@@ -42,6 +44,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "AlertConfig": "spectral_monitor.alerts",
     "AlertEvent": "spectral_monitor.alerts",
+    "AttentionFamilies": "spectral_monitor.probes",
     "BudgetOptions": "spectral_monitor.core",
     "CaptureOptions": "spectral_monitor.core",
     "Condition": "spectral_monitor.alerts",
@@ -66,6 +69,7 @@ _HOMES = {
 __all__ = [
     "AlertConfig",
     "AlertEvent",
+    "AttentionFamilies",
     "BudgetOptions",
     "CaptureOptions",
     "Condition",

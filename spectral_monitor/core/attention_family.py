@@ -76,6 +76,7 @@ class AttentionFamily(CaptureFamily):
                 run.model,
                 max_sequences=self.options.capture.max_sequences,
                 max_bytes=int(self.options.budget.memory_budget_mb * 2**20),
+                attention_families=self.options.capture.attention_families,
                 strict=self.options.strict,
             )
 
@@ -86,7 +87,7 @@ class AttentionFamily(CaptureFamily):
     def _recorded(self, recording: AttentionRecording) -> None:
         report_skipped(self.reports, "attention", recording.skipped)
         if not recording.captured and not recording.skipped:
-            advice = attention_not_seen_advice(self._capture.model)
+            advice = attention_not_seen_advice(self._capture.model, self._capture.attention_families)
             self.reports.once("no attention", f"{_NO_ATTENTION_SEEN}; {advice}")
 
     def state_dict(self) -> dict[str, Any]:

@@ -174,7 +174,11 @@ class PreflightFamily(ProbeFamily):
             if context is None:
                 seq_len = getattr(run.model, "hparams", {}).get("seq_len")
                 context = seq_len if isinstance(seq_len, int) and seq_len >= 2 else None
-            findings = architecture_preflight(run.model, context_length=context)
+            findings = architecture_preflight(
+                run.model,
+                context_length=context,
+                attention_families=self.options.capture.attention_families,
+            )
             for finding in findings:
                 if finding.severity == "warning":
                     self.reports.warn(
@@ -245,7 +249,10 @@ class TokenFamily(CaptureFamily):
         if "tokens" in self.options.families:
             with self.reports.failures_of("finding the transformer blocks (tokens family)"):
                 self._capture = ResidualCapture(
-                    run.model, max_sequences=self.options.capture.max_sequences, strict=self.options.strict
+                    run.model,
+                    max_sequences=self.options.capture.max_sequences,
+                    strict=self.options.strict,
+                    attention_families=self.options.capture.attention_families,
                 )
 
     def _recorded(self, recording: ResidualRecording) -> None:
@@ -291,7 +298,10 @@ class OutputLogitFamily(CaptureFamily):
         if head is not False:
             with self.reports.failures_of("finding the LM head (output_logits)"):
                 self._capture = OutputLogitCapture(
-                    run.model, head if isinstance(head, str) else None, self.options.capture.max_sequences
+                    run.model,
+                    head if isinstance(head, str) else None,
+                    self.options.capture.max_sequences,
+                    attention_families=self.options.capture.attention_families,
                 )
 
     def _measure(self, progress: LoggingStep, recording: OutputLogitSample) -> None:
@@ -344,6 +354,7 @@ class WeightFamily(ProbeFamily):
                 include=options.capture.include,
                 exclude=options.capture.exclude,
                 per_head=options.outputs.per_head,
+                attention_families=options.capture.attention_families,
                 warn=self.reports.warn,
             )
             self._parked.apply_to(self._probe)
@@ -365,8 +376,12 @@ class WeightFamily(ProbeFamily):
                 )
         if self._spectra_cadence.due(progress.logs_done):
             with self.reports.failures_of("measuring the weight spectra"), torch.no_grad():
+                capture = self.options.capture
                 spectra = weight_spectra(
-                    run.model, include=self.options.capture.include, exclude=self.options.capture.exclude
+                    run.model,
+                    include=capture.include,
+                    exclude=capture.exclude,
+                    attention_families=capture.attention_families,
                 )
                 progress.measurements += weight_spectrum_measurements(spectra, progress.step)
                 if run.kept(Capability.FIGURES):

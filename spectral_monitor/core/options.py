@@ -28,6 +28,7 @@ from spectral_monitor.core.second_order import (
     ProbeDataOptions,
 )
 from spectral_monitor.metrics import METHODS as METRIC_METHODS
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.validation import (
     check_bool,
     check_callable,
@@ -111,6 +112,14 @@ class CaptureOptions:
             are padding: a Hugging Face ``attention_mask`` and ``nn.Transformer``'s ``src_key_padding_mask``
             / ``tgt_key_padding_mask`` are read from the forward itself. Padded queries leave the attention
             metrics of every layer with that many queries, and padded tokens the token metrics.
+        attention_families: what this monitor knows of attention-module families
+            (:class:`~spectral_monitor.probes.AttentionFamilies`): the class names that look like attention,
+            the attributes holding head counts and widths, the keywords of padding masks and the layouts of
+            fused q/k/v projections, read by the weight probe, the preflight, the token masks and the advice
+            when no attention is seen. None: ``AttentionFamilies()``, the default as of when the options are
+            made (with the layouts registered by :func:`~spectral_monitor.probes.register_qkv_layout` by
+            then). In YAML a mapping of its fields, e.g. ``qkv_layouts: {FalconAttention: {projection:
+            query_key_value, layout: concatenated}}``.
 
     Raises:
         ValueError: if a field is out of range (the message names it).
@@ -124,12 +133,16 @@ class CaptureOptions:
     exclude: Sequence[str] | None = None
     max_sequences: int = 2
     token_mask: Callable[[Any], Tensor | None] | None = None
+    attention_families: AttentionFamilies | None = None
 
     def __post_init__(self) -> None:
         self.include = check_patterns("include", self.include)
         self.exclude = check_patterns("exclude", self.exclude)
         check_int("max_sequences", self.max_sequences, smallest=1)
         check_callable("token_mask", self.token_mask, "a function of the batch returning its token mask")
+        self.attention_families = check_instance(
+            "attention_families", self.attention_families, AttentionFamilies
+        )
 
 
 @dataclass

@@ -9,12 +9,7 @@ from spectral_monitor.probes.attention import (
     AttentionExtractor,
     register_attention_extractor,
 )
-from spectral_monitor.probes.attention_families import (
-    AttentionWeights,
-    AttentionWeightsReader,
-    QKVLayout,
-    register_qkv_layout,
-)
+from spectral_monitor.probes.attention_families import AttentionFamilies, QKVLayout, register_qkv_layout
 from spectral_monitor.probes.attention_records import (
     ROOT_LAYER_NAME,
     AttentionInputs,
@@ -24,6 +19,7 @@ from spectral_monitor.probes.attention_records import (
     LogitSoftcap,
     SkippedCapture,
 )
+from spectral_monitor.probes.attention_weights import AttentionWeights, AttentionWeightsReader
 from spectral_monitor.probes.residual import (
     ResidualCapture,
     ResidualRecording,
@@ -40,6 +36,7 @@ __all__ = [
     "AttentionExtractor",
     "AttentionInputs",
     "AttentionRecording",
+    "AttentionFamilies",
     "AttentionSample",
     "AttentionWeights",
     "AttentionWeightsReader",

@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from spectral_monitor.metrics.masks import additive_mask
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.probes.attention_records import (
     BLOCKWISE_MIN_TOKENS,
     ROOT_LAYER_NAME,
@@ -72,6 +73,7 @@ from spectral_monitor.probes.attention_records import (
 from spectral_monitor.probes.huggingface import observe_eager_attention
 from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
+from spectral_monitor.validation import check_instance
 
 __all__ = [
     "BLOCKWISE_MIN_TOKENS",
@@ -130,8 +132,10 @@ class AttentionCapture:
     ``max_bytes`` bounds what a recording holds (q, k, masks and the float32 probabilities they expand to):
     over budget, fewer sequences, then fewer heads, then fewer layers (the last ones) are kept, each cut
     listed in ``recording.skipped``. ``extractors`` maps module types or name patterns to
-    :data:`AttentionExtractor` functions for attention written by hand. With ``strict=False`` an error while
-    capturing one layer is recorded in ``skipped`` and the forward goes on; ``strict=True`` raises it.
+    :data:`AttentionExtractor` functions for attention written by hand. ``attention_families``: the
+    :class:`~spectral_monitor.probes.AttentionFamilies` whose mask keywords say which tokens are padding
+    (None: ``AttentionFamilies()``). With ``strict=False`` an error while capturing one layer is recorded in
+    ``skipped`` and the forward goes on; ``strict=True`` raises it.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class AttentionCapture:
         max_sequences: int = 4,
         max_bytes: int | None = None,
         extractors: Mapping[type[nn.Module] | str, AttentionExtractor] | None = None,
+        attention_families: AttentionFamilies | None = None,
         strict: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -157,6 +162,7 @@ class AttentionCapture:
         self.max_sequences = max_sequences
         self.max_bytes = max_bytes
         self.extractors = dict(extractors or {})
+        self.attention_families = check_instance("attention_families", attention_families, AttentionFamilies)
         self.strict = strict
         self._armed: _ArmedForward | None = None
 
@@ -229,7 +235,7 @@ class _ArmedForward:
     def __init__(self, capture: AttentionCapture, token_mask: Tensor | None, every_module: bool) -> None:
         self._capture = capture
         self._every_module = every_module
-        self._token_masks = ForwardTokenMasks(token_mask)
+        self._token_masks = ForwardTokenMasks(token_mask, capture.attention_families)
         self.recording = AttentionRecording()
         self._names: list[str] = []
         self._seen: set[str] = set()

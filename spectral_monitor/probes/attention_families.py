@@ -1,13 +1,14 @@
-"""What the probes know about attention-module families, in one place, and how users add to it.
+"""What the probes know about attention-module families, in one registry that users extend.
 
-Everything that recognises an attention module or reads its parts by name lives here:
+An :class:`AttentionFamilies` value holds every fact the probes use to recognise an attention module or read
+its parts by name, and answers every question asked of them:
 
-- class names that look like attention (:data:`ATTENTION_CLASS_NAME_PARTS`, :func:`looks_like_attention`),
-  for the advice given when no attention call was seen;
-- the attribute names of head counts and widths (:data:`HEAD_COUNT_ATTRIBUTES`,
-  :data:`HEAD_WIDTH_ATTRIBUTES`, :data:`KEY_VALUE_HEAD_COUNT_ATTRIBUTES`) and of the model width
-  (:data:`MODEL_WIDTH_ATTRIBUTES`), read on a module or its ``config``;
-- where the query, key and value projections are and how they are packed (:func:`read_attention_weights`):
+- class names that look like attention (:attr:`~AttentionFamilies.attention_class_name_parts`,
+  :meth:`~AttentionFamilies.looks_like_attention`), for the advice given when no attention call was seen;
+- the attribute names of head counts and widths and of the model width, read on a module or its ``config``
+  (:meth:`~AttentionFamilies.declared_head_count`, :meth:`~AttentionFamilies.declared_model_width`);
+- where the query, key and value projections are and how they are packed
+  (:meth:`~AttentionFamilies.read_attention_weights`):
 
   - ``nn.MultiheadAttention``: ``in_proj_weight`` rows [W_Q; W_K; W_V], or ``q_proj_weight``,
     ``k_proj_weight``, ``v_proj_weight`` when ``kdim``/``vdim`` differ from ``embed_dim``. Its ``out_proj`` is
@@ -17,47 +18,56 @@ Everything that recognises an attention module or reads its parts by name lives 
     W_Q. ``Conv1D`` is recognised by class name, so transformers stays optional; it stores its weight
     (in, out) and is read transposed.
   - a packed ``nn.Linear`` ``c_attn`` or ``qkv`` with rows [W_Q; W_K; W_V], heads contiguous within each,
-    and a head count among :data:`HEAD_COUNT_ATTRIBUTES` (nanoGPT, timm, the demo model).
-  - a fused projection in a :class:`QKVLayout`: built in for GPT-NeoX (``query_key_value``, per head
-    interleaved) and Phi-3 (``qkv_proj``, concatenated with grouped key/value heads), registered for any
-    other family with :func:`register_qkv_layout`. A module with a fused projection (a child named
-    ``qkv...``, ``query_key_value``, ``Wqkv`` or ``W_pack``) that no layout splits is named by
-    :func:`fused_projection_name`, so the weight probe can warn about it once.
+    and a declared head count (nanoGPT, timm, the demo model).
+  - a fused projection in a :class:`QKVLayout` (:attr:`~AttentionFamilies.qkv_layouts`): by default
+    GPT-NeoX (``query_key_value``, per head interleaved) and Phi-3 (``qkv_proj``, concatenated with grouped
+    key/value heads). A module with a fused projection (a child named ``qkv...``, ``query_key_value``,
+    ``Wqkv`` or ``W_pack``) that no layout splits is named by
+    :func:`~spectral_monitor.probes.attention_weights.fused_projection_name`, so the weight
+    probe can warn about it once.
   - separate ``nn.Linear`` query, key and value projections (the value one optional) named ``q_proj``,
     ``k_proj``, ``v_proj`` (Hugging Face Llama, Mistral, OPT, BART, ViT, ...), ``query``, ``key``, ``value``
     (BERT, RoBERTa, ViT before transformers 5), ``q``, ``k``, ``v`` (T5) or ``q_lin``, ``k_lin``, ``v_lin``
-    (DistilBERT), with a head width among :data:`HEAD_WIDTH_ATTRIBUTES`, or else a query-head count among
-    :data:`HEAD_COUNT_ATTRIBUTES`; the key-head count follows from the key projection's rows (grouped-query
-    attention). The output projection (``o_proj``, ``o``, ``dense``) is an ``nn.Linear`` and measured as one;
-- the keyword arguments that carry a forward's padding masks (:data:`REAL_TOKEN_MASK_KEYWORDS`,
-  :data:`PADDING_MASK_KEYWORDS`; :mod:`spectral_monitor.probes.token_masks` reads them).
+    (DistilBERT), with a declared head width, or else a declared query-head count; the key-head count
+    follows from the key projection's rows (grouped-query attention). The output projection (``o_proj``,
+    ``o``, ``dense``) is an ``nn.Linear`` and measured as one;
+- the keyword arguments that carry a forward's padding masks
+  (:attr:`~AttentionFamilies.real_token_mask_keywords`, :attr:`~AttentionFamilies.padding_mask_keywords`;
+  :mod:`spectral_monitor.probes.token_masks` reads them).
 
-To extend it: :func:`register_qkv_layout` for a fused projection in a layout above, a
+Each monitor reads with its own registry, its ``attention_families`` option
+(:class:`~spectral_monitor.core.CaptureOptions`); the probes take one as ``attention_families=``.
+``AttentionFamilies()`` is the process-wide default as of when it is made: the facts above plus the layouts
+registered with :func:`register_qkv_layout`. To extend it: the ``with_...`` methods for one monitor,
+:func:`register_qkv_layout` for every registry made afterwards, a
 :class:`~spectral_monitor.probes.WeightProbe`'s ``attention_readers`` for any other weight layout, and
 :func:`~spectral_monitor.probes.register_attention_extractor` for attention computed by hand, which no
 kernel call reveals.
-
-Weights are read as stored: detached, a parametrized weight (``torch.nn.utils.parametrize``) as its
-``original``, because evaluating the parametrization can change its state (``spectral_norm`` runs a power
-iteration on every evaluation in training mode); a sharded parameter outside
-``spectral_monitor.distributed.full_parameters`` (FSDP2's DTensor, a freed FSDP flat parameter view) is not
-read at all.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
-from torch import Tensor, nn
-from torch.nn.utils import parametrize
+from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from spectral_monitor.probes.attention_weights import (
+    BUILT_IN_READERS,
+    AttentionWeights,
+    first_int,
+    is_positive_int,
+    plain_weight,
+    weights_or_none,
+)
+from spectral_monitor.validation import check_names
 
 __all__ = [
     "ATTENTION_CLASS_NAME_PARTS",
+    "BUILT_IN_QKV_LAYOUTS",
     "HEAD_COUNT_ATTRIBUTES",
     "HEAD_WIDTH_ATTRIBUTES",
     "KEY_VALUE_HEAD_COUNT_ATTRIBUTES",
@@ -65,22 +75,14 @@ __all__ = [
     "PADDING_MASK_KEYWORDS",
     "QKV_LAYOUTS",
     "REAL_TOKEN_MASK_KEYWORDS",
-    "AttentionWeights",
-    "AttentionWeightsReader",
+    "AttentionFamilies",
     "QKVLayout",
-    "check_head_split",
-    "declared_head_count",
-    "declared_model_width",
-    "fused_projection_name",
-    "looks_like_attention",
-    "plain_weight",
-    "read_attention_weights",
     "register_qkv_layout",
 ]
 
 ATTENTION_CLASS_NAME_PARTS = ("attention", "attn")
-"""Lower-case parts of a class name that mark a module as attention, for advice only: a module is measured
-as attention by what its kernel calls and weights show, never by its name."""
+"""Parts of a class name that mark a module as attention, for advice only: a module is measured as attention
+by what its kernel calls and weights show, never by its name."""
 HEAD_COUNT_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 """Attributes that hold a module's (query-)head count, in the order they are tried."""
 HEAD_WIDTH_ATTRIBUTES = ("head_dim", "attention_head_size", "key_value_proj_dim")
@@ -95,67 +97,7 @@ PADDING_MASK_KEYWORDS = ("src_key_padding_mask", "tgt_key_padding_mask")
 """Keyword arguments whose (batch, tokens) value is True (or ``-inf``) at padding (``nn.Transformer`` and
 its parts)."""
 
-_CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
-_PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
-_SEPARATE_PROJECTION_NAMES = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("query", "key", "value"),
-    ("q", "k", "v"),
-    ("q_lin", "k_lin", "v_lin"),
-)
-_FUSED_PROJECTION_NAMES = ("query_key_value", "Wqkv", "W_pack")
-"""Names of fused q/k/v projections besides those containing "qkv"."""
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionWeights:
-    """The query, key and value projections of one attention module, each (out, in) as ``nn.Linear`` has it.
-
-    Head h owns rows h·d_k … (h+1)·d_k of each projection.
-
-    Attributes:
-        query: (H·d_k, d_q).
-        key: (H_k·d_k, d_kv).
-        value: (H_k·d_v, d_v_in), or ``None``.
-        num_heads: H, the query heads.
-        num_key_value_heads: H_k (``None`` = H), which must divide H (grouped-query attention: query head h
-            reads key head h // (H / H_k)).
-        replaces: names, relative to the attention module, of the submodules whose weights these are (e.g.
-            ``("c_attn",)``), so they are not also measured whole.
-
-    Raises:
-        ValueError: if a projection is not a 2-D tensor or its rows do not split into the heads.
-    """
-
-    query: Tensor
-    key: Tensor
-    value: Tensor | None
-    num_heads: int
-    num_key_value_heads: int | None = None
-    replaces: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name, weight in (("query", self.query), ("key", self.key), ("value", self.value)):
-            if weight is not None and (not isinstance(weight, Tensor) or weight.ndim != 2):
-                raise ValueError(f"{name} must be a 2-D (out, in) tensor, got {_describe(weight)}")
-        check_head_split(self.query, self.key, self.value, self.num_heads, self.key_value_heads)
-
-    @property
-    def key_value_heads(self) -> int:
-        """H_k: ``num_key_value_heads``, or H where that is ``None``."""
-        return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads
-
-    def projections(self) -> Iterator[tuple[str, Tensor, int]]:
-        """``(role, weight, heads)`` for ``"q"``, ``"k"`` and ``"v"`` (when there is a value projection)."""
-        yield "q", self.query, self.num_heads
-        yield "k", self.key, self.key_value_heads
-        if self.value is not None:
-            yield "v", self.value, self.key_value_heads
-
-
-AttentionWeightsReader = Callable[[nn.Module], AttentionWeights | None]
-"""``reader(module)`` -> the module's projections (detached views of its weights), or ``None`` when the module
-is not attention after all (its submodules are then measured as plain weights)."""
+_FUSED_LAYOUT_HEAD_WIDTH_ATTRIBUTES = ("head_size",)  # GPT-NeoX's, read for a fused layout only
 
 QKV_LAYOUTS = ("concatenated", "interleaved")
 """How a fused projection orders its rows: [W_Q; W_K; W_V], or per head h [W_Q^h; W_K^h; W_V^h]."""
@@ -165,9 +107,9 @@ QKV_LAYOUTS = ("concatenated", "interleaved")
 class QKVLayout:
     """How an attention module's fused ``nn.Linear`` (or ``Conv1D``) projection holds its q, k and v.
 
-    A count left ``None`` is read from the module or its ``config`` (:data:`HEAD_COUNT_ATTRIBUTES`,
-    :data:`KEY_VALUE_HEAD_COUNT_ATTRIBUTES`, :data:`HEAD_WIDTH_ATTRIBUTES` or ``head_size``); what is
-    missing there follows from the projection's rows.
+    A count left ``None`` is read from the module or its ``config`` (the registry's head-count, key/value
+    head-count and head-width attributes, and ``head_size``); what is missing there follows from the
+    projection's rows.
 
     Attributes:
         projection: the fused child's name (``"qkv_proj"``).
@@ -182,6 +124,14 @@ class QKVLayout:
     Raises:
         ValueError: if ``projection`` is not a non-empty str, ``layout`` not one of ``QKV_LAYOUTS``, or a
             count not a positive int or None.
+
+    Examples:
+        >>> from torch import nn
+        >>> attention = nn.Module()
+        >>> attention.Wqkv = nn.Linear(8, 24)
+        >>> weights = QKVLayout("Wqkv", "interleaved", num_heads=2).read(attention)
+        >>> weights.query.shape, weights.replaces
+        (torch.Size([8, 8]), ('Wqkv',))
     """
 
     projection: str
@@ -201,16 +151,25 @@ class QKVLayout:
             )
         for name in ("num_heads", "num_key_value_heads", "head_dim"):
             value = getattr(self, name)
-            if value is not None and not _is_positive_int(value):
+            if value is not None and not is_positive_int(value):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
-    def read(self, module: nn.Module) -> AttentionWeights | None:
-        """``module``'s q, k and v split out of its fused projection; ``None`` when it has no such child
-        or its rows do not split into the heads the module declares."""
+    def read(self, module: nn.Module, families: AttentionFamilies | None = None) -> AttentionWeights | None:
+        """``module``'s q, k and v split out of its fused projection.
+
+        Args:
+            module: the attention module.
+            families: the registry whose attribute names give the counts this layout leaves ``None``
+                (None: ``AttentionFamilies()``).
+
+        Returns:
+            The split projections, or ``None`` when ``module`` has no such child or its rows do not split
+            into the heads it declares.
+        """
         fused = plain_weight(module._modules.get(self.projection))
         if fused is None:
             return None
-        heads, key_heads, width = self._head_shape(module, fused.shape[0])
+        heads, key_heads, width = self._head_shape(module, fused.shape[0], families or AttentionFamilies())
         if heads is None:
             return None
         if self.layout == "interleaved":
@@ -218,14 +177,18 @@ class QKVLayout:
             query, key, value = (per_head[:, role].reshape(heads * width, -1) for role in range(3))
         else:
             query, key, value = fused.split([heads * width, key_heads * width, key_heads * width])
-        return _layout_or_none(query, key, value, heads, key_heads, replaces=(self.projection,))
+        return weights_or_none(query, key, value, heads, key_heads, replaces=(self.projection,))
 
-    def _head_shape(self, module: nn.Module, rows: int) -> tuple[int | None, int, int]:
+    def _head_shape(
+        self, module: nn.Module, rows: int, families: AttentionFamilies
+    ) -> tuple[int | None, int, int]:
         """(H, H_k, d_k) of a projection with ``rows`` rows, or (None, 0, 0) where they do not fit."""
         owners = (module, getattr(module, "config", None))
-        heads = self.num_heads or _first_int(owners, HEAD_COUNT_ATTRIBUTES)
-        width = self.head_dim or _first_int(owners, (*HEAD_WIDTH_ATTRIBUTES, "head_size"))
-        key_heads = self.num_key_value_heads or _first_int(owners, KEY_VALUE_HEAD_COUNT_ATTRIBUTES)
+        heads = self.num_heads or first_int(owners, families.head_count_attributes)
+        width = self.head_dim or first_int(
+            owners, (*families.head_width_attributes, *_FUSED_LAYOUT_HEAD_WIDTH_ATTRIBUTES)
+        )
+        key_heads = self.num_key_value_heads or first_int(owners, families.key_value_head_count_attributes)
         if heads is None:
             return None, 0, 0
         if self.layout == "interleaved":
@@ -240,323 +203,377 @@ class QKVLayout:
         return (heads, key_heads, width) if fits else (None, 0, 0)
 
 
-_BUILT_IN_QKV_LAYOUTS = {
+BUILT_IN_QKV_LAYOUTS: Mapping[str, QKVLayout] = {
     "GPTNeoXAttention": QKVLayout("query_key_value", "interleaved"),
     "Phi3Attention": QKVLayout("qkv_proj", "concatenated"),
 }
-"""Fused layouts known by the attention module's class name (transformers stays optional)."""
+"""The fused layouts every default registry starts with, by class name (transformers stays optional)."""
 
 # An OrderedDict, as torch's hook registries: RemovableHandle needs a weak reference to it.
 _REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[type[nn.Module] | str, QKVLayout]] = OrderedDict()
 
 
-def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> RemovableHandle:
-    """Tell every :class:`~spectral_monitor.probes.WeightProbe` how the attention modules ``target`` fuse
-    q, k and v, so they get per-head weight metrics (``qk_spectral_norm``, per-head σ₁)::
+def _default_qkv_layouts() -> dict[type[nn.Module] | str, QKVLayout]:
+    """The built-in layouts, then those registered now, in order (a later one wins)."""
+    layouts: dict[type[nn.Module] | str, QKVLayout] = dict(BUILT_IN_QKV_LAYOUTS)
+    for target, layout in _REGISTERED_QKV_LAYOUTS.values():
+        layouts.pop(target, None)
+        layouts[target] = layout
+    return layouts
 
-        register_qkv_layout(MyAttention, QKVLayout("Wqkv", "interleaved"))
+
+@dataclass(frozen=True)
+class AttentionFamilies:
+    """Everything the probes know about attention-module families: how they are named, counted, masked and
+    packed. A value: the ``with_...`` methods return a new registry and leave this one as it is.
+
+    ``AttentionFamilies()`` is the process-wide default as of when it is made: the module constants above
+    and :data:`BUILT_IN_QKV_LAYOUTS`, then the layouts registered with :func:`register_qkv_layout`. A field
+    given replaces that fact (in YAML too: list the names you keep); the ``with_...`` methods add to it.
+    Names are tried in order, the first positive int found wins; names added come first.
+
+    Attributes:
+        attention_class_name_parts: parts of a class name (any case) that mark a module as attention
+            written by hand, named in the advice given when a forward made no attention call the capture
+            could see.
+        head_count_attributes: attributes holding a module's (query-)head count, on the module or its
+            ``config``.
+        key_value_head_count_attributes: attributes holding its key/value-head count (grouped-query
+            attention).
+        head_width_attributes: attributes holding its head width d_k.
+        model_width_attributes: attributes holding the width the heads split (read by the preflight).
+        real_token_mask_keywords: keyword arguments of a forward whose (batch, tokens) value is nonzero at
+            real tokens.
+        padding_mask_keywords: keyword arguments whose (batch, tokens) value is True (or ``-inf``) at
+            padding.
+        qkv_layouts: the :class:`QKVLayout` of each attention class with a fused projection, keyed by the
+            module type (matched with ``isinstance``) or by a str ``fnmatch`` pattern matched against the
+            class name (``"FalconAttention"``) and the qualified module name (``"blocks.*.attn"``); the last
+            entry that matches wins.
+
+    Raises:
+        ValueError: if a list of names is not a list of non-empty strs, or ``qkv_layouts`` does not map
+            module types or strs to :class:`QKVLayout` values.
+
+    Examples:
+        >>> from torch import nn
+        >>> class MyAttention(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.n_q_heads = 2
+        ...         self.Wqkv = nn.Linear(8, 24)
+        >>> families = AttentionFamilies().with_attribute_names(head_count=["n_q_heads"])
+        >>> families = families.with_qkv_layout(MyAttention, QKVLayout("Wqkv", "interleaved"))
+        >>> families.read_attention_weights("blocks.0.attn", MyAttention()).num_heads
+        2
+        >>> AttentionFamilies().read_attention_weights("blocks.0.attn", MyAttention()) is None
+        True
+    """
+
+    attention_class_name_parts: Sequence[str] = ATTENTION_CLASS_NAME_PARTS
+    head_count_attributes: Sequence[str] = HEAD_COUNT_ATTRIBUTES
+    key_value_head_count_attributes: Sequence[str] = KEY_VALUE_HEAD_COUNT_ATTRIBUTES
+    head_width_attributes: Sequence[str] = HEAD_WIDTH_ATTRIBUTES
+    model_width_attributes: Sequence[str] = MODEL_WIDTH_ATTRIBUTES
+    real_token_mask_keywords: Sequence[str] = REAL_TOKEN_MASK_KEYWORDS
+    padding_mask_keywords: Sequence[str] = PADDING_MASK_KEYWORDS
+    qkv_layouts: Mapping[type[nn.Module] | str, QKVLayout] = field(default_factory=_default_qkv_layouts)
+
+    def __post_init__(self) -> None:
+        for name in _NAME_FIELDS:
+            names = check_names(name, getattr(self, name), what="non-empty strs")
+            object.__setattr__(self, name, tuple(names))
+        if not isinstance(self.qkv_layouts, Mapping):
+            raise ValueError(
+                "qkv_layouts must map module types or class-name / module-name patterns (str) to QKVLayout, "
+                f"got {type(self.qkv_layouts).__name__} {self.qkv_layouts!r}"
+            )
+        for target, layout in self.qkv_layouts.items():
+            _check_qkv_layout("qkv_layouts", target, layout)
+        object.__setattr__(self, "qkv_layouts", dict(self.qkv_layouts))
+
+    # ----------------------------------------------------------------------------------------------------
+    # Extending
+    # ----------------------------------------------------------------------------------------------------
+
+    def with_qkv_layout(self, target: type[nn.Module] | str, layout: QKVLayout) -> AttentionFamilies:
+        """This registry, with ``layout`` for the attention modules ``target`` names, over any it had.
+
+        Args:
+            target: a module type (matched with ``isinstance``), or a str ``fnmatch`` pattern matched
+                against the class name and the qualified module name (``"FalconAttention"``,
+                ``"blocks.*.attn"``).
+            layout: the :class:`QKVLayout` of their fused projection.
+
+        Returns:
+            The extended registry.
+
+        Raises:
+            ValueError: if ``target`` or ``layout`` is of the wrong kind.
+
+        Examples:
+            >>> families = AttentionFamilies().with_qkv_layout("*.attn", QKVLayout("Wqkv", "concatenated"))
+            >>> families.qkv_layouts["*.attn"].projection
+            'Wqkv'
+        """
+        _check_qkv_layout("target", target, layout)
+        layouts = {key: value for key, value in self.qkv_layouts.items() if key != target}
+        layouts[target] = layout
+        return replace(self, qkv_layouts=layouts)
+
+    def with_attribute_names(
+        self,
+        *,
+        head_count: Sequence[str] = (),
+        key_value_head_count: Sequence[str] = (),
+        head_width: Sequence[str] = (),
+        model_width: Sequence[str] = (),
+    ) -> AttentionFamilies:
+        """This registry, with more attribute names for the counts and widths, tried before its own.
+
+        Args:
+            head_count: names of (query-)head counts (``"n_q_heads"``).
+            key_value_head_count: names of key/value-head counts.
+            head_width: names of head widths d_k.
+            model_width: names of the width the heads split.
+
+        Returns:
+            The extended registry.
+
+        Raises:
+            ValueError: if a list is not a list of non-empty strs.
+
+        Examples:
+            >>> AttentionFamilies().with_attribute_names(head_count=["n_q_heads"]).head_count_attributes[:2]
+            ('n_q_heads', 'n_head')
+        """
+        return self._with_names(
+            head_count_attributes=("head_count", head_count),
+            key_value_head_count_attributes=("key_value_head_count", key_value_head_count),
+            head_width_attributes=("head_width", head_width),
+            model_width_attributes=("model_width", model_width),
+        )
+
+    def with_mask_keywords(
+        self, *, real_tokens: Sequence[str] = (), padding: Sequence[str] = ()
+    ) -> AttentionFamilies:
+        """This registry, with more keyword arguments that carry a forward's token masks.
+
+        Args:
+            real_tokens: keywords whose (batch, tokens) value is nonzero at real tokens (``"token_mask"``).
+            padding: keywords whose (batch, tokens) value is True (or ``-inf``) at padding
+                (``"padding_mask"``).
+
+        Returns:
+            The extended registry, the new keywords tried first.
+
+        Raises:
+            ValueError: if a list is not a list of non-empty strs.
+
+        Examples:
+            >>> AttentionFamilies().with_mask_keywords(padding=["pad_mask"]).padding_mask_keywords[0]
+            'pad_mask'
+        """
+        return self._with_names(
+            real_token_mask_keywords=("real_tokens", real_tokens), padding_mask_keywords=("padding", padding)
+        )
+
+    def with_attention_class_names(self, *parts: str) -> AttentionFamilies:
+        """This registry, with more class-name parts that mark a module as attention written by hand.
+
+        Args:
+            *parts: parts of a class name, any case (``"Mixer"``).
+
+        Returns:
+            The extended registry.
+
+        Raises:
+            ValueError: if a part is not a non-empty str.
+
+        Examples:
+            >>> from torch import nn
+            >>> class TokenMixer(nn.Module):
+            ...     pass
+            >>> AttentionFamilies().with_attention_class_names("mixer").looks_like_attention(TokenMixer())
+            True
+        """
+        return self._with_names(attention_class_name_parts=("parts", parts))
+
+    def _with_names(self, **added: tuple[str, Sequence[str]]) -> AttentionFamilies:
+        """A copy with, for each field, the names given under their argument's name put before its own."""
+        changes = {}
+        for field_name, (argument, names) in added.items():
+            names = check_names(argument, names, what="non-empty strs")
+            if names:
+                changes[field_name] = tuple(dict.fromkeys((*names, *getattr(self, field_name))))
+        return replace(self, **changes)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Reading
+    # ----------------------------------------------------------------------------------------------------
+
+    def looks_like_attention(self, module: nn.Module) -> bool:
+        """Whether ``module``'s class name marks it as attention written by hand.
+
+        Args:
+            module: any module.
+
+        Returns:
+            True when its class name contains one of :attr:`attention_class_name_parts` (any case) and it
+            is not an ``nn.MultiheadAttention`` (whose kernel call is always seen).
+
+        Examples:
+            >>> from torch import nn
+            >>> AttentionFamilies().looks_like_attention(nn.MultiheadAttention(8, 2))
+            False
+        """
+        name = type(module).__name__.lower()
+        return any(part.lower() in name for part in self.attention_class_name_parts) and not isinstance(
+            module, nn.MultiheadAttention
+        )
+
+    def declared_head_count(self, owner: object) -> int | None:
+        """The head count ``owner`` declares: the first positive int among :attr:`head_count_attributes`.
+
+        Args:
+            owner: a module, or its ``config``.
+
+        Returns:
+            The count, or ``None`` when it declares none.
+
+        Examples:
+            >>> from torch import nn
+            >>> AttentionFamilies().declared_head_count(nn.MultiheadAttention(8, 2))
+            2
+        """
+        return first_int((owner,), self.head_count_attributes)
+
+    def declared_model_width(self, owner: object) -> int | None:
+        """The width ``owner`` declares: the first positive int among :attr:`model_width_attributes`.
+
+        Args:
+            owner: a module, or its ``config``.
+
+        Returns:
+            The width, or ``None`` when it declares none.
+
+        Examples:
+            >>> from torch import nn
+            >>> AttentionFamilies().declared_model_width(nn.MultiheadAttention(8, 2))
+            8
+        """
+        return first_int((owner,), self.model_width_attributes)
+
+    def qkv_layout_of(self, layer: str, module: nn.Module) -> QKVLayout | None:
+        """The fused layout registered for ``module``: the last entry of :attr:`qkv_layouts` that matches.
+
+        Args:
+            layer: the module's qualified name.
+            module: the module.
+
+        Returns:
+            Its layout, or ``None`` when no entry matches.
+
+        Examples:
+            >>> from torch import nn
+            >>> AttentionFamilies().qkv_layout_of("blocks.0.attn", nn.Linear(2, 2)) is None
+            True
+        """
+        class_name = type(module).__name__
+        for target, layout in reversed(self.qkv_layouts.items()):
+            if isinstance(target, str):
+                if fnmatch.fnmatchcase(class_name, target) or fnmatch.fnmatchcase(layer, target):
+                    return layout
+            elif isinstance(module, target):
+                return layout
+        return None
+
+    def read_attention_weights(self, layer: str, module: nn.Module) -> AttentionWeights | None:
+        """``module``'s query, key and value projections, if it is attention in a layout this registry knows.
+
+        A layout of :attr:`qkv_layouts` that matches the module is used alone; else the built-in readers of
+        the module docstring are tried in order.
+
+        Args:
+            layer: the module's qualified name, which str targets of :attr:`qkv_layouts` are matched against.
+            module: the module to read.
+
+        Returns:
+            Detached views of its projections, or ``None`` when it is not attention in a known layout (its
+            submodules are then measured as plain weights).
+
+        Examples:
+            >>> from torch import nn
+            >>> weights = AttentionFamilies().read_attention_weights("attn", nn.MultiheadAttention(8, 2))
+            >>> weights.query.shape, weights.num_heads
+            (torch.Size([8, 8]), 2)
+        """
+        layout = self.qkv_layout_of(layer, module)
+        if layout is not None:
+            return layout.read(module, self)
+        for reader in BUILT_IN_READERS:
+            weights = reader(self, module)
+            if weights is not None:
+                return weights
+        return None
+
+
+_NAME_FIELDS = (
+    "attention_class_name_parts",
+    "head_count_attributes",
+    "key_value_head_count_attributes",
+    "head_width_attributes",
+    "model_width_attributes",
+    "real_token_mask_keywords",
+    "padding_mask_keywords",
+)
+
+
+def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> RemovableHandle:
+    """Tell every registry made afterwards (``AttentionFamilies()``, and so every monitor and
+    :class:`~spectral_monitor.probes.WeightProbe` made with the default) how the attention modules ``target``
+    names fuse q, k and v, so they get per-head weight metrics (``qk_spectral_norm``, per-head σ₁).
+
+    For one monitor alone, give it ``AttentionFamilies().with_qkv_layout(target, layout)`` as its
+    ``attention_families`` option instead.
 
     Args:
-        target: a module type (matched with ``isinstance``) or an ``fnmatch`` pattern over qualified module
-            names (``"blocks.*.attn"``). A later registration wins over an earlier one and over the built-in
-            layouts; a probe's own ``attention_readers`` win over all.
+        target: a module type (matched with ``isinstance``), or a str ``fnmatch`` pattern matched against
+            the class name and the qualified module name (``"blocks.*.attn"``). A later registration wins
+            over an earlier one and over the built-in layouts; a registry's own ``with_qkv_layout`` and a
+            probe's ``attention_readers`` win over all.
         layout: the :class:`QKVLayout` of their fused projection.
 
     Returns:
-        A handle whose ``remove()`` unregisters.
+        A handle whose ``remove()`` unregisters (also a context manager). Registries made before stay as
+        they are.
 
     Raises:
         ValueError: if ``target`` or ``layout`` is of the wrong kind.
+
+    Examples:
+        >>> with register_qkv_layout("*.mixer", QKVLayout("Wqkv", "concatenated")):
+        ...     "*.mixer" in AttentionFamilies().qkv_layouts
+        True
+        >>> "*.mixer" in AttentionFamilies().qkv_layouts
+        False
     """
-    if not (isinstance(target, str) or (isinstance(target, type) and issubclass(target, nn.Module))):
-        raise ValueError(
-            f"target must be an nn.Module subclass or a module-name pattern (str), got {target!r}"
-        )
-    if not isinstance(layout, QKVLayout):
-        raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
+    _check_qkv_layout("target", target, layout)
     handle = RemovableHandle(_REGISTERED_QKV_LAYOUTS)
     _REGISTERED_QKV_LAYOUTS[handle.id] = (target, layout)
     return handle
 
 
-def _stored_weight(module: nn.Module, name: str) -> Tensor | None:
-    """The detached weight ``name`` as stored (a parametrized one's ``original``), or ``None`` if unusable."""
-    if parametrize.is_parametrized(module, name):
-        weight = getattr(getattr(module.parametrizations, name), "original", None)
-    else:
-        weight = getattr(module, name, None)
-    if (
-        not isinstance(weight, Tensor)
-        or nn.parameter.is_lazy(weight)
-        or weight.ndim != 2
-        or weight.numel() == 0
-        or weight.is_meta
-        or not weight.is_floating_point()
-        or _is_shard(weight)
+def _check_qkv_layout(argument: str, target: object, layout: object) -> None:
+    if not (
+        (isinstance(target, str) and target) or (isinstance(target, type) and issubclass(target, nn.Module))
     ):
-        return None
-    return weight.detach()
-
-
-def _is_shard(weight: Tensor) -> bool:
-    """A sharded parameter outside ``full_parameters``: FSDP2's DTensor, or FSDP's view of a freed flat
-    parameter (no storage)."""
-    return type(weight).__name__ == "DTensor" or weight.untyped_storage().size() == 0
-
-
-def plain_weight(module: nn.Module) -> Tensor | None:
-    """The (out, in) weight of an ``nn.Linear`` or a Hugging Face ``Conv1D``, as stored and detached.
-
-    Args:
-        module: any module (or ``None``).
-
-    Returns:
-        The weight, or ``None`` for another kind of module or a weight that cannot be read (lazy, on the
-        meta device, not floating point, empty, or a shard).
-    """
-    if isinstance(module, nn.Linear):
-        return _stored_weight(module, "weight")
-    if type(module).__name__ == _CONV1D_CLASS_NAME:
-        weight = _stored_weight(module, "weight")
-        return None if weight is None else weight.t()
-    return None
-
-
-def _read_multihead_attention(module: nn.Module) -> AttentionWeights | None:
-    if not isinstance(module, nn.MultiheadAttention):
-        return None
-    if module.in_proj_weight is not None:
-        packed = _stored_weight(module, "in_proj_weight")
-        if packed is None:
-            return None
-        query, key, value = packed.chunk(3)
-    else:
-        query, key, value = (_stored_weight(module, f"{role}_proj_weight") for role in ("q", "k", "v"))
-        if query is None or key is None:
-            return None
-    return _layout_or_none(query, key, value, module.num_heads)
-
-
-# The readers look for submodules in ``_modules`` before asking for attributes: ``nn.Module.__getattr__``
-# raising for a name a module lacks is most of what reading a model's modules costs.
-
-
-def _read_gpt2_attention(module: nn.Module) -> AttentionWeights | None:
-    packed = module._modules.get("c_attn")
-    if type(packed).__name__ != _CONV1D_CLASS_NAME:
-        return None
-    heads = getattr(module, "num_heads", None)
-    if not _is_positive_int(heads):
-        return None
-    packed_weight = plain_weight(packed)
-    if packed_weight is None:
-        return None
-    if getattr(module, "is_cross_attention", False):
-        query = plain_weight(getattr(module, "q_attn", None))
-        if query is None:
-            return None
-        key, value = packed_weight.chunk(2)
-        return _layout_or_none(query, key, value, heads, replaces=("c_attn", "q_attn"))
-    query, key, value = packed_weight.chunk(3)
-    return _layout_or_none(query, key, value, heads, replaces=("c_attn",))
-
-
-def _read_packed_linear_attention(module: nn.Module) -> AttentionWeights | None:
-    if not any(isinstance(module._modules.get(name), nn.Linear) for name in _PACKED_PROJECTION_NAMES):
-        return None
-    heads = declared_head_count(module)
-    if heads is None:
-        return None
-    for name in _PACKED_PROJECTION_NAMES:
-        projection = module._modules.get(name)
-        if isinstance(projection, nn.Linear):
-            weight = _stored_weight(projection, "weight")
-            if weight is None or weight.shape[0] % 3:
-                return None
-            query, key, value = weight.chunk(3)
-            return _layout_or_none(query, key, value, heads, replaces=(name,))
-    return None
-
-
-def _read_separate_projection_attention(module: nn.Module) -> AttentionWeights | None:
-    for names in _SEPARATE_PROJECTION_NAMES:
-        projections = [module._modules.get(name) for name in names]
-        if all(isinstance(projection, nn.Linear) for projection in projections[:2]):
-            break
-    else:
-        return None
-    query, key = (_stored_weight(projection, "weight") for projection in projections[:2])
-    value = _stored_weight(projections[2], "weight") if isinstance(projections[2], nn.Linear) else None
-    if query is None or key is None:
-        return None
-    head_dim = _first_int((module,), HEAD_WIDTH_ATTRIBUTES)
-    if head_dim is None:
-        heads = declared_head_count(module)
-        if heads is None or query.shape[0] % heads:
-            return None
-        head_dim = query.shape[0] // heads
-    if query.shape[0] % head_dim or key.shape[0] % head_dim:
-        return None
-    replaces = tuple(
-        name for name, projection in zip(names, projections, strict=True) if isinstance(projection, nn.Linear)
-    )
-    return _layout_or_none(query, key, value, query.shape[0] // head_dim, key.shape[0] // head_dim, replaces)
-
-
-def _layout_or_none(*args: Any, **kwargs: Any) -> AttentionWeights | None:
-    """The built-in readers' result, or ``None`` when the weights do not split into the module's heads.
-
-    Such a module is not that layout after all; its submodules are measured as plain weights.
-    """
-    try:
-        return AttentionWeights(*args, **kwargs)
-    except ValueError:
-        return None
-
-
-_BUILT_IN_READERS: tuple[AttentionWeightsReader, ...] = (
-    _read_multihead_attention,
-    _read_gpt2_attention,
-    _read_packed_linear_attention,
-    _read_separate_projection_attention,
-)
-
-
-def read_attention_weights(layer: str, module: nn.Module) -> AttentionWeights | None:
-    """``module``'s query, key and value projections, if it is attention in a layout this registry knows.
-
-    Tried in order: the layouts registered with :func:`register_qkv_layout` (the latest first), the built-in
-    fused layouts (by class name), then the built-in readers of the module docstring.
-
-    Args:
-        layer: the module's qualified name, which registered name patterns are matched against.
-        module: the module to read.
-
-    Returns:
-        Detached views of its projections, or ``None`` when it is not attention in a known layout (its
-        submodules are then measured as plain weights).
-    """
-    for target, layout in reversed(_REGISTERED_QKV_LAYOUTS.values()):
-        if fnmatch.fnmatchcase(layer, target) if isinstance(target, str) else isinstance(module, target):
-            return layout.read(module)
-    built_in = _BUILT_IN_QKV_LAYOUTS.get(type(module).__name__)
-    if built_in is not None:
-        return built_in.read(module)
-    for reader in _BUILT_IN_READERS:
-        weights = reader(module)
-        if weights is not None:
-            return weights
-    return None
-
-
-def fused_projection_name(module: nn.Module) -> str | None:
-    """The name of ``module``'s child that looks like a fused q/k/v projection, if it has one.
-
-    Args:
-        module: an attention module that no layout split.
-
-    Returns:
-        The first child named ``qkv...`` (any case), ``query_key_value``, ``Wqkv`` or ``W_pack`` that is an
-        ``nn.Linear`` or ``Conv1D`` with a usable weight, or ``None``.
-    """
-    return next(
-        (
-            child
-            for child, submodule in module._modules.items()
-            if ("qkv" in child.lower() or child in _FUSED_PROJECTION_NAMES)
-            and plain_weight(submodule) is not None
-        ),
-        None,
-    )
-
-
-def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class name marks it as attention written by hand.
-
-    Args:
-        module: any module.
-
-    Returns:
-        True when its class name contains a part of :data:`ATTENTION_CLASS_NAME_PARTS` and it is not an
-        ``nn.MultiheadAttention`` (whose kernel call is always seen).
-    """
-    name = type(module).__name__.lower()
-    return any(part in name for part in ATTENTION_CLASS_NAME_PARTS) and not isinstance(
-        module, nn.MultiheadAttention
-    )
-
-
-def declared_head_count(module: object) -> int | None:
-    """The head count ``module`` declares: the first positive int among :data:`HEAD_COUNT_ATTRIBUTES`.
-
-    Args:
-        module: a module, or its ``config``.
-
-    Returns:
-        The count, or ``None`` when it declares none.
-    """
-    return _first_int((module,), HEAD_COUNT_ATTRIBUTES)
-
-
-def declared_model_width(module: object) -> int | None:
-    """The width ``module`` declares: the first positive int among :data:`MODEL_WIDTH_ATTRIBUTES`.
-
-    Args:
-        module: a module, or its ``config``.
-
-    Returns:
-        The width, or ``None`` when it declares none.
-    """
-    return _first_int((module,), MODEL_WIDTH_ATTRIBUTES)
-
-
-def _first_int(owners: Sequence[object], names: Sequence[str]) -> int | None:
-    """The first positive int attribute ``names`` holds on the first owner that has one."""
-    for owner in owners:
-        for name in names:
-            value = getattr(owner, name, None)
-            if _is_positive_int(value):
-                return value
-    return None
-
-
-def check_head_split(query: Tensor, key: Tensor, value: Tensor | None, heads: int, key_heads: int) -> None:
-    """Checks that the projections' rows split into ``heads`` query and ``key_heads`` key/value heads.
-
-    Args:
-        query: (H·d_k, d_q).
-        key: (H_k·d_k, d_kv).
-        value: (H_k·d_v, d_v_in), or ``None``.
-        heads: H.
-        key_heads: H_k.
-
-    Raises:
-        ValueError: if a count is not a positive int, H_k does not divide H, a projection's rows are not a
-            multiple of its heads, or query and key heads differ in width.
-    """
-    if not (_is_positive_int(heads) and _is_positive_int(key_heads)):
         raise ValueError(
-            f"num_heads and num_key_value_heads must be positive ints, got {heads!r}, {key_heads!r}"
+            f"{argument} must be an nn.Module subclass or a class-name / module-name pattern (a non-empty "
+            f"str), got {target!r}"
         )
-    if heads % key_heads:
-        raise ValueError(f"num_key_value_heads={key_heads} must divide num_heads={heads}")
-    for name, weight, count in (
-        ("query", query, heads),
-        ("key", key, key_heads),
-        ("value", value, key_heads),
-    ):
-        if weight is not None and weight.shape[0] % count:
-            raise ValueError(f"{name} has {weight.shape[0]} rows, not a multiple of its {count} heads")
-    if query.shape[0] // heads != key.shape[0] // key_heads:
+    if not isinstance(layout, QKVLayout):
         raise ValueError(
-            f"query and key heads must have one width d_k, got {query.shape[0] // heads} "
-            f"and {key.shape[0] // key_heads}"
+            f"{argument}: the layout for {target!r} must be a QKVLayout, got {type(layout).__name__} "
+            f"{layout!r}"
         )
-
-
-def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _describe(value: object) -> str:
-    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__

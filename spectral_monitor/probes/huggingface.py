@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spectral_monitor.probes.attention_families import looks_like_attention
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
+from spectral_monitor.validation import check_instance
 
 __all__ = ["CAPTURED_IMPLEMENTATIONS", "attention_not_seen_advice", "observe_eager_attention"]
 
@@ -104,8 +105,11 @@ def observe_eager_attention(
     return stop
 
 
-def attention_not_seen_advice(model: nn.Module) -> str:
-    """How to make ``model``'s attention visible to the capture, as concretely as the model allows."""
+def attention_not_seen_advice(model: nn.Module, attention_families: AttentionFamilies | None = None) -> str:
+    """How to make ``model``'s attention visible to the capture, as concretely as the model allows; the
+    modules that look like attention are those ``attention_families`` says do (None:
+    ``AttentionFamilies()``)."""
+    families = check_instance("attention_families", attention_families, AttentionFamilies)
     modules = [module for _, module in unwrapped_named_modules(model)]
     implementations = sorted(
         {
@@ -123,7 +127,9 @@ def attention_not_seen_advice(model: nn.Module) -> str:
             'cannot see; load the model with from_pretrained(..., attn_implementation="sdpa") or switch '
             'it with model.set_attn_implementation("sdpa") ("eager" is seen too)'
         )
-    candidates = sorted({type(module).__name__ for module in modules if looks_like_attention(module)})
+    candidates = sorted(
+        {type(module).__name__ for module in modules if families.looks_like_attention(module)}
+    )
     target = candidates[0] if candidates else "MyAttention"
     extractor = (
         "register an extractor that returns its q, k, mask and scale: "

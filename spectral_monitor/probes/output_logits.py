@@ -18,8 +18,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.probes.token_masks import ForwardTokenMasks
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
+from spectral_monitor.validation import check_instance
 
 __all__ = ["OutputLogitCapture", "OutputLogitSample", "find_lm_head"]
 
@@ -72,10 +74,18 @@ def find_lm_head(model: nn.Module, module_name: str | None = None) -> tuple[str,
 
 
 class OutputLogitCapture:
-    """Keeps the LM head's output of one armed forward (the first call while armed)."""
+    """Keeps the LM head's output of one armed forward (the first call while armed); its real tokens are read
+    with ``attention_families``' mask keywords (None: ``AttentionFamilies()``)."""
 
-    def __init__(self, model: nn.Module, module_name: str | None = None, max_sequences: int = 2) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        module_name: str | None = None,
+        max_sequences: int = 2,
+        attention_families: AttentionFamilies | None = None,
+    ) -> None:
         self.model = model
+        self.attention_families = check_instance("attention_families", attention_families, AttentionFamilies)
         self.layer, self.head = find_lm_head(model, module_name)
         self.max_sequences = max_sequences
         self._handle: RemovableHandle | None = None
@@ -90,7 +100,7 @@ class OutputLogitCapture:
         """Hooks the head until :meth:`disarm`; ``token_mask`` (B, n) bool, True = real token;
         ``every_module``: as :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`."""
         self.disarm()
-        self._token_masks = ForwardTokenMasks(token_mask)
+        self._token_masks = ForwardTokenMasks(token_mask, self.attention_families)
         self._token_masks.install(self.model, every_module=every_module)
         self._handle = self.head.register_forward_hook(self._keep)
 

@@ -24,9 +24,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.probes.attention_records import SkippedCapture
 from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import unwrapped_named_modules, wrapped_module
+from spectral_monitor.validation import check_instance
 
 __all__ = ["ResidualCapture", "ResidualRecording", "ResidualSample", "find_transformer_blocks"]
 
@@ -98,6 +100,8 @@ class ResidualCapture:
     times in one armed forward only its first output is kept. A block that has left the model since is listed
     in ``recording.skipped``; so is, with ``strict=False``, a block whose output could not be read (an error
     while copying it), and the forward goes on; ``strict=True`` raises that error into the forward.
+    ``attention_families``: the :class:`~spectral_monitor.probes.AttentionFamilies` whose mask keywords say
+    which tokens are padding (None: ``AttentionFamilies()``).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class ResidualCapture:
         block_patterns: Sequence[str] | None = None,
         max_sequences: int = 4,
         strict: bool = False,
+        attention_families: AttentionFamilies | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -121,6 +126,7 @@ class ResidualCapture:
         self.model = model
         self.max_sequences = max_sequences
         self.strict = strict
+        self.attention_families = check_instance("attention_families", attention_families, AttentionFamilies)
         self.blocks = tuple(find_transformer_blocks(model, block_patterns))
         if not self.blocks:
             if block_patterns is not None:
@@ -146,7 +152,7 @@ class ResidualCapture:
         """
         if self._recording is not None:
             raise RuntimeError("ResidualCapture is already armed; disarm() it first")
-        token_masks = ForwardTokenMasks(checked_token_mask(token_mask))
+        token_masks = ForwardTokenMasks(checked_token_mask(token_mask), self.attention_families)
         recording = ResidualRecording()
         modules = dict(unwrapped_named_modules(self.model))
         seen: set[str] = set()

@@ -1,8 +1,8 @@
 """Which tokens of a forward are real, read from the padding masks its modules receive.
 
 While a capture is armed, a pre-hook on every module reads the padding mask the module was given, by
-keyword (the names are :data:`~spectral_monitor.probes.attention_families.REAL_TOKEN_MASK_KEYWORDS` and
-:data:`~spectral_monitor.probes.attention_families.PADDING_MASK_KEYWORDS`), and keeps it while that
+keyword (the names are the ``real_token_mask_keywords`` and ``padding_mask_keywords`` of the capture's
+:class:`~spectral_monitor.probes.AttentionFamilies`; by default those below), and keeps it while that
 module's forward runs:
 
 - ``attention_mask`` of shape (batch, tokens), as Hugging Face models take it: nonzero = real token. A module
@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from spectral_monitor.probes.attention_families import PADDING_MASK_KEYWORDS, REAL_TOKEN_MASK_KEYWORDS
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
+from spectral_monitor.validation import check_instance
 
 __all__ = ["ForwardTokenMasks", "checked_token_mask"]
 
@@ -46,10 +47,14 @@ def checked_token_mask(token_mask: object, argument: str = "token_mask") -> Tens
 
 
 class ForwardTokenMasks:
-    """The real tokens said by the modules running now, and the batch's token mask as the fallback."""
+    """The real tokens said by the modules running now, and the batch's token mask as the fallback; the
+    mask keywords are ``attention_families``' (None: ``AttentionFamilies()``)."""
 
-    def __init__(self, fallback: Tensor | None = None) -> None:
+    def __init__(
+        self, fallback: Tensor | None = None, attention_families: AttentionFamilies | None = None
+    ) -> None:
         self.fallback = checked_token_mask(fallback)
+        self.attention_families = check_instance("attention_families", attention_families, AttentionFamilies)
         self._said: list[object] = []  # one entry per running module: a mask, None (all real) or nothing said
         self._handles: list[RemovableHandle] = []
 
@@ -84,7 +89,7 @@ class ForwardTokenMasks:
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
             return  # traced into a compiled graph: the run is measured by a probe forward instead
-        self._said.append(_said_by(kwargs))
+        self._said.append(_said_by(kwargs, self.attention_families))
 
     def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -93,16 +98,16 @@ class ForwardTokenMasks:
             self._said.pop()
 
 
-def _said_by(kwargs: dict[str, Any]) -> object:
+def _said_by(kwargs: dict[str, Any], families: AttentionFamilies) -> object:
     """What a call's keyword arguments say of its tokens: a (B, n) bool mask, None (all real) or nothing."""
-    for name in REAL_TOKEN_MASK_KEYWORDS:
+    for name in families.real_token_mask_keywords:
         if name in kwargs:
             mask = kwargs[name]
             if mask is None:
                 return None
             if isinstance(mask, Tensor) and mask.dim() == 2 and not mask.is_nested:
                 return mask.detach() != 0
-    padding = [kwargs[name] for name in PADDING_MASK_KEYWORDS if kwargs.get(name) is not None]
+    padding = [kwargs[name] for name in families.padding_mask_keywords if kwargs.get(name) is not None]
     if len(padding) == 1 and isinstance(padding[0], Tensor) and padding[0].dim() == 2:
         mask = padding[0].detach()
         return ~mask if mask.dtype == torch.bool else ~torch.isneginf(mask)

@@ -3,10 +3,10 @@
 What is measured: every ``nn.Linear`` and Hugging Face ``Conv1D`` (read transposed: it stores its weight
 (in, out)), and the query, key and value projections of every attention module whose layout
 :mod:`spectral_monitor.probes.attention_families` knows (``nn.MultiheadAttention``, GPT-2, packed ``c_attn``
-or ``qkv``, GPT-NeoX, Phi-3, separate ``q_proj``/``query``/``q``/``q_lin`` projections, and the layouts
-registered with :func:`~spectral_monitor.probes.register_qkv_layout`), split out of packed weights, or that
-a probe's ``attention_readers`` read. A module with a fused projection that no layout splits gets one
-warning naming it and that registration; its fused weight is measured whole.
+or ``qkv``, GPT-NeoX, Phi-3, separate ``q_proj``/``query``/``q``/``q_lin`` projections, and the fused
+layouts of the probe's :class:`~spectral_monitor.probes.AttentionFamilies`), split out of packed weights, or
+that a probe's ``attention_readers`` read. A module with a fused projection that no layout splits gets one
+warning naming it and how to add its layout; its fused weight is measured whole.
 
 Names and records (family ``"weights"``). A weight is named by its module (``blocks.0.mlp.0``); a projection
 split out of an attention module ``blocks.0.attn`` is named ``blocks.0.attn.q``, ``.k``, ``.v`` whatever the
@@ -77,18 +77,21 @@ from spectral_monitor.linalg.operators import (
 )
 from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
 from spectral_monitor.probes.attention_families import (
-    AttentionWeights,
-    AttentionWeightsReader,
+    AttentionFamilies,
     QKVLayout,
-    check_head_split,
-    fused_projection_name,
-    plain_weight,
-    read_attention_weights,
     register_qkv_layout,
 )
 from spectral_monitor.probes.attention_records import ROOT_LAYER_NAME
+from spectral_monitor.probes.attention_weights import (
+    AttentionWeights,
+    AttentionWeightsReader,
+    check_head_split,
+    fused_projection_name,
+    plain_weight,
+)
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
+from spectral_monitor.validation import check_instance
 
 __all__ = [
     "WEIGHT_FAMILY",
@@ -191,8 +194,9 @@ class WeightProbe:
     nothing. ``iterations_per_step``: block Lanczos iterations per call for a warm weight. ``tol``: relative
     Ritz residual at which an estimate stops early. ``per_head``: also measure each attention head.
     ``attention_readers``: module types or name patterns mapped to a function returning the module's
-    :class:`AttentionWeights`, tried before the registered and built-in layouts
-    (:mod:`spectral_monitor.probes.attention_families`). ``warn``:
+    :class:`AttentionWeights`, tried before ``attention_families``, the
+    :class:`~spectral_monitor.probes.AttentionFamilies` registry that reads every other module (None:
+    ``AttentionFamilies()``, the default as of the probe's making). ``warn``:
     receives the one warning about a fused projection no layout splits (default: a ``RuntimeWarning``).
 
     :meth:`measure` returns :class:`~spectral_monitor.records.Measurement` records, :meth:`distributions`
@@ -209,6 +213,7 @@ class WeightProbe:
         tol: float = 1e-3,
         per_head: bool = True,
         attention_readers: Mapping[type[nn.Module] | str, AttentionWeightsReader] | None = None,
+        attention_families: AttentionFamilies | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -237,6 +242,7 @@ class WeightProbe:
         self.tol = float(tol)
         self.per_head = per_head
         self.attention_readers = dict(attention_readers or {})
+        self.attention_families = check_instance("attention_families", attention_families, AttentionFamilies)
         self._warn = warn or _runtime_warning
         self._fused_layouts_checked = False  # once, at the first measurement: the model's modules stay
         self._generator = default_generator(torch.device("cpu"))
@@ -396,7 +402,7 @@ class WeightProbe:
                     )
                 value = None if weights.value is None else weights.value.detach()
                 return replace(weights, query=weights.query.detach(), key=weights.key.detach(), value=value)
-        return read_attention_weights(_layer_name(name), module)
+        return self.attention_families.read_attention_weights(_layer_name(name), module)
 
     def _warn_about_unsplit_projections(
         self, modules: Mapping[str, nn.Module], sites: Mapping[str, Any]
@@ -411,13 +417,14 @@ class WeightProbe:
             if fused is None:
                 continue
             warned.add(kind)
-            fix = f'register_qkv_layout({kind}, QKVLayout("{fused}", "concatenated"))'
+            layout = f'{kind}, QKVLayout("{fused}", "concatenated")'
             self._warn(
                 f'SpectralMonitor: {kind} ({_layer_name(name)}) fuses q, k and v in "{fused}" in a layout '
                 f"the weight probe does not know: no per-head weight metrics (qk_spectral_norm) for it, and "
-                f'"{fused}" is measured whole. Register the layout once, before training: '
-                f'spectral_monitor.probes.{fix} ("interleaved" where each head\'s q, k, v rows follow each '
-                "other)."
+                f'"{fused}" is measured whole. Give the monitor its layout, '
+                f"attention_families=AttentionFamilies().with_qkv_layout({layout}), or register it for "
+                f"every monitor made afterwards: spectral_monitor.probes.register_qkv_layout({layout}) "
+                '("interleaved" where each head\'s q, k, v rows follow each other).'
             )
 
     # ----------------------------------------------------------------------------------------------------

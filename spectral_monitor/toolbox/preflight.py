@@ -2,7 +2,8 @@
 
 Checks (the correct versions of the survey's; its thresholds are not used):
 
-- ``heads``: the model width divides into the heads (modules with a head count and a width attribute).
+- ``heads``: the model width divides into the heads (modules with a head count and a width attribute, by
+  the names of the :class:`~spectral_monitor.probes.AttentionFamilies` given).
 - ``head_dim``: d_k of each attention module. Each head's logit matrix scale·QKᵀ has rank ≤ d_k, so a head
   can express logit patterns of rank d_k at most (Bhojanapalli et al. 2020, "Low-rank bottleneck in
   multi-head attention"); reported as information, a warning below ``SMALL_HEAD_DIM``.
@@ -34,7 +35,7 @@ from torch import nn
 from spectral_monitor.metrics import marchenko_pastur_edge
 from spectral_monitor.metrics.baselines import random_attention_sigma2
 from spectral_monitor.probes import WeightProbe, find_transformer_blocks
-from spectral_monitor.probes.attention_families import declared_head_count, declared_model_width
+from spectral_monitor.probes.attention_families import AttentionFamilies
 from spectral_monitor.toolbox.length_scaling import LengthScaledAttention, attention_logit_scale
 
 __all__ = ["Finding", "architecture_preflight", "preflight_markdown"]
@@ -71,7 +72,12 @@ class Finding:
 
 
 @torch.no_grad()
-def architecture_preflight(model: nn.Module, *, context_length: int | None = None) -> list[Finding]:
+def architecture_preflight(
+    model: nn.Module,
+    *,
+    context_length: int | None = None,
+    attention_families: AttentionFamilies | None = None,
+) -> list[Finding]:
     """Run the checks of the module docstring on ``model``.
 
     Reads weights only (detached float64 copies); no forward is run and nothing is modified.
@@ -79,12 +85,15 @@ def architecture_preflight(model: nn.Module, *, context_length: int | None = Non
     Args:
         model: The transformer to check.
         context_length: The longest context it will see; enables the ``logit_scale`` check.
+        attention_families: How its attention modules are recognised, counted and read (None:
+            ``AttentionFamilies()``).
 
     Returns:
         The findings, each with its check, severity, module and reason.
 
     Raises:
-        ValueError: ``model`` is not a module, or ``context_length`` is not an int of at least 2.
+        ValueError: ``model`` is not a module, ``context_length`` is not an int of at least 2, or
+            ``attention_families`` is not an ``AttentionFamilies``.
 
     Examples:
         >>> from torch import nn
@@ -99,8 +108,8 @@ def architecture_preflight(model: nn.Module, *, context_length: int | None = Non
         isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 2
     ):
         raise ValueError(f"context_length must be an int >= 2 or None, got {context_length!r}")
-    probe = WeightProbe(model, per_head=False)
-    findings = _head_counts(model)
+    probe = WeightProbe(model, per_head=False, attention_families=attention_families)
+    findings = _head_counts(model, probe.attention_families)
     attention = probe.attention_weights()
     for name, weights in attention:
         findings += _head_dim(name, weights)
@@ -132,10 +141,10 @@ def preflight_markdown(findings: list[Finding]) -> str:
     return "\n".join(lines)
 
 
-def _head_counts(model: nn.Module) -> list[Finding]:
+def _head_counts(model: nn.Module, families: AttentionFamilies) -> list[Finding]:
     findings = []
     for name, module in model.named_modules():
-        heads, width = declared_head_count(module), declared_model_width(module)
+        heads, width = families.declared_head_count(module), families.declared_model_width(module)
         if heads and width and width % heads:
             findings.append(
                 Finding(

@@ -20,7 +20,7 @@ from torch import nn
 
 from spectral_monitor.metrics import marchenko_pastur_edge
 from spectral_monitor.metrics.spectra import energy_rank, marchenko_pastur_density, power_law_alpha
-from spectral_monitor.probes import WEIGHT_FAMILY, WeightProbe
+from spectral_monitor.probes import WEIGHT_FAMILY, AttentionFamilies, WeightProbe
 from spectral_monitor.records import Measurement
 
 __all__ = [
@@ -61,9 +61,14 @@ class WeightSpectrum:
 
 @torch.no_grad()
 def weight_spectra(
-    model: nn.Module, *, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None
+    model: nn.Module,
+    *,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    attention_families: AttentionFamilies | None = None,
 ) -> list[WeightSpectrum]:
     """The :class:`WeightSpectrum` of every weight ``WeightProbe(model, include=..., exclude=...)`` measures.
+
 
     One batched ``torch.linalg.svdvals`` per weight shape, in float64 on detached copies.
 
@@ -71,12 +76,15 @@ def weight_spectra(
         model: The model whose weights are read.
         include: ``fnmatch`` patterns over qualified module names; only matching weights are read.
         exclude: Patterns of weights left out.
+        attention_families: Which attention modules' q, k and v are split out of packed weights (None:
+            ``AttentionFamilies()``).
 
     Returns:
         One spectrum per weight, in the model's order.
 
     Raises:
-        ValueError: ``include`` or ``exclude`` is not a sequence of patterns.
+        ValueError: ``include`` or ``exclude`` is not a sequence of patterns, or ``attention_families`` not
+            an ``AttentionFamilies``.
 
     Examples:
         >>> import torch
@@ -87,7 +95,9 @@ def weight_spectra(
         >>> [(spectrum.layer, spectrum.singular_values.tolist()) for spectrum in weight_spectra(model)]
         [('0', [4.0, 3.0, 2.0, 1.0])]
     """
-    probe = WeightProbe(model, include=include, exclude=exclude, per_head=False)
+    probe = WeightProbe(
+        model, include=include, exclude=exclude, per_head=False, attention_families=attention_families
+    )
     named = list(probe.named_matrices())
     by_shape: dict[tuple[int, int], list[int]] = {}
     for index, (_, matrix) in enumerate(named):

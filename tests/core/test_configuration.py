@@ -61,6 +61,7 @@ BAD_VALUES = {
     "on_alert": (["print", 3], "callable"),
     "stop_on": (["rank_collapse", ["no_such_rule"]], "rule"),
     "token_mask": ([3, "attention_mask"], "function of the batch"),
+    "attention_families": ([{"padding_mask_keywords": ["pad"]}, "default"], "AttentionFamilies or None"),
     "output_logits": ([1, None, ""], "True, False or the name of the LM head module"),
     "preset": (["heavy", None, "Light"], "('light', 'standard', 'full')"),
     "capture": ([{"max_sequences": 1}, 3], "CaptureOptions or None"),

@@ -38,6 +38,8 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.metrics.masks",
     "spectral_monitor.metrics.tokens",
     "spectral_monitor.metrics.weights",
+    "spectral_monitor.probes.attention_families",
+    "spectral_monitor.probes.attention_weights",
     "spectral_monitor.probes.jacobian",
     "spectral_monitor.probes.ntk",
     "spectral_monitor.records",

@@ -1,6 +1,6 @@
 """Tiny models the test files share: a Lightning encoder on a previous-token task, a full-batch regression
-for curvature runs, and a count of what the monitor may leave installed on a model. The Hugging Face
-models are in ``helpers.hf_models``.
+for curvature runs, a model whose attention family no default registry knows, and a count of what the
+monitor may leave installed on a model. The Hugging Face models are in ``helpers.hf_models``.
 
 Each model is built from a fixed seed unless a test asks otherwise, so two instances are the same model.
 """
@@ -116,3 +116,44 @@ def hook_count(model: nn.Module) -> int:
     module = nn.modules.module
     global_hooks = len(module._global_forward_hooks) + len(module._global_forward_pre_hooks)
     return module_hooks + global_hooks + torch._C._len_torch_function_stack()
+
+
+class FusedHeadsAttention(nn.Module):
+    """Self-attention of a family no default registry knows: q, k and v in one fused ``Wqkv``, per head
+    interleaved ([W_Q^h; W_K^h; W_V^h] for each head h, as its forward views them), and the head count
+    under a name of its own, ``n_q_heads``."""
+
+    def __init__(self, width: int = WIDTH, heads: int = HEADS) -> None:
+        super().__init__()
+        self.n_q_heads = heads
+        self.Wqkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        per_head = self.Wqkv(x).view(batch, tokens, self.n_q_heads, 3, width // self.n_q_heads)
+        q, k, v = per_head.permute(3, 0, 2, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v)
+        return self.out(attended.transpose(1, 2).reshape(batch, tokens, width))
+
+
+class FusedHeadsModel(nn.Module):
+    """Embedding, one :class:`FusedHeadsAttention` at ``blocks.0.attn`` with a residual connection, a head.
+
+    Its forward takes the padding as ``pad_mask`` (batch, tokens), True at padding: a keyword no default
+    registry reads. The attention ignores it, so padded queries change every attention metric that counts
+    them.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": FusedHeadsAttention()})])
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = x + block["attn"](x)
+        return self.head(x)
