@@ -226,3 +226,24 @@ def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() 
     # Each kept point is a reading of the series at its own step.
     index = drawn_steps // 50
     np.testing.assert_array_equal(drawn, values[index])
+
+
+def test_a_figure_redrawn_for_another_metric_shows_that_metric_alone() -> None:
+    from spectral_monitor.report import _metric_by_layer
+
+    large = {
+        "blocks.0": (np.array(STEPS), np.array([40.0, 55.0, 70.0])),
+        "blocks.1": (np.array(STEPS), np.ones(3)),
+    }
+    small = {"blocks.0": (np.array(STEPS), np.array([0.3, 0.2, 0.004]))}
+    redrawn = _metric_by_layer("attention/effective_rank_ratio_max", small, _metric_by_layer("x/y", large))
+    fresh = _metric_by_layer("attention/effective_rank_ratio_max", small)
+    (axes,), (fresh_axes,) = redrawn.axes, fresh.axes
+    assert [line.get_label() for line in axes.get_lines()] == [
+        line.get_label() for line in fresh_axes.get_lines()
+    ]
+    assert axes.get_ylim() == fresh_axes.get_ylim() and axes.get_xlim() == fresh_axes.get_xlim()
+    assert axes.get_title() == "attention/effective_rank_ratio_max"
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == [
+        text.get_text() for text in fresh_axes.get_legend().get_texts()
+    ]
