@@ -63,10 +63,15 @@ def row(n: int, rounds: int) -> list[str]:
         else:
             causal = torch.ones(n, n, dtype=torch.bool).tril()
             probs = (q[0] @ k[0].mT / HEAD_DIM**0.5).masked_fill(~causal, float("-inf")).softmax(dim=-1)
-            spent = seconds(
-                lambda rank_sums=rank_sums: attention_metrics(probs, causal=True, include_rank_sums=rank_sums),
-                1,
-            ) / HEADS
+            spent = (
+                seconds(
+                    lambda rank_sums=rank_sums, probs=probs: attention_metrics(
+                        probs, causal=True, include_rank_sums=rank_sums
+                    ),
+                    1,
+                )
+                / HEADS
+            )
         modelled = matrix_cost(
             n,
             n,
@@ -88,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(describe_machine())
-    print(f"\none causal head, d = {HEAD_DIM}, one thread; training attention timed over {args.rounds} rounds\n")
+    print(f"\none causal head, d = {HEAD_DIM}, one thread; training attention over {args.rounds} rounds\n")
     print(
         markdown_table(
             [

@@ -101,16 +101,28 @@ def main() -> None:
                 [str(step), "warm" if warm_start else "cold (first)", *map(str, cells[:2]), f"{cells[2]:.2f}",
                  *map(str, cells[3:5]), f"{cells[5]:.2f}", f"{cells[6]:.1e}"]
             )  # fmt: skip
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        logits = model(tokens).flatten(0, 1)
+        loss = torch.nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=-100)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     print(describe_machine())
-    print(f"\nbidirectional demo model, 2 layers × 4 heads, n = {args.tokens}, 2 sequences, every {args.every}\n")
+    print(
+        f"\nbidirectional demo model, 2 layers, 4 heads, n = {args.tokens}, 2 sequences, every {args.every}\n"
+    )
     print(
         markdown_table(
-            ["step", "start", "warm: Lanczos products", "all products", "s", "cold: Lanczos products",
-             "all products", "s", "largest σ₂ difference"],
+            [
+                "step",
+                "start",
+                "warm: Lanczos products",
+                "all products",
+                "s",
+                "cold: Lanczos products",
+                "all products",
+                "s",
+                "largest σ₂ difference",
+            ],
             rows,
         )  # fmt: skip
     )

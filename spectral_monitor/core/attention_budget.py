@@ -38,8 +38,8 @@ MIN_BUDGETED_TOKENS = 256
 """Layers with fewer queries or keys are measured whole: there per-call overheads, which the cost model does
 not count, dominate the measurement and the training step alike."""
 LINEAR_WORK_PER_ATTENTION = 6.0
-"""A standard block's linear layers (q, k, v and output projections, an MLP 4 times as wide: 12·w² multiply-adds
-a token) cost this many times w/m the training attention of its heads (2·m·w a token)."""
+"""A standard block's linear layers (q, k, v and output projections, an MLP 4 times as wide: 12·w²
+multiply-adds a token) cost this many times w/m the training attention of its heads (2·m·w a token)."""
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,10 @@ class AttentionFamily(CaptureFamily):
                 }
                 records, pairs = spectra_diversity_records(progress.step, spectra)
                 # The spectra of a layer measured on some heads are numbered by position among them.
-                heads = {captured.layer: layer.budget.heads for captured, layer in zip(layers, measured, strict=True)}
+                heads = {
+                    captured.layer: layer.budget.heads
+                    for captured, layer in zip(layers, measured, strict=True)
+                }
                 pairs = {
                     name: [(heads[name][h], heads[name][g], distance) for h, g, distance in layer_pairs]
                     for name, layer_pairs in pairs.items()

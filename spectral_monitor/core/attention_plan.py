@@ -98,7 +98,9 @@ class AttentionPlan:
             captured.selected(budget.sequences, budget.heads) if budget.sampled else captured
             for captured, budget in zip(layers, budgets, strict=True)
         ]
-        room -= sum(captured.held_nbytes() for captured, budget in zip(layers, budgets, strict=True) if budget.sampled)
+        room -= sum(
+            captured.held_nbytes() for captured, budget in zip(layers, budgets, strict=True) if budget.sampled
+        )
         results: list[LayerAttention | None] = [None] * len(layers)
         together: dict[tuple[Any, ...], list[int]] = {}
         for index, (captured, budget) in enumerate(zip(layers, budgets, strict=True)):
@@ -146,8 +148,9 @@ class AttentionPlan:
                     group.append(index)
                     continue
                 members = [layers[i] for i in group]
+                rank_sums = self.options.budget.attention_rank_sums
                 measured = self._dense_attention(
-                    members, iter(members), room, None, diversity, draw, self.options.budget.attention_rank_sums
+                    members, iter(members), room, None, diversity, draw, rank_sums
                 )
                 for i, result in zip(group, measured, strict=True):
                     results[i] = result

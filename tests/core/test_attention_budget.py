@@ -66,8 +66,8 @@ def test_a_layer_over_the_budget_for_one_head_measures_one_head_of_fewer_sequenc
 
 
 def test_at_4096_tokens_the_budget_is_kept_by_leaving_the_rank_sums_out() -> None:
-    """GPT-2 small's shapes (12 heads of 64) at 4096 tokens: one matrix with the blockwise rank sums costs more
-    than the standard preset allows a layer, so the rank sums go and the matrices measured fit it."""
+    """GPT-2 small's shapes (12 heads of 64) at 4096 tokens: one matrix with the blockwise rank sums costs
+    more than the standard preset allows a layer, so the rank sums go and the matrices measured fit it."""
     ratio = MonitorOptions().budget.attention_cost_ratio
     q = torch.zeros(SEQUENCES, 12, 4096, 64)
     captured = CapturedAttention("blocks.0.attention", q, q, None, True, 0.125, None, None)
@@ -75,8 +75,10 @@ def test_at_4096_tokens_the_budget_is_kept_by_leaving_the_rank_sums_out() -> Non
     allowed = ratio * training_cost(SEQUENCES, 12, 4096, 64)
     assert matrix_cost(4096, 4096, 64, exact=False, blockwise=True, rank_sums=True) > allowed
     assert not budget.rank_sums
-    spent = len(budget.heads) * budget.sequences * matrix_cost(
-        4096, 4096, 64, exact=False, blockwise=True, rank_sums=False
+    spent = (
+        len(budget.heads)
+        * budget.sequences
+        * matrix_cost(4096, 4096, 64, exact=False, blockwise=True, rank_sums=False)
     )
     assert 0 < spent <= allowed
 
