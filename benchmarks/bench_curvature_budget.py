@@ -5,7 +5,10 @@ Each case runs in a fresh process with ``MALLOC_MMAP_THRESHOLD_`` low, so that f
 resident set and a thread sampling ``/proc/self/statm`` every 0.5 ms follows the allocations: the peak over
 the resident set before the model was built, for an AdamW training step and for one curvature event
 (``measure_curvature`` with the preset's options and the given ``max_products``). The estimate is computed
-in the same process, as the probe computes it before its first event.
+in the same process, as the probe computes it before its first event, and compared with each growth over
+the resident set just before it (the parameters and the optimizer state, resident through both, left out
+of the estimate's side; the peaks also hold the interpreter's and the libraries' own memory, which the
+estimate does not count).
 
     python benchmarks/bench_curvature_budget.py --models gpt2 nanogpt --context 256 --max-products 32 8
 """
@@ -78,6 +81,7 @@ def worker(name: str, context: int, batch: int, max_products: int) -> dict[str, 
 
     train_step()  # the optimizer state exists, as at any event after the first
     steps = []
+    idle_before_step = resident_mb()
     with PeakResident() as step_peak:
         for _ in range(3):
             started = time.perf_counter()
@@ -89,6 +93,7 @@ def worker(name: str, context: int, batch: int, max_products: int) -> dict[str, 
         activations = saved_activation_bytes(loss, model.parameters())
     space = ParameterSpace.of(model)
     estimate = estimate_curvature_memory(model, [space.size], options, optimizer, activations)
+    idle_before_probe = resident_mb()
     with PeakResident() as probe_peak:
         started = time.perf_counter()
         result = measure_curvature(
@@ -96,9 +101,15 @@ def worker(name: str, context: int, batch: int, max_products: int) -> dict[str, 
         )
         event = time.perf_counter() - started
     step = sorted(steps)[1]
+    # What stays resident through both (the parameters and AdamW's moments) is left out of each side.
+    resident = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 2**20
     return {
         "step_mb": step_peak.peak - before_model,
         "probe_mb": probe_peak.peak - before_model,
+        "step_growth_mb": step_peak.peak - idle_before_step,
+        "probe_growth_mb": probe_peak.peak - idle_before_probe,
+        "estimate_step_growth_mb": estimate.step_bytes / 2**20 - resident,
+        "estimate_probe_growth_mb": estimate.probe_bytes / 2**20 - resident,
         "estimate_step_mb": estimate.step_bytes / 2**20,
         "estimate_probe_mb": estimate.probe_bytes / 2**20,
         "products": result.products,
@@ -137,8 +148,10 @@ def main() -> None:
                 [
                     name,
                     str(max_products),
-                    f"{r['step_mb']:.0f} / {r['estimate_step_mb']:.0f}",
-                    f"{r['probe_mb']:.0f} / {r['estimate_probe_mb']:.0f}",
+                    f"{r['step_mb']:.0f}",
+                    f"{r['probe_mb']:.0f}",
+                    f"{r['step_growth_mb']:.0f} / {r['estimate_step_growth_mb']:.0f}",
+                    f"{r['probe_growth_mb']:.0f} / {r['estimate_probe_growth_mb']:.0f}",
                     f"{r['probe_mb'] / r['step_mb']:.1f}× / "
                     f"{r['estimate_probe_mb'] / r['estimate_step_mb']:.1f}×",
                     f"{r['products']:.0f} ({'converged' if r['converged'] else 'not converged'})",
@@ -152,8 +165,10 @@ def main() -> None:
     header = [
         "model",
         "max_products",
-        "step peak MB (measured / estimated)",
-        "probe peak MB (measured / estimated)",
+        "step peak MB",
+        "probe peak MB",
+        "step growth MB (measured / estimated)",
+        "probe growth MB (measured / estimated)",
         "probe / step",
         "products",
         "step s",

@@ -61,7 +61,7 @@ from spectral_monitor.core.probe_checkpoint import (
     vectors_of,
 )
 from spectral_monitor.core.schedule import Cadence
-from spectral_monitor.distributed import global_rank
+from spectral_monitor.distributed import any_rank, global_rank
 from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode, probing
 from spectral_monitor.probes.curvature import (
     BLOCK_PRESETS,
@@ -192,7 +192,7 @@ class CurvatureOptions:
         if self.max_overhead_percent is not None:
             check_number("max_overhead_percent", self.max_overhead_percent, above=0.0, unit="percentage")
         if self.max_memory_ratio is not None:
-            check_number("max_memory_ratio", self.max_memory_ratio, above=0.0, unit="ratio or None")
+            check_number("max_memory_ratio", self.max_memory_ratio, above=0.0, unit="ratio")
 
     def spaces(
         self, module: nn.Module, warn: Callable[[str], None] = warnings.warn
@@ -601,7 +601,8 @@ class SecondOrderProbes:
             activations = saved_activation_bytes(self._loss_closure(module, batches), module.parameters())
         sizes = [space.size for space in self._spaces.values()]
         memory = estimate_curvature_memory(module, sizes, options, optimizer, activations, len(batches))
-        if memory.refused(options.max_memory_ratio):
+        # Under DDP every rank measures or none does: the products are averaged over the ranks.
+        if any_rank([memory.refused(options.max_memory_ratio)])[0]:
             self.families = [family for family in self.families if family != "curvature"]
             raise ValueError(memory.refusal(options.max_memory_ratio, options.max_products))
 
