@@ -26,7 +26,8 @@ from spectral_monitor.metrics import KrylovState, attention_metrics
 from spectral_monitor.metrics.attention import uses_exact_path
 from spectral_monitor.probes import AttentionSample, CapturedAttention
 from spectral_monitor.probes.attention_records import DENSE_CALL_NBYTES
-from spectral_monitor.sinks.figures import AttentionBlocks, AttentionImages, DrawnHead, attention_block_means
+from spectral_monitor.sinks.attention_images import AttentionImages, DrawnHead
+from spectral_monitor.sinks.figures import AttentionBlocks, attention_block_means
 from spectral_monitor.toolbox.head_diversity import (
     SPECTRUM_DTYPES,
     attention_spectra,

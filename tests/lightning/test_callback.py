@@ -36,7 +36,7 @@ from spectral_monitor.core.session import HEATMAP_METRICS, HISTOGRAM_METRICS
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe
-from spectral_monitor.sinks.figures import DrawnHead
+from spectral_monitor.sinks.attention_images import DrawnHead
 
 LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
 BLOCKS = ("encoder.layers.0", "encoder.layers.1")
