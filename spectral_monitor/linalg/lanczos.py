@@ -12,7 +12,8 @@ and asks for three things: min(r, r²/δ) within ``tol`` of the eigenvalue (of e
 ``relative_to="each"``); the first Ritz pair past the wanted ones resolved (its residual at most half its
 distance to them, or converged itself); and, with ``failure_probability`` p, a Krylov polynomial of high
 enough degree that an eigenvalue δ or more above θ, had the space missed it, would have pulled a Ritz value
-to it from a random start with probability 1 − p (the Kaniel–Paige–Saad bound, :func:`_krylov_certifies`).
+to it from a random start with probability 1 − p (the Kaniel–Paige–Saad bound,
+:func:`~spectral_monitor.linalg.lanczos_certificate.judge`).
 
 When it can still fail. A Krylov method sees nothing of an eigenvector orthogonal to its start space: the
 guarantee is over the random start, not over the operator. A Gaussian start has a component below p/√n
@@ -43,6 +44,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from spectral_monitor.linalg.krylov_basis import BlockTridiagonal, GrowingRows, orthonormal_rows
+from spectral_monitor.linalg.lanczos_certificate import (
+    CERTAINTY,
+    StopCriterion,
+    least_degree,
+    stop_test,
+)
 from spectral_monitor.linalg.operators import (
     BatchedOperator,
     DenseOperator,
@@ -53,7 +61,6 @@ from spectral_monitor.linalg.operators import (
 )
 
 Which = Literal["largest", "smallest"]
-StopCriterion = Literal["residual", "eigenvalue"]
 STOP_CRITERIA = ("residual", "eigenvalue")
 RelativeTo = Literal["largest", "each"]
 RELATIVE_TO = ("largest", "each")
@@ -61,17 +68,6 @@ InitMode = Literal["prepend", "mix"]
 INIT_MODES = ("prepend", "mix")
 INITIAL_BASIS_BLOCKS = 12
 """Blocks the Lanczos basis has room for before it grows: σ₁, σ₂ of softmax attention take 11–17."""
-CERTAINTY = 0.01
-"""The ``failure_probability`` the probes' solves certify their answers to: the chance, over the random
-start, that an eigenvalue above a reported one was never seen (:func:`lanczos_eigsh`)."""
-ROUNDING_FLOOR = 10
-"""A residual below this many units of rounding of the operator's dtype, times the largest product norm seen,
-meets any tolerance: float rounding of the products, not the solver, sets the error there. Ten units, not
-more: the floor is an absolute error, so on the float32 Gram products of attention a larger one lets σ₂ of
-a matrix whose σ₂² is a few percent of σ₁² stop several times further off than its own tolerance."""
-EACH_FLOOR = 1e-3
-"""With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
-instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
 
 
 @dataclass
@@ -119,136 +115,6 @@ def fresh_generator() -> torch.Generator:
     generator = torch.Generator()
     generator.seed()
     return generator
-
-
-def orthonormal_rows(
-    block: Tensor, basis: Tensor | None, scale: Tensor, generator: torch.Generator
-) -> tuple[Tensor, Tensor]:
-    """Orthonormalise the rows of ``block`` (B, b, n) against the rows of ``basis`` (B, k, n) and each other;
-    returns (Q, C), Q (B, b, n) with orthonormal rows and ``blockᵀ ≈ Qᵀ C``.
-
-    A row that vanishes (the Krylov space became invariant, e.g. for a rank-one attention matrix) is
-    replaced by a random direction orthogonal to everything so far; its coupling C is then exactly what the
-    row carried, so the projected matrix stays exact.
-    """
-    n = block.shape[2]
-    threshold = 10 * n**0.5 * torch.finfo(block.dtype).eps * scale[:, None]
-    if block.shape[1] == 1:  # one row: a norm, not a QR factorisation
-        norm = block.norm(dim=2, keepdim=True)
-        tiny = norm[:, :, 0] <= threshold
-        if not bool(tiny.any()):
-            return block / norm, norm  # the row's coupling to its own direction is its norm
-        q = block / torch.where(tiny[:, :, None], torch.ones_like(norm), norm)
-    else:
-        q, r = torch.linalg.qr(block.mT)
-        q = q.mT.contiguous()
-        tiny = r.diagonal(dim1=1, dim2=2).abs() <= threshold
-    if bool(tiny.any()):
-        # A dependent row's Householder direction is arbitrary and the rows after it can lean on that
-        # direction, so replacing it alone would drop part of the block: the block's span is taken from its
-        # singular vectors instead (the kept ones first), and the fillers are orthogonalised after them.
-        left, singular, _ = torch.linalg.svd(block.mT, full_matrices=False)
-        kept = singular > threshold
-        filler = gaussian(block.mT.shape, dtype=block.dtype, device=block.device, generator=generator)
-        q = torch.where(kept[:, None, :], left, filler).mT
-        for _ in range(2):
-            if basis is not None:
-                q = torch.where(kept[:, :, None], q, torch.baddbmm(q, q @ basis.mT, basis, alpha=-1))
-            q = torch.linalg.qr(q.mT).Q.mT.contiguous()
-    return q, q @ block.mT
-
-
-def reorthogonalise(block: Tensor, basis: Tensor) -> Tensor:
-    """The rows of ``block`` (B, b, n) less their components along the orthonormal rows of ``basis``."""
-    # Twice is enough (Kahan–Parlett): one classical Gram–Schmidt pass loses orthogonality in float32.
-    for _ in range(2):
-        block = torch.baddbmm(block, block @ basis.mT, basis, alpha=-1)
-    return block
-
-
-class GrowingRows:
-    """Rows (B, k, n), block after block, in a buffer with room for more: appending copies only the new
-    block. ``torch.cat`` copied the whole basis into a fresh allocation each time, 86 ms for the 17 blocks of
-    64 Lanczos bases at n = 2048 against 4.5 ms for writing each block into room kept for it."""
-
-    GROWTH = 1.5
-
-    def __init__(self, first: Tensor, capacity: int) -> None:
-        batch, count, n = first.shape
-        self._buffer = first.new_empty((batch, max(capacity, count), n))
-        self._buffer[:, :count] = first
-        self._count = count
-
-    @property
-    def rows(self) -> Tensor:
-        """The rows so far, (B, k, n): a view, valid until the next ``append`` or ``keep``."""
-        return self._buffer[:, : self._count]
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    @property
-    def capacity(self) -> int:
-        return self._buffer.shape[1]
-
-    def append(self, block: Tensor) -> None:
-        needed = self._count + block.shape[1]
-        capacity = self._buffer.shape[1]
-        if needed > capacity:
-            batch, _, n = self._buffer.shape
-            # An orthonormal basis of length-n rows never needs more than n of them.
-            grown_capacity = max(needed, min(int(capacity * self.GROWTH), n))
-            grown = self._buffer.new_empty((batch, grown_capacity, n))
-            grown[:, : self._count] = self.rows
-            self._buffer = grown
-        self._buffer[:, self._count : needed] = block
-        self._count = needed
-
-    def keep(self, index: Tensor) -> None:
-        """Drop every batch element but ``index`` (indices or a mask)."""
-        # Only the rows so far are copied: indexing the whole buffer copied its spare room too, 114 ms of a
-        # 0.32 s solve for 64 bases with room for 192 rows of 1024.
-        rows = self.rows[index]
-        kept = self._buffer.new_empty((rows.shape[0], *self._buffer.shape[1:]))
-        kept[:, : self._count] = rows
-        self._buffer = kept
-
-
-class BlockTridiagonal:
-    """The projected matrix Qᵀ Op Q of a block Lanczos basis, (B, m, m), written block by block into room
-    kept for it: growing a fresh zero matrix at every iteration cost more than the products on a small
-    Hessian."""
-
-    def __init__(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._buffer = torch.zeros((batch, capacity, capacity), dtype=dtype, device=device)
-        self._size = 0
-
-    @property
-    def matrix(self) -> Tensor:
-        """The matrix so far, (B, m, m): a view, valid until the next ``extend`` or ``keep``."""
-        return self._buffer[:, : self._size, : self._size]
-
-    def extend(self, diagonal: Tensor, coupling: Tensor | None) -> None:
-        """Append the diagonal block ``diagonal`` (B, b, b), coupled to the last block by ``coupling``
-        (B, b, c): the new block's rows against the last block's columns."""
-        size, width = self._size, diagonal.shape[1]
-        if size + width > self._buffer.shape[1]:
-            batch, capacity, _ = self._buffer.shape
-            grown_capacity = max(size + width, int(capacity * GrowingRows.GROWTH))
-            grown = self._buffer.new_zeros((batch, grown_capacity, grown_capacity))
-            grown[:, :size, :size] = self.matrix
-            self._buffer = grown
-        self._buffer[:, size : size + width, size : size + width] = diagonal
-        if coupling is not None:
-            previous = coupling.shape[2]
-            self._buffer[:, size : size + width, size - previous : size] = coupling
-            self._buffer[:, size - previous : size, size : size + width] = coupling.mT
-        self._size = size + width
-
-    def keep(self, index: Tensor) -> None:
-        """Drop every batch element but ``index`` (indices or a mask)."""
-        self._buffer = self._buffer[index]
 
 
 def lanczos_eigsh(
@@ -328,6 +194,22 @@ def lanczos_eigsh(
         else:
             start = _mixed_start(warm, start)
 
+    rounding = torch.finfo(op.dtype if op.dtype.is_floating_point else work).eps
+    if batch == 1 and start.shape[2] == 1:
+        return _single_vector_lanczos(
+            op,
+            start[0, :, 0],
+            k=k,
+            sign=sign,
+            tol=tol,
+            max_iters=max_iters,
+            generator=generator,
+            criterion=criterion,
+            relative_to=relative_to,
+            failure_probability=failure_probability,
+            rounding=rounding,
+        )
+
     # Blocks and the basis are kept as rows (B, b, n): a product with the transpose of a (B, n, k) basis
     # read it with a stride, and full reorthogonalisation, which reads the whole basis twice a block, took
     # 2–3× as long as it does on rows (64 bases of 1024 × 12–44 in float32). Operators see (B, n, b) views.
@@ -354,7 +236,7 @@ def lanczos_eigsh(
     undecided = torch.zeros(batch, dtype=torch.bool, device=op.device)
     # The certificate cannot pass below this degree (the gap is at most the spread and the tolerance at most
     # the spread), so the small eigenproblem is not solved before it.
-    next_check = 1 if failure_probability is None else 1 + int(_least_degree(n, failure_probability))
+    next_check = 1 if failure_probability is None else 1 + int(least_degree(n, failure_probability))
 
     for iteration in range(1, max_iters + 1):
         w = apply(active_op, q)
@@ -410,22 +292,26 @@ def lanczos_eigsh(
         wanted_theta = theta[:, -k:].flip(1)
         wanted_vectors = ritz[:, :, -k:].flip(2)
         every_residual = (next_coupling @ ritz[:, -width_now:, :]).norm(dim=1)
-        magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(work).tiny)
-        relative = every_residual[:, -k:].flip(1) / magnitude[:, None]
-        judged_against = magnitude[:, None].expand(-1, k)
-        if relative_to == "each":
-            judged_against = torch.maximum(wanted_theta.abs(), EACH_FLOOR * judged_against)
-        # Below float rounding of the products no residual can be asserted: that is the tolerance's floor.
-        floor = ROUNDING_FLOOR * torch.finfo(op.dtype if op.dtype.is_floating_point else work).eps * scale
-        tolerance = torch.maximum(tol * judged_against, floor[:, None])
-        if not last and _beyond_tolerance(theta, every_residual[:, -k:].flip(1), tolerance, criterion):
+        test = stop_test(
+            theta,
+            every_residual,
+            k=k,
+            tol=tol,
+            relative_to=relative_to,
+            criterion=criterion,
+            rounding=rounding,
+            scale=scale,
+            degree=iteration - 1,
+            n=n,
+            failure_probability=failure_probability,
+            last=last,
+        )
+        if test.verdict is None:
             active_op.agreed(undecided)
             q, coupling = next_q, next_coupling
             basis.append(next_q)
             continue
-        verdict = _judge(
-            theta, every_residual, k, tolerance, criterion, iteration - 1, n, failure_probability
-        )
+        verdict = test.verdict
         # Every product exactly zero: the random start lies in the operator's null space, which for a
         # non-zero operator has probability zero.
         met = active_op.agreed(verdict.met | (scale == 0))
@@ -438,7 +324,7 @@ def lanczos_eigsh(
             done = active[finishing]
             values[done] = sign * wanted_theta[finishing]
             vectors[done] = basis.rows[finishing].mT @ wanted_vectors[finishing]
-            residual[done] = relative[finishing]
+            residual[done] = test.relative_residual[finishing]
             iterations[done] = iteration
             converged[done] = met[finishing] | exhausted
             out_of_budget[done] = unreachable[finishing]
@@ -474,6 +360,121 @@ def lanczos_eigsh(
     return EigenResult(values=values, vectors=vectors, info=info)
 
 
+def _single_vector_lanczos(
+    op: BatchedOperator,
+    start: Tensor,
+    *,
+    k: int,
+    sign: float,
+    tol: float,
+    max_iters: int,
+    generator: torch.Generator,
+    criterion: StopCriterion,
+    relative_to: str,
+    failure_probability: float | None,
+    rounding: float,
+) -> EigenResult:
+    """:func:`lanczos_eigsh` for one operator and one start vector (n,): the same iteration, basis and stop
+    test as the block loop there, with the three-term recurrence's scalars kept as Python floats and the
+    small eigenproblem and its test on the CPU. On an operator whose product costs about a millisecond (the
+    Hessian of a small network), the block loop's bookkeeping on (1, 1, n) tensors cost about as much as
+    the products."""
+    n, work, device = op.cols, start.dtype, op.device
+    unit = torch.ones(1, dtype=work, device=device)
+    first, _ = orthonormal_rows(start.view(1, 1, n), None, unit, generator)
+    basis = GrowingRows(first, min(n, INITIAL_BASIS_BLOCKS))
+    products, scale = 0, 0.0
+    diagonal: list[float] = []
+    off_diagonal: list[float] = []
+    undecided = torch.zeros(1, dtype=torch.bool, device=device)
+    threshold_per_scale = 10 * n**0.5 * torch.finfo(work).eps
+    next_check = 1 if failure_probability is None else 1 + int(least_degree(n, failure_probability))
+    values = torch.full((1, k), float("nan"), dtype=work, device=device)
+    vectors = torch.zeros((1, n, k), dtype=work, device=device)
+    residual = torch.full((1, k), float("inf"), dtype=work, device=device)
+    iterations, converged, out_of_budget = 0, False, False
+
+    for iteration in range(1, max_iters + 1):
+        rows = basis.rows[0]
+        w = op.matmat(rows[-1].view(1, n, 1).to(op.dtype))[0, :, 0].to(work)
+        w = w if sign > 0 else -w
+        products += 1
+        norm = float(w.norm())
+        if not math.isfinite(norm):  # a NaN in the operator: NaN values, not converged
+            residual[:] = float("nan")
+            iterations = iteration
+            break
+        scale = max(scale, norm)
+        # Classical Gram–Schmidt against the whole basis, twice, as in the block loop; the first pass's
+        # coefficient on the last row is the diagonal entry.
+        coefficients = rows @ w
+        diagonal.append(float(coefficients[-1]))
+        w = torch.addmv(w, rows.mT, coefficients, alpha=-1)
+        w = torch.addmv(w, rows.mT, rows @ w, alpha=-1)
+        room = n - basis.count
+        coupling, next_row = 0.0, None
+        if room > 0:
+            coupling = float(w.norm())
+            if coupling > threshold_per_scale * scale:
+                next_row = (w / coupling)[None, None]
+            else:  # an invariant Krylov space: a random direction orthogonal to it, as in the block loop
+                scales = torch.full((1,), scale, dtype=work, device=device)
+                next_row, filler_coupling = orthonormal_rows(w.view(1, 1, n), rows[None], scales, generator)
+                coupling = float(filler_coupling)
+        exhausted = room <= 0
+        last = exhausted or iteration == max_iters
+        if len(diagonal) < k or (iteration < next_check and not last):
+            op.agreed(undecided)
+            basis.append(next_row)
+            off_diagonal.append(coupling)
+            continue
+
+        tridiagonal = torch.diag(torch.tensor(diagonal, dtype=torch.float64))
+        if off_diagonal:
+            couplings = torch.tensor(off_diagonal, dtype=torch.float64)
+            tridiagonal += torch.diag(couplings, 1) + torch.diag(couplings, -1)
+        theta, ritz = torch.linalg.eigh(tridiagonal)
+        test = stop_test(
+            theta[None],
+            (coupling * ritz[-1]).abs()[None],
+            k=k,
+            tol=tol,
+            relative_to=relative_to,
+            criterion=criterion,
+            rounding=rounding,
+            scale=torch.tensor([scale], dtype=torch.float64),
+            degree=iteration - 1,
+            n=n,
+            failure_probability=failure_probability,
+            last=last,
+        )
+        verdict = test.verdict
+        flags = undecided if verdict is None else (verdict.met | (scale == 0)).to(device)
+        met = bool(op.agreed(flags)[0])
+        # The budget is short only if it also cannot exhaust the space (which makes the answer exact).
+        least = 0.0 if verdict is None else float(verdict.least_degree[0])
+        unreachable = not met and least > max_iters - 1 and not (exhausted or iteration + room <= max_iters)
+        if met or unreachable or last:
+            values[0] = sign * theta[-k:].flip(0)
+            vectors[0] = rows.mT @ ritz[:, -k:].flip(1).to(device=device, dtype=work)
+            residual[0] = test.relative_residual[0]
+            iterations, converged, out_of_budget = iteration, met or exhausted, unreachable
+            break
+        if failure_probability is not None:
+            next_check = max(iteration + 1, 1 + math.ceil(least))
+        basis.append(next_row)
+        off_diagonal.append(coupling)
+
+    info = ConvergenceInfo(
+        iterations=torch.tensor([iterations], device=device),
+        residual=residual,
+        converged=torch.tensor([converged], device=device),
+        products=products,
+        out_of_budget=torch.tensor([out_of_budget], device=device),
+    )
+    return EigenResult(values=values, vectors=vectors, info=info)
+
+
 def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
     """The start block (B, n, b) of a ``"mix"`` warm start: each column of ``fresh`` (random) normalised,
     plus the normalised warm vectors, warm vector j added to column j mod b."""
@@ -483,113 +484,6 @@ def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
     for column in range(warm.shape[2]):
         start[:, :, column % start.shape[2]] += warm[:, :, column]
     return start
-
-
-@dataclass
-class _Verdict:
-    """The stop test of one iteration, per batch element: ``met``, and ``least_degree``, a Krylov degree
-    below which the certificate cannot pass (0 when it does not apply or has passed)."""
-
-    met: Tensor
-    least_degree: Tensor
-
-
-def _judge(
-    theta: Tensor,
-    residual: Tensor,
-    k: int,
-    tolerance: Tensor,
-    criterion: StopCriterion,
-    degree: int,
-    n: int,
-    failure_probability: float | None,
-) -> _Verdict:
-    """The stop test of :func:`lanczos_eigsh` on the ascending Ritz values ``theta`` (B, m) and the residuals
-    of every Ritz pair ``residual`` (B, m), for the top ``k`` with absolute tolerances ``tolerance`` (B, k).
-
-    Ritz values within the tolerance of a wanted one form its cluster: the answer is right to the tolerance
-    whichever of them is on top, so the gaps below are measured to the nearest Ritz value outside it.
-
-    1. The error bound: r, or with ``criterion="eigenvalue"`` min(r, r²/δ) with δ the gap from θᵢ to the
-       nearest *interval* [θⱼ − rⱼ, θⱼ + rⱼ] outside its cluster (Kato–Temple; a Ritz value still moving
-       narrows the gap instead of widening it), within the tolerance.
-    2. The first Ritz pair below the k-th wanted one's cluster resolved: its residual at most half its
-       distance to it, or within the tolerance.
-    3. With ``failure_probability`` p, the Kaniel–Paige–Saad degree test: T_d(1 + 2δᵢ/S) ≥ (2√n/p)·√(S/τᵢ),
-       with δᵢ floored at τᵢ and S the span of the Ritz values widened by the end residuals. A random start
-       has a component above p/√n along any fixed eigenvector with probability 1 − p·√(2/π) (a warm vector
-       added to it keeps that density, at twice the norm), and a Krylov polynomial of degree d then pulls a
-       Ritz value to within τᵢ of any eigenvalue δᵢ or more above θᵢ: none exists, or θᵢ would not be the
-       top of the Ritz values.
-    """
-    batch, m = theta.shape
-    tiny = torch.finfo(theta.dtype).tiny
-    wanted = theta[:, -k:].flip(1)
-    wanted_residual = residual[:, -k:].flip(1)
-    own = torch.arange(m - 1, m - k - 1, -1, device=theta.device)
-    centre_distance = (wanted[:, :, None] - theta[:, None, :]).abs()
-    outside = centre_distance > tolerance[:, :, None]
-    outside[:, torch.arange(k, device=theta.device), own] = False
-    inf = torch.tensor(float("inf"), dtype=theta.dtype, device=theta.device)
-    interval_gap = torch.where(outside, centre_distance - residual[:, None, :], inf).amin(dim=2).clamp_min(0)
-
-    error = wanted_residual
-    if criterion == "eigenvalue":
-        error = torch.minimum(wanted_residual, wanted_residual.square() / interval_gap.clamp_min(tiny))
-    met = (error <= tolerance).all(dim=1)
-
-    below = theta[:, : m - k]
-    past = below < (wanted[:, -1:] - tolerance[:, -1:])
-    if m > k:
-        index = torch.where(past, torch.arange(m - k, device=theta.device), -1).amax(dim=1)
-        some = index >= 0
-        first = index.clamp_min(0)[:, None]
-        distance = wanted[:, -1] - below.gather(1, first)[:, 0]
-        resolved = residual.gather(1, first)[:, 0] <= torch.maximum(distance / 2, tolerance[:, -1])
-        met &= ~some | resolved
-    else:
-        met = torch.zeros_like(met)
-    least_degree = torch.zeros(batch, dtype=theta.dtype, device=theta.device)
-    if failure_probability is None:
-        return _Verdict(met, least_degree)
-    if m <= k:
-        return _Verdict(met, least_degree)
-    spread = (theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None].clamp_min(tiny)
-    certain = 2 * n**0.5 / failure_probability
-    gap = torch.maximum(interval_gap, tolerance)
-    needed = torch.acosh((certain * (spread / tolerance.clamp_min(tiny)).sqrt()).clamp_min(1))
-    certified = (degree * torch.acosh(1 + 2 * gap / spread) >= needed).all(dim=1)
-    # Once the error bounds are met the wanted values have converged; the Ritz values below them only rise
-    # and the span only widens, so the gap to the next Ritz value's centre (plus the tolerance) and the span
-    # of today's values bound the degree the test will ever need from below.
-    centre_gap = torch.where(outside, centre_distance, inf).amin(dim=2) + tolerance
-    bare_spread = (theta[:, -1] - theta[:, 0])[:, None].clamp_min(tiny)
-    lower = torch.acosh((certain * (bare_spread / tolerance.clamp_min(tiny)).sqrt()).clamp_min(1))
-    least = (lower / torch.acosh(1 + 2 * centre_gap / bare_spread)).amax(dim=1)
-    least_degree = torch.where(met & ~certified, least, least_degree)
-    return _Verdict(met & certified, torch.nan_to_num(least_degree, nan=0.0, posinf=float(2**31)))
-
-
-def _beyond_tolerance(
-    theta: Tensor, wanted_residual: Tensor, tolerance: Tensor, criterion: StopCriterion
-) -> bool:
-    """Whether every batch element fails test 1 of :func:`_judge` for certain, judged from bounds that cost a
-    few operations instead of the whole test: the error bound min(r, r²/δ) is at least min(r, r²/S) with S
-    the span of the Ritz values, since δ ≤ S whenever some Ritz value lies outside θᵢ's cluster, which it
-    must when S > 2τᵢ."""
-    if criterion == "residual":
-        return bool((wanted_residual > tolerance).any(dim=1).all())
-    span = (theta[:, -1] - theta[:, 0])[:, None]
-    least_error = torch.minimum(
-        wanted_residual, wanted_residual.square() / span.clamp_min(torch.finfo(theta.dtype).tiny)
-    )
-    return bool(((least_error > tolerance) & (span > 2 * tolerance)).any(dim=1).all())
-
-
-def _least_degree(n: int, failure_probability: float) -> float:
-    """The degree below which the certificate of :func:`_judge` fails whatever the spectrum: its gap is at
-    most the span of the spectrum and its tolerance at most that span."""
-    return math.acosh(2 * n**0.5 / failure_probability) / math.acosh(3)
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from spectral_monitor.linalg import BatchedOperator, top_singular
-from spectral_monitor.linalg.lanczos import GrowingRows, orthonormal_rows, reorthogonalise
+from spectral_monitor.linalg.krylov_basis import GrowingRows, orthonormal_rows, reorthogonalise
 from spectral_monitor.linalg.operators import Passenger, default_generator, gaussian
 from spectral_monitor.metrics.attention_rank_sums import rank_sums
 

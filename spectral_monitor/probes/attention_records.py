@@ -12,7 +12,7 @@ kernel interception and the user's extractors produce); :func:`captured_attentio
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -369,13 +369,19 @@ class CapturedAttention:
 
     def first(self, sequences: int, heads: int) -> CapturedAttention:
         """A copy cut to the first ``sequences`` sequences and ``heads`` heads (fresh storage, not views)."""
+        return self.selected(sequences, range(min(heads, self.num_heads)))
+
+    def selected(self, sequences: int, heads: Sequence[int]) -> CapturedAttention:
+        """A copy cut to the first ``sequences`` sequences and the heads numbered ``heads``, in that order
+        (fresh storage, not views)."""
+        index = torch.as_tensor(list(heads), dtype=torch.long, device=self.q.device)
 
         def cut(tensor: Tensor | None, head_dim: bool) -> Tensor | None:
             if tensor is None:
                 return None
             tensor = tensor[:sequences]
-            if head_dim:
-                tensor = tensor[:, :heads]
+            if head_dim and tensor.shape[1] > 1:  # a mask may be shared by the heads (size 1)
+                return tensor.index_select(1, index.to(tensor.device))
             return tensor.clone()
 
         return replace(

@@ -41,7 +41,8 @@ from spectral_monitor.linalg import (
     lanczos_eigsh,
     lanczos_quadrature,
 )
-from spectral_monitor.linalg.lanczos import CERTAINTY, fresh_generator
+from spectral_monitor.linalg.lanczos import fresh_generator
+from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from spectral_monitor.linalg import FunctionOperator, top_singular
-from spectral_monitor.linalg.lanczos import CERTAINTY
+from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 from spectral_monitor.probes.residual import _batch_first, _first_tensor, find_transformer_blocks
 

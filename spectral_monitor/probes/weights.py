@@ -67,7 +67,7 @@ from torch import Tensor, nn
 
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.linalg import lanczos_eigsh
-from spectral_monitor.linalg.lanczos import CERTAINTY
+from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.linalg.operators import (
     DenseOperator,
     GramOperator,

@@ -27,6 +27,7 @@ import spectral_monitor
 
 PACKAGE = Path(spectral_monitor.__file__).parent
 COMPLETE_DOCSTRINGS = (
+    "spectral_monitor.checksum",
     "spectral_monitor.dashboard.plugin",
     "spectral_monitor.demo.data",
     "spectral_monitor.demo.lightning_pytorch",
@@ -42,6 +43,13 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.probes.jacobian",
     "spectral_monitor.probes.ntk",
     "spectral_monitor.records",
+    "spectral_monitor.sinks.attention_images",
+    "spectral_monitor.sinks.figures",
+    "spectral_monitor.sinks.layout",
+    "spectral_monitor.sinks.logger",
+    "spectral_monitor.sinks.redrawn",
+    "spectral_monitor.sinks.tensorboard",
+    "spectral_monitor.sinks.tfrecord",
     "spectral_monitor.toolbox.compression",
     "spectral_monitor.toolbox.length_scaling",
     "spectral_monitor.toolbox.preflight",
@@ -198,7 +206,7 @@ def class_gaps(name: str, cls: type) -> list[str]:
     found = sections(docstring)
     gaps = example_gaps(name, found)
     init = vars(cls).get("__init__")
-    if inspect.isfunction(init):
+    if inspect.isfunction(init) and init.__module__ == cls.__module__:  # not a Protocol's placeholder
         documented = entry_names(found.get("Args", [])) | entry_names(found.get("Attributes", []))
         gaps += [
             f"{name} does not document its argument {parameter!r} under Args: or Attributes:"

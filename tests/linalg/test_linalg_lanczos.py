@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from spectral_monitor.linalg import FunctionOperator, lanczos_eigsh, top_singular
-from spectral_monitor.linalg.lanczos import GrowingRows
+from spectral_monitor.linalg.krylov_basis import GrowingRows
+from spectral_monitor.linalg.operators import gaussian
 
 
 def indefinite_batch(batch: int, n: int, seed: int) -> torch.Tensor:
@@ -277,3 +278,46 @@ def test_a_certificate_that_needs_more_than_the_budget_stops_early_and_says_so()
     assert not bool(result.info.converged[0])
     assert bool(result.info.out_of_budget[0])
     assert result.info.products < 40
+
+
+def starts_with_a_small_component(n: int, smallest: float, largest: float, count: int) -> list[int]:
+    """Seeds whose Gaussian start (as ``lanczos_eigsh`` draws it) has a component along the first coordinate
+    in [smallest, largest) of its norm."""
+    seeds = []
+    for seed in range(100_000):
+        start = gaussian((1, n, 1), dtype=torch.float64, device=torch.device("cpu"), generator=seed_of(seed))
+        if smallest <= float(start[0, 0, 0].abs() / start.norm()) < largest:
+            seeds.append(seed)
+            if len(seeds) == count:
+                return seeds
+    raise AssertionError("too few starts with so small a component")
+
+
+def seed_of(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(("hidden", "most_products"), [(0.63, 37), (1.0, 12)])
+def test_the_top_eigenvalue_certifies_from_the_least_start_component_it_assumes(
+    hidden: float, most_products: int
+) -> None:
+    """A diagonal operator keeps a start's component along the first coordinate exact in floating point, so
+    each start here has exactly 1–2× the component p/√n the certificate assumes along the top eigenvector
+    (λ₁ above a bulk in [−0.3, 0.6]). Every answer must be λ₁, and within the products of a degree test that
+    asks the top Ritz value to be pulled only within its gap δ₁ of an unseen eigenvalue, not within τ."""
+    n, p = 200, 0.01
+    spectrum = torch.cat([torch.tensor([hidden]), torch.linspace(-0.3, 0.6, n - 1)]).double()
+    for seed in starts_with_a_small_component(n, p / n**0.5, 2 * p / n**0.5, count=4):
+        result = lanczos_eigsh(
+            torch.diag(spectrum)[None],
+            1,
+            block_size=1,
+            tol=1e-4,
+            max_iters=300,
+            criterion="eigenvalue",
+            failure_probability=p,
+            generator=seed_of(seed),
+        )
+        assert bool(result.info.converged[0])
+        assert float(result.values[0, 0]) == pytest.approx(hidden, rel=1e-4)
+        assert result.info.products <= most_products
