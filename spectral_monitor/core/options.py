@@ -13,6 +13,7 @@ it does not know.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -70,6 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 0,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
+        "attention_cost_ratio": 0.5,
     },
     "standard": {
         "families": FAMILIES,
@@ -79,6 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 4,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
+        "attention_cost_ratio": 1.0,
     },
     "full": {
         "families": FAMILIES,
@@ -88,13 +91,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 1,
         "weight_spectra_every_n_logs": 10,
         "curvature": CurvatureOptions,  # made anew for each monitor: options are mutable
+        "attention_cost_ratio": math.inf,
     },
 }
-"""What each ``preset`` sets, for the options left at None (:class:`OutputOptions`' fields, ``families`` and
-``curvature``): ``"light"``, the attention and weight
-scalars alone (no tokens, histograms, figures or head diversity); ``"standard"``, the defaults;
-``"full"``, per-head scalars, head diversity on every logging step, weight spectra every 10th and the
-loss-Hessian probe with :class:`CurvatureOptions`' defaults."""
+"""What each ``preset`` sets, for the options left at None (:class:`OutputOptions`' fields, ``families``,
+``curvature`` and ``attention_cost_ratio``): ``"light"``, the attention and weight
+scalars alone (no tokens, histograms, figures or head diversity), with a tighter attention cost budget;
+``"standard"``, the defaults; ``"full"``, per-head scalars, head diversity on every logging step, weight
+spectra every 10th, the loss-Hessian probe with :class:`CurvatureOptions`' defaults, and every head measured
+on every logging step (no attention cost budget)."""
 
 
 @dataclass
@@ -237,6 +242,16 @@ class BudgetOptions:
         attention_rank_sums: measure the attention's effective and threshold ranks, the members that need
             the whole spectrum. On the Krylov path (long sequences) their quadrature is most of the time
             (``benchmarks/README.md``). False leaves them (and the effective-rank figure) out.
+        attention_cost_ratio: most each layer's attention measurement may cost, as a multiple of that
+            layer's training work on the sampled sequences (its attention and a standard block's linear
+            layers, forward and backward), by a cost model measured on a CPU
+            (:mod:`spectral_monitor.core.attention_budget`). Over it a logging step measures fewer heads (all
+            the sampled sequences of each), a different set each step so that every head is measured within
+            ⌈H/k⌉ logging steps; at least one head of one sequence; and where even one matrix is over it
+            on the Krylov path, without the rank sums. The layer's ``heads_measured`` is then written, the
+            per-layer means are over the heads measured, and each has a ``<metric>_head_se``, the standard
+            error of that mean as an estimate of the mean over every head. ``math.inf``: every head always.
+            None: the preset's (0.5 in ``"light"``, 1 in ``"standard"``, ``math.inf`` in ``"full"``).
 
     Raises:
         ValueError: if a field is out of range (the message names it).
@@ -249,6 +264,7 @@ class BudgetOptions:
     memory_budget_mb: float = 256.0
     metric_method: str = "auto"
     attention_rank_sums: bool = True
+    attention_cost_ratio: float | None = None
 
     def __post_init__(self) -> None:
         self.memory_budget_mb = check_number(
@@ -259,6 +275,13 @@ class BudgetOptions:
         )
         check_choice("metric_method", self.metric_method, METRIC_METHODS)
         check_bool("attention_rank_sums", self.attention_rank_sums)
+        if self.attention_cost_ratio is not None and self.attention_cost_ratio != math.inf:
+            self.attention_cost_ratio = check_number(
+                "attention_cost_ratio",
+                self.attention_cost_ratio,
+                above=0,
+                unit="positive number (or math.inf: no attention cost budget)",
+            )
 
 
 _GROUPS = {"capture": CaptureOptions, "outputs": OutputOptions, "budget": BudgetOptions}
@@ -383,12 +406,13 @@ class MonitorOptions:
         for group, kind in _GROUPS.items():
             setattr(self, group, check_instance(group, getattr(self, group), kind))
         # The preset fills a copy: a group given by the caller may be shared with other monitors.
-        unset_outputs = {
-            name: value
-            for name, value in PRESETS[self.preset].items()
-            if KEYWORD_GROUPS[name] == "outputs" and getattr(self.outputs, name) is None
-        }
-        self.outputs = replace(self.outputs, **unset_outputs)
+        for group in ("outputs", "budget"):
+            unset = {
+                name: value
+                for name, value in PRESETS[self.preset].items()
+                if KEYWORD_GROUPS[name] == group and getattr(getattr(self, group), name) is None
+            }
+            setattr(self, group, replace(getattr(self, group), **unset))
         for name in ("families", "curvature"):
             if getattr(self, name) is None:
                 value = PRESETS[self.preset][name]

@@ -13,7 +13,7 @@ kernel interception and the user's extractors produce);
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -488,13 +488,26 @@ class CapturedAttention:
         Returns:
             The copy, in fresh storage (not views).
         """
+        return self.selected(sequences, range(min(heads, self.num_heads)))
+
+    def selected(self, sequences: int, heads: Sequence[int]) -> CapturedAttention:
+        """A copy cut to the first sequences and the chosen heads.
+
+        Args:
+            sequences: How many sequences to keep.
+            heads: The numbers of the heads kept, in the order kept.
+
+        Returns:
+            The copy, in fresh storage (not views).
+        """
+        index = torch.as_tensor(list(heads), dtype=torch.long, device=self.q.device)
 
         def cut(tensor: Tensor | None, head_dim: bool) -> Tensor | None:
             if tensor is None:
                 return None
             tensor = tensor[:sequences]
-            if head_dim:
-                tensor = tensor[:, :heads]
+            if head_dim and tensor.shape[1] > 1:  # a mask may be shared by the heads (size 1)
+                return tensor.index_select(1, index.to(tensor.device))
             return tensor.clone()
 
         return replace(

@@ -240,7 +240,7 @@ def test_the_custom_scalars_layout_draws_one_line_per_layer_grouped_by_diagnosis
     events = tiny_run.events
     layout = layout_pb2.Layout.FromString(events.Tensors(LAYOUT_TAG)[-1].tensor_proto.string_val[0])
     charts = {(c.title, chart.title): list(chart.multiline.tag) for c in layout.category for chart in c.chart}
-    assert {"Rank collapse", "Entropy", "Token collapse", "Weights", "Alerts"} == {c for c, _ in charts}
+    assert {"Rank collapse", "Entropy", "Token collapse", "Weights", "Alerts", "Overhead"} == {c for c, _ in charts}
     for category, family, metric, layers in (
         ("Entropy", "attention", "entropy", LAYERS),
         ("Token collapse", "tokens", "token_residual", BLOCKS),
