@@ -182,7 +182,7 @@ class OutputOptions:
             each weight's singular values (a full SVD of every weight); 0: never; None: the preset's (0 in
             ``"light"``, else 10). TensorBoard shows 10 images per tag unless started with
             ``--samples_per_plugin images=N``. The figures are kept and redrawn
-            (``spectral_monitor.sinks.figures.RedrawnFigure``), so a later figure step costs less than the
+            (``spectral_monitor.sinks.redrawn.RedrawnFigure``), so a later figure step costs less than the
             first.
         head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
             ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
