@@ -51,10 +51,11 @@ __all__ = [
 GRAPH_PER_ACTIVATION = 3.0
 """The gradient's kept graph, in units of the activations a forward saves: 2.3 (GPT-2) and 2.6 (nanoGPT)
 measured at 256 tokens, each held graph's resident memory over the forward's saved tensors."""
-WORKING_VECTORS = 18
+WORKING_VECTORS = 20
 """Parameter-sized vectors a product and a Lanczos iteration hold beside the basis: about 6 for the product
 (the cotangents, the products, their flat copies) and 12 for the iteration (the block, its orthogonalised
-copies, the start, the Ritz vectors, the preconditioner and its scaled copies), measured on both models."""
+copies, the start, the Ritz vectors, the preconditioner and its scaled copies), measured on GPT-2 and
+nanoGPT, and 2 more for what the measured peaks varied by between runs."""
 STEP_WINDOW = 16
 """Training steps whose median duration the stretched cadence compares an event with."""
 ALWAYS_ALLOWED_BYTES = 256 * 2**20
