@@ -27,12 +27,17 @@ import spectral_monitor
 
 PACKAGE = Path(spectral_monitor.__file__).parent
 COMPLETE_DOCSTRINGS = (
+    "spectral_monitor.alerts.text",
     "spectral_monitor.checksum",
+    "spectral_monitor.cli",
     "spectral_monitor.dashboard.plugin",
     "spectral_monitor.demo.data",
     "spectral_monitor.demo.lightning_pytorch",
     "spectral_monitor.demo.model",
+    "spectral_monitor.integrations.loop",
     "spectral_monitor.judging",
+    "spectral_monitor.lazy_exports",
+    "spectral_monitor.metrics.attention_krylov",
     "spectral_monitor.metrics.baselines",
     "spectral_monitor.metrics.heads",
     "spectral_monitor.metrics.masks",
