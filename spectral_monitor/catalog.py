@@ -465,6 +465,12 @@ CATALOG: tuple[MetricInfo, ...] = (
         )
     ),
     MetricInfo(
+        "curvature", "every_n_steps", "≥ every_n_steps", "none",
+        "steps from the last curvature event to the next, stretched to keep the probe under "
+        "max_overhead_percent of training time", "", "", "Overhead", "`model`",
+        written="opt-in: curvature, with max_overhead_percent (the step after each event)",
+    ),
+    MetricInfo(
         "alerts", "open", "count", "lower", "open alerts of the rule (the layer part names the rule)", "", "",
         "Alerts", "alert rule", written="every step the rules run",
     ),

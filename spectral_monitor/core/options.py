@@ -44,6 +44,8 @@ from spectral_monitor.validation import (
 __all__ = [
     "ALL_FAMILIES",
     "FAMILIES",
+    "FULL_MEMORY_RATIO",
+    "FULL_OVERHEAD_PERCENT",
     "MIN_MEMORY_BUDGET_MB",
     "PRESETS",
     "BudgetOptions",
@@ -61,6 +63,17 @@ _OPTIONS_CLASSES = {"curvature": CurvatureOptions, "jacobian": JacobianOptions, 
 
 MIN_MEMORY_BUDGET_MB = 2**-10
 """The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
+
+FULL_OVERHEAD_PERCENT = 10.0
+"""The ``"full"`` preset's curvature probe: at most this share of training time, amortised."""
+FULL_MEMORY_RATIO = 2.0
+"""The ``"full"`` preset's curvature probe: at most this many times a training step's peak memory."""
+
+
+def _full_curvature() -> CurvatureOptions:
+    """The ``"full"`` preset's curvature probe, made anew for each monitor (options are mutable)."""
+    return CurvatureOptions(max_overhead_percent=FULL_OVERHEAD_PERCENT, max_memory_ratio=FULL_MEMORY_RATIO)
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "light": {
@@ -90,7 +103,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "figures_every_n_logs": 10,
         "head_diversity_every_n_logs": 1,
         "weight_spectra_every_n_logs": 10,
-        "curvature": CurvatureOptions,  # made anew for each monitor: options are mutable
+        "curvature": _full_curvature,
         "attention_cost_ratio": math.inf,
     },
 }
@@ -98,8 +111,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 ``curvature`` and ``attention_cost_ratio``): ``"light"``, the attention and weight
 scalars alone (no tokens, histograms, figures or head diversity), with a tighter attention cost budget;
 ``"standard"``, the defaults; ``"full"``, per-head scalars, head diversity on every logging step, weight
-spectra every 10th, the loss-Hessian probe with :class:`CurvatureOptions`' defaults, and every head measured
-on every logging step (no attention cost budget)."""
+spectra every 10th, every head measured on every logging step (no attention cost budget), and the
+loss-Hessian probe with :class:`CurvatureOptions`' defaults but a cadence stretched to keep it under 10% of
+training time and a refusal, before its first event, when its memory would exceed twice a training step's."""
 
 
 @dataclass
@@ -168,7 +182,7 @@ class OutputOptions:
             each weight's singular values (a full SVD of every weight); 0: never; None: the preset's (0 in
             ``"light"``, else 10). TensorBoard shows 10 images per tag unless started with
             ``--samples_per_plugin images=N``. The figures are kept and redrawn
-            (``spectral_monitor.sinks.figures.RedrawnFigure``), so a later figure step costs less than the
+            (``spectral_monitor.sinks.redrawn.RedrawnFigure``), so a later figure step costs less than the
             first.
         head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
             ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
@@ -310,7 +324,8 @@ class MonitorOptions:
             warning once per kind and going on without them.
         log_first_step: also measure step 0, the model before any update.
         curvature: options of the loss-Hessian probe (:class:`CurvatureOptions`); giving them turns it on.
-            None: the preset's (``CurvatureOptions()`` in ``"full"``, else off).
+            None: the preset's (in ``"full"``, ``CurvatureOptions(max_overhead_percent=10,
+            max_memory_ratio=2)``, else off).
         jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
         ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
         probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
@@ -416,7 +431,7 @@ class MonitorOptions:
         for name in ("families", "curvature"):
             if getattr(self, name) is None:
                 value = PRESETS[self.preset][name]
-                setattr(self, name, value() if isinstance(value, type) else value)
+                setattr(self, name, value() if callable(value) else value)
         check_int("every_n_steps", self.every_n_steps, smallest=1)
         named_opt_in = (
             [name for name in self.families if name in OPT_IN_FAMILIES]
