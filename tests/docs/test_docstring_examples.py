@@ -39,6 +39,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.integrations.loop",
     "spectral_monitor.judging",
     "spectral_monitor.lazy_exports",
+    "spectral_monitor.lightning.losses",
     "spectral_monitor.metrics.attention_krylov",
     "spectral_monitor.metrics.baselines",
     "spectral_monitor.metrics.heads",
