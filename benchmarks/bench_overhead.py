@@ -25,14 +25,17 @@ figure new, is left out of the ratio and reported as the once-per-run cost.
 
 ``--external`` measures models written elsewhere instead (``_external_models.py``: a Hugging Face GPT-2 built
 from its config and a nanoGPT-style model with ``F.scaled_dot_product_attention(is_causal=True)``), in the
-plain-loop ``Monitor`` with the ``standard`` preset, batch 2, both sequences sampled, at each context length
-and layer count given, freshly initialised and after ``--train-steps`` steps of training. In one process,
-round by round: a plain training step, a logging step (the same training step with the monitor measuring
-it), and the hand-written alternative on the same batch (an eager forward returning the attention
-probabilities, then each head's entropy and float64 ``torch.linalg.svdvals``). The first logging step, where
-every figure is drawn new, is reported apart. Medians over ``--rounds`` rounds, with their spread.
+plain-loop ``Monitor`` with each ``--presets`` preset (default ``standard``), batch 2, both sequences sampled,
+at each context length and layer count given, freshly initialised and after ``--train-steps`` steps of
+training. In one process, round by round: a plain training step, a logging step (the same training step with
+the monitor measuring it), and the hand-written alternative on the same batch (an eager forward returning the
+attention probabilities, then each head's entropy and float64 ``torch.linalg.svdvals``; only up to
+``--alternative-max-context`` tokens: at 4096 its float64 SVDs take minutes a layer). The first logging step,
+where every figure is drawn new, is reported apart. Medians over ``--rounds`` rounds, with their spread.
 
     python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
+    python benchmarks/bench_overhead.py --external --contexts 4096 --rounds 1 --train-steps 10 \
+        --presets light standard
 
 ``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every per-layer attention and
 token scalar of the catalogue for 6 layers (with the head spreads), written by the monitor's own sink, then
@@ -265,23 +268,26 @@ def external(args: argparse.Namespace) -> None:
     every = args.every or 50
     print(describe_machine())
     print(
-        f"\nstandard preset, batch 2 (both sequences sampled), device {args.device}, {args.rounds} rounds; "
-        "medians (min–max over rounds)\n"
+        f"\nbatch 2 (both sequences sampled), device {args.device}, {args.rounds} rounds, "
+        f"{args.train_steps} training steps before the trained rows; medians (min–max over rounds)\n"
     )
     rows = []
-    for name in args.models:
-        for layers in args.layers:
-            for context in args.contexts:
-                run = _ExternalRun(name, context, layers, args)
-                for state, steps in (("fresh", 0), ("trained", args.train_steps)):
-                    for _ in range(steps):
-                        run.train_step(logging=False)
-                    rows.append([name, str(layers), str(context), state, *run.measured(args.rounds, every)])
-                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
-                run.monitor.close()
+    for preset in args.presets:
+        for name in args.models:
+            for layers in args.layers:
+                for context in args.contexts:
+                    run = _ExternalRun(name, context, layers, preset, args)
+                    for state, steps in (("fresh", 0), ("trained", args.train_steps)):
+                        for _ in range(steps):
+                            run.train_step(logging=False)
+                        cells = run.measured(args.rounds, every, context <= args.alternative_max_context)
+                        rows.append([preset, name, str(layers), str(context), state, *cells])
+                        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                    run.monitor.close()
     print(
         markdown_table(
             [
+                "preset",
                 "model",
                 "layers",
                 "n",
@@ -301,7 +307,7 @@ def external(args: argparse.Namespace) -> None:
 class _ExternalRun:
     """One external model in training with the plain-loop monitor, and the timings ``external`` reports."""
 
-    def __init__(self, name: str, context: int, layers: int, args: argparse.Namespace) -> None:
+    def __init__(self, name: str, context: int, layers: int, preset: str, args: argparse.Namespace) -> None:
         import tempfile
 
         import torch
@@ -316,7 +322,7 @@ class _ExternalRun:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.tokens = token_batch(2, context, device=args.device)
         self.monitor = Monitor(
-            self.model, logdir=tempfile.mkdtemp(), every_n_steps=1, optimizer=self.optimizer
+            self.model, logdir=tempfile.mkdtemp(), every_n_steps=1, optimizer=self.optimizer, preset=preset
         )
         self.steps = 0
 
@@ -353,23 +359,27 @@ class _ExternalRun:
             torch.linalg.svdvals(matrices)
         return self.clock() - start
 
-    def measured(self, rounds: int, every: int) -> list[str]:
-        """The table's timing cells: ``rounds`` rounds of a plain step, a logging step and the alternative."""
+    def measured(self, rounds: int, every: int, alternative: bool) -> list[str]:
+        """The table's timing cells: ``rounds`` rounds of a plain step, a logging step and, where
+        ``alternative``, the hand-written alternative."""
         self.train_step(logging=False)  # warm-up
         first = self.train_step(logging=True)
-        plain, logged, alternative = [], [], []
+        plain, logged, alternatives = [], [], []
         for _ in range(rounds):
             plain.append(self.train_step(logging=False))
             logged.append(self.train_step(logging=True))
-            alternative.append(self.hand_written())
+            if alternative:
+                alternatives.append(self.hand_written())
         extra = [log - off for log, off in zip(logged, plain, strict=True)]
         amortised = 100 * statistics.median(extra) / (every * statistics.median(plain))
         return [
             f"{statistics.median(plain):.2f}",
             f"{statistics.median(logged):.2f} (first {first:.1f})",
             _spread([log / off for log, off in zip(logged, plain, strict=True)], "×"),
-            f"{statistics.median(alternative):.2f}",
-            _spread([more / alt for more, alt in zip(extra, alternative, strict=True)], "×"),
+            f"{statistics.median(alternatives):.2f}" if alternatives else "not timed",
+            _spread([more / alt for more, alt in zip(extra, alternatives, strict=True)], "×")
+            if alternatives
+            else "not timed",
             f"{amortised:.1f}%",
         ]
 
@@ -456,6 +466,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2", "nanogpt"], choices=["gpt2", "nanogpt"])
     parser.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
     parser.add_argument("--layers", nargs="+", type=int, default=[6])
+    parser.add_argument("--presets", nargs="+", default=["standard"], choices=["light", "standard", "full"])
+    parser.add_argument("--alternative-max-context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=30, help="steps before the 'trained' rows")
     parser.add_argument("--lr", type=float, default=1e-3)

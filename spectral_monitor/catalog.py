@@ -79,6 +79,8 @@ HEALTHY_DIRECTIONS = ("higher", "lower", "middle", "steady", "none")
 (its trend matters, not its level), ``none`` = a reading, not a judgement."""
 
 _AGGREGATES = ("min", "max")
+_HEAD_SAMPLE_ERROR = "_head_se"
+"""Suffix of a per-layer mean's standard error where the cost budget measured some of the heads."""
 _NUMBERED = "<k>"
 """A name holding ``<k>`` stands for a numbered series: ``hessian_eigenvalue_<k>`` is ``_1``, ``_2``, ..."""
 
@@ -294,6 +296,15 @@ CATALOG: tuple[MetricInfo, ...] = (
         "Wortsman et al. 2023", "Entropy", _ATTENTION,
     ),
     MetricInfo(
+        "attention", "heads_measured", "[1, heads]", "none",
+        "heads of the layer measured at this logging step under the attention cost budget "
+        "(attention_cost_ratio); where fewer than all, a different set each logging step, every head within "
+        "⌈heads / heads_measured⌉ of them, the layer's means are over those heads, and each mean "
+        "<metric> has <metric>_head_se, its standard error as an estimate of the mean over every head "
+        "(s/√k · √((H − k)/(H − 1)) over the k heads measured; not written for one head)",
+        "", "", "Overhead", _ATTENTION, written="with a finite attention_cost_ratio (light, standard)",
+    ),
+    MetricInfo(
         "attention", "head_diversity", "[0, 1) bits", "higher",
         "mean Jensen–Shannon distance between the heads' normalised singular-value spectra",
         "→ 0: the heads have one rank structure (redundant heads)", "", "Rank collapse", _ATTENTION,
@@ -452,6 +463,12 @@ CATALOG: tuple[MetricInfo, ...] = (
             ("overhead_ms", "ms", f"wall time of the {family} probe at this step"),
             ("overhead_percent", "%", f"the {family} probe's time against the last training step"),
         )
+    ),
+    MetricInfo(
+        "curvature", "every_n_steps", "≥ every_n_steps", "none",
+        "steps from the last curvature event to the next, stretched to keep the probe under "
+        "max_overhead_percent of training time", "", "", "Overhead", "`model`",
+        written="opt-in: curvature, with max_overhead_percent (the step after each event)",
     ),
     MetricInfo(
         "alerts", "open", "count", "lower", "open alerts of the rule (the layer part names the rule)", "", "",
@@ -621,6 +638,10 @@ def metrics_markdown() -> str:
 
 def _lookup(family: str, name: str) -> MetricInfo | None:
     info = _BY_NAME.get((family, name))
+    if info is None and name.endswith(_HEAD_SAMPLE_ERROR):
+        base = _BY_NAME.get((family, name.removesuffix(_HEAD_SAMPLE_ERROR)))
+        if base is not None and base.per_head:
+            return base
     if info is None:
         for aggregate in _AGGREGATES:
             base = _BY_NAME.get((family, name.removesuffix(f"_{aggregate}")))

@@ -36,7 +36,20 @@ DEFAULT_LOGDIR = Path("runs")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``spectral-monitor`` with ``argv`` (default: the process's arguments); returns the exit status."""
+    """Run ``spectral-monitor``.
+
+    Args:
+        argv: The arguments; by default the process's.
+
+    Returns:
+        The exit status.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as empty:
+        ...     main(["report", empty])  # no event files: an error on stderr and exit status 2
+        2
+    """
     parser = argparse.ArgumentParser(
         prog="spectral-monitor",
         description="Watch the attention, residual-stream and weight spectra of a transformer as it trains.",
@@ -57,6 +70,13 @@ def shipped_configs() -> dict[str, Path]:
 
     From the ``configs/`` folder next to the package in a source checkout (or an editable install), else from
     the package data of an installed wheel.
+
+    Returns:
+        Each config's name → its path, by name.
+
+    Examples:
+        >>> "demo" in shipped_configs()
+        True
     """
     folder = _config_folder()
     return {} if folder is None else {path.stem: path for path in sorted(folder.glob("*.yaml"))}

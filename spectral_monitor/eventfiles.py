@@ -43,9 +43,19 @@ _CRC = struct.Struct("<I")
 
 @dataclass(frozen=True)
 class Cut:
-    """Where a file was damaged: at byte ``offset``, after ``after_step`` (the step of the last event read
-    before it; None when none was), ``why`` (``"truncated"``, ``"bad length CRC"``, ``"bad data CRC"``,
-    ``"oversized length"``, ``"unparseable event"``), and the byte reading resumed at (None: it could not)."""
+    """Where a file was damaged.
+
+    Attributes:
+        offset: The byte the damage starts at.
+        after_step: The step of the last event read before it; None when none was.
+        why: ``"truncated"``, ``"bad length CRC"``, ``"bad data CRC"``, ``"oversized length"`` or
+            ``"unparseable event"``, with details.
+        resumed_at: The byte reading resumed at; None: it could not.
+
+    Examples:
+        >>> Cut(100, 4, "bad data CRC", 140).describe()
+        'cut at byte 100 (after step 4): bad data CRC; skipped 40 bytes, read on from byte 140'
+    """
 
     offset: int
     after_step: int | None
@@ -53,7 +63,11 @@ class Cut:
     resumed_at: int | None
 
     def describe(self) -> str:
-        """One line: where, why, and what was lost."""
+        """The cut in one line.
+
+        Returns:
+            Where, why, and what was lost.
+        """
         after = "before any step" if self.after_step is None else f"after step {self.after_step}"
         if self.resumed_at is None:
             lost = "nothing after it could be read"
@@ -64,7 +78,28 @@ class Cut:
 
 @dataclass
 class EventFile:
-    """The events of one file, in file order, and the cuts found in it."""
+    """The events of one file, in file order, and the cuts found in it.
+
+    Attributes:
+        path: The file.
+        events: The events read, in file order (the first is the file's version header).
+        cuts: Each damage found, in file order.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from tensorboard.compat.proto.summary_pb2 import Summary
+        >>> from spectral_monitor.sinks.tfrecord import EventFile as EventWriter
+        >>> with tempfile.TemporaryDirectory() as run:
+        ...     writer = EventWriter(run)
+        ...     for step in range(3):
+        ...         writer.add_summary(Summary(value=[Summary.Value(tag="a", simple_value=step)]), step=step)
+        ...     writer.close()
+        ...     path = os.path.join(run, os.listdir(run)[0])
+        ...     os.truncate(path, os.path.getsize(path) - 5)  # a run killed while writing step 2
+        ...     read = read_event_file(path)
+        >>> [event.step for event in read.events], [cut.why.split(":")[0] for cut in read.cuts]
+        ([0, 0, 1], ['truncated'])
+    """
 
     path: Path
     events: list[Event] = field(default_factory=list)
@@ -72,10 +107,31 @@ class EventFile:
 
 
 def read_event_file(path: str | os.PathLike[str]) -> EventFile:
-    """Every event of the event file ``path`` that can be read, and a :class:`Cut` for each damage.
+    """Read an event file past its damage.
+
+    Args:
+        path: The event file.
+
+    Returns:
+        Every event that can be read, and a :class:`Cut` for each damage.
 
     Raises:
         OSError: if the file cannot be opened or read.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from tensorboard.compat.proto.summary_pb2 import Summary
+        >>> from spectral_monitor.sinks.tfrecord import EventFile as EventWriter
+        >>> with tempfile.TemporaryDirectory() as run:
+        ...     writer = EventWriter(run)
+        ...     for step in range(3):
+        ...         writer.add_summary(Summary(value=[Summary.Value(tag="a", simple_value=step)]), step=step)
+        ...     writer.close()
+        ...     path = os.path.join(run, os.listdir(run)[0])
+        ...     os.truncate(path, os.path.getsize(path) - 5)  # a run killed while writing step 2
+        ...     read = read_event_file(path)
+        >>> read.cuts[0].describe()  # doctest: +ELLIPSIS
+        'cut at byte 116 (after step 1): truncated: a record of 23 bytes runs past the end ...'
     """
     result = EventFile(Path(path))
     with open(path, "rb") as file:

@@ -26,7 +26,7 @@ def lazy_exports(
     Raises:
         AttributeError: (from ``__getattr__``) a name that is neither in the package nor in ``homes``.
 
-    Example:
+    Examples:
         >>> attribute, _ = lazy_exports("spectral_monitor", {"Measurement": "spectral_monitor.records"})
         >>> attribute("Measurement").__name__
         'Measurement'

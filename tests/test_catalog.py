@@ -50,8 +50,9 @@ def test_attention_entries_are_the_metric_functions_keys_head_diversity_and_logi
     assert set(ATTENTION_METRICS) | set(ATTENTION_LOGIT_METRICS) <= set(from_qk)
     diversity = head_diversity(torch.rand(3, 3, dtype=torch.float64))
     between_steps = {"max_logit_growth"}
+    cost_budget = {"heads_measured"}
     assert names_of("attention") == (
-        set(ATTENTION_METRICS) | set(ATTENTION_LOGIT_METRICS) | set(diversity) | between_steps
+        set(ATTENTION_METRICS) | set(ATTENTION_LOGIT_METRICS) | set(diversity) | between_steps | cost_budget
     )
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from spectral_monitor.catalog import CATALOG, histogram_metrics
 from spectral_monitor.checkpoint_entries import StateEntries
+from spectral_monitor.core.attention_budget import LayerBudget
 from spectral_monitor.core.attention_plan import AttentionPlan, attention_images, drawn_head
 from spectral_monitor.core.families import (
     CaptureFamily,
@@ -115,11 +116,16 @@ class AttentionFamily(CaptureFamily):
             captured.held_nbytes() for captured in recording.captured
         )
         layers = [captured for captured in recording.captured if layer_selected(self.options, captured.layer)]
-        measured = self.plan.measure(layers, room, diversity=diversity_due, draw=progress.draw_figures)
+        measured = self.plan.measure(
+            layers, room, diversity=diversity_due, draw=progress.draw_figures, logs_done=progress.logs_done
+        )
+        budgeted = not math.isinf(self.options.budget.attention_cost_ratio)
         drawn_heads = []
         for captured, layer in zip(layers, measured, strict=True):
             per_head = self._head_means(progress.step, captured.layer, layer.metrics)
-            layer_records, head_records = _layer_measurements(progress.step, captured.layer, per_head)
+            layer_records, head_records = _layer_measurements(
+                progress.step, captured.layer, per_head, layer.budget, budgeted
+            )
             progress.measurements += layer_records + self._max_logit_growth(
                 progress.step, captured.layer, per_head
             )
@@ -150,6 +156,15 @@ class AttentionFamily(CaptureFamily):
                     if layer.spectra is not None
                 }
                 records, pairs = spectra_diversity_records(progress.step, spectra)
+                # The spectra of a layer measured on some heads are numbered by position among them.
+                heads = {
+                    captured.layer: layer.budget.heads
+                    for captured, layer in zip(layers, measured, strict=True)
+                }
+                pairs = {
+                    name: [(heads[name][h], heads[name][g], distance) for h, g, distance in layer_pairs]
+                    for name, layer_pairs in pairs.items()
+                }
                 progress.measurements += records
                 if pairs:
                     progress.texts.append(
@@ -189,21 +204,36 @@ class AttentionFamily(CaptureFamily):
 
 
 def _layer_measurements(
-    step: int, layer: str, per_head: dict[str, Tensor]
+    step: int, layer: str, per_head: dict[str, Tensor], budget: LayerBudget, budgeted: bool
 ) -> tuple[list[Measurement], list[Measurement]]:
     """A layer's attention records: the head mean of each metric with the aggregates of ``_HEAD_AGGREGATES``;
-    and each head's value."""
+    and each head's value. Under a cost budget (``budgeted``) also the number of heads measured, and where
+    those are fewer than all (``budget``), each mean's standard error as an estimate of the mean over all."""
     layer_records, head_records = [], []
+    if budgeted:
+        layer_records.append(Measurement(step, "attention", "heads_measured", layer, len(budget.heads)))
     for metric, values in per_head.items():
         layer_records.append(Measurement(step, "attention", metric, layer, float(values.mean())))
         for aggregate in _HEAD_AGGREGATES.get(metric, ()):
             value = values.amin() if aggregate == "min" else values.amax()
             layer_records.append(Measurement(step, "attention", f"{metric}_{aggregate}", layer, float(value)))
+        if budget.sampled and values.numel() > 1:
+            error = head_sample_standard_error(values, budget.num_heads)
+            layer_records.append(Measurement(step, "attention", f"{metric}_head_se", layer, error))
         head_records += [
             Measurement(step, "attention", metric, layer, value, head=head)
-            for head, value in enumerate(values.tolist())
+            for head, value in zip(budget.heads, values.tolist(), strict=True)
         ]
     return layer_records, head_records
+
+
+def head_sample_standard_error(values: Tensor, num_heads: int) -> float:
+    """The standard error of the mean of ``values`` (k,), measured on k of ``num_heads`` heads drawn without
+    replacement, as an estimate of the mean over all heads: s/√k · √((H − k)/(H − 1)), s the standard
+    deviation of the k (at least two) values."""
+    count = values.numel()
+    spread = float(values.double().std(correction=1))
+    return spread / math.sqrt(count) * math.sqrt((num_heads - count) / (num_heads - 1))
 
 
 def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:

@@ -20,13 +20,15 @@ import torch
 from torch import Tensor
 
 from spectral_monitor.catalog import layer_head_heatmap_metrics
+from spectral_monitor.core.attention_budget import LayerBudget, layer_budget
 from spectral_monitor.core.options import MonitorOptions
 from spectral_monitor.core.reports import Reports
 from spectral_monitor.metrics import KrylovState, attention_metrics
 from spectral_monitor.metrics.attention import uses_exact_path
 from spectral_monitor.probes import AttentionSample, CapturedAttention
 from spectral_monitor.probes.attention_records import DENSE_CALL_NBYTES
-from spectral_monitor.sinks.figures import AttentionBlocks, AttentionImages, DrawnHead, attention_block_means
+from spectral_monitor.sinks.attention_images import AttentionImages, DrawnHead
+from spectral_monitor.sinks.figures import AttentionBlocks, attention_block_means
 from spectral_monitor.toolbox.head_diversity import (
     SPECTRUM_DTYPES,
     attention_spectra,
@@ -68,10 +70,21 @@ class AttentionPlan:
         self.krylov_states: dict[str, KrylovState] = {}
 
     def measure(
-        self, layers: list[CapturedAttention], room: int, *, diversity: bool, draw: bool
+        self,
+        layers: list[CapturedAttention],
+        room: int,
+        *,
+        diversity: bool,
+        draw: bool,
+        logs_done: int = 0,
     ) -> list[LayerAttention]:
         """Each layer's metrics (S, H), with its spectra and the drawn head's heatmap where wanted, within
-        ``room`` bytes of working memory.
+        ``room`` bytes of working memory and the cost budget (``attention_cost_ratio``) of the logging step
+        after ``logs_done`` others.
+
+        Where the cost budget measures fewer than every head and sequence of a layer (:func:`layer_budget`),
+        the layer is cut to them first, and its metrics are (S', k) for the heads its ``budget`` names; it is
+        then measured from a cold start (its warm-start vectors are those of every head) and not drawn.
 
         A layer is measured densely a chunk of matrices at a time (:meth:`CapturedAttention.chunks`), as many
         as fit ``room`` with their working memory (:func:`dense_working_nbytes`); where not even one fits, or
@@ -80,9 +93,17 @@ class AttentionPlan:
         Whole layers on the exact path with one shape, causality and masking are measured in one call when
         they fit together: there the elements are independent, and one call costs less than one a layer.
         """
+        budgets = [self._layer_budget(captured, logs_done) for captured in layers]
+        layers = [
+            captured.selected(budget.sequences, budget.heads) if budget.sampled else captured
+            for captured, budget in zip(layers, budgets, strict=True)
+        ]
+        room -= sum(
+            captured.held_nbytes() for captured, budget in zip(layers, budgets, strict=True) if budget.sampled
+        )
         results: list[LayerAttention | None] = [None] * len(layers)
         together: dict[tuple[Any, ...], list[int]] = {}
-        for index, captured in enumerate(layers):
+        for index, (captured, budget) in enumerate(zip(layers, budgets, strict=True)):
             n, m = captured.q.shape[2], captured.k.shape[2]
             exact = uses_exact_path(n, m, self.options.budget.metric_method, captured.causal)
             # Room is kept for the spectra (in float32 at least) when they are wanted, unless that leaves
@@ -95,17 +116,23 @@ class AttentionPlan:
                 )
             matrices = captured.num_sequences * captured.num_heads
             if per_chunk == 0:
-                results[index] = self._blockwise_attention(captured, room, exact)
-            elif exact and per_chunk == matrices:
+                results[index] = self._blockwise_attention(captured, room, exact, budget)
+            elif exact and per_chunk == matrices and not budget.sampled:
                 kind = (captured.q.shape[1:3], captured.k.shape[2], captured.q.device, captured.causal)
                 masks = tuple(
                     tensor is None for tensor in (captured.mask, captured.key_mask, captured.query_mask)
                 )
                 together.setdefault((*kind, *masks), []).append(index)
             else:
-                state = None if exact else self._krylov_state(captured)
+                state = None if exact or budget.sampled else self._krylov_state(captured)
                 results[index] = self._dense_attention(
-                    [captured], captured.chunks(per_chunk), room, state, diversity, draw
+                    [captured],
+                    captured.chunks(per_chunk),
+                    room,
+                    state,
+                    diversity,
+                    draw and not budget.sampled,
+                    budget.rank_sums,
                 )[0]
         for indices in together.values():
             per_matrix = layers[indices[0]].dense_matrix_nbytes(exact=True)
@@ -121,14 +148,27 @@ class AttentionPlan:
                     group.append(index)
                     continue
                 members = [layers[i] for i in group]
-                for i, result in zip(
-                    group,
-                    self._dense_attention(members, iter(members), room, None, diversity, draw),
-                    strict=True,
-                ):
+                rank_sums = self.options.budget.attention_rank_sums
+                measured = self._dense_attention(
+                    members, iter(members), room, None, diversity, draw, rank_sums
+                )
+                for i, result in zip(group, measured, strict=True):
                     results[i] = result
                 group = [] if index is None else [index]
+        for result, budget in zip(results, budgets, strict=True):
+            if result is not None:
+                result.budget = budget
         return [result for result in results if result is not None]
+
+    def _layer_budget(self, captured: CapturedAttention, logs_done: int) -> LayerBudget:
+        options = self.options.budget
+        return layer_budget(
+            captured,
+            options.attention_cost_ratio,
+            logs_done,
+            method=options.metric_method,
+            rank_sums=options.attention_rank_sums,
+        )
 
     def _dense_attention(
         self,
@@ -138,11 +178,13 @@ class AttentionPlan:
         state: KrylovState | None,
         diversity: bool,
         draw: bool,
+        rank_sums: bool,
     ) -> list[LayerAttention]:
         """The attention of ``layers`` measured densely: several whole layers of one kind in one call (the
-        chunks are the layers), or one layer in ``chunks`` of its matrices, one call each, in order."""
+        chunks are the layers), or one layer in ``chunks`` of its matrices, one call each, in order;
+        ``rank_sums``: with the effective and threshold ranks."""
         if len(layers) > 1:
-            call = self._dense_call(list(chunks), room, None, diversity, draw)
+            call = self._dense_call(list(chunks), room, None, diversity, draw, rank_sums)
             sizes = [layer.num_sequences for layer in layers]
             metrics = {name: values.split(sizes) for name, values in call.metrics.items()}
             spectra = None if call.spectra is None else call.spectra.split(sizes)
@@ -163,7 +205,9 @@ class AttentionPlan:
             chunk_state = None
             if state is not None:
                 chunk_state = KrylovState(warm[first : first + count] if warm_fits else None)
-            calls.append(self._dense_call([chunk], room, chunk_state, diversity, draw and first == 0))
+            calls.append(
+                self._dense_call([chunk], room, chunk_state, diversity, draw and first == 0, rank_sums)
+            )
             if chunk_state is not None:
                 next_vectors.append(chunk_state.vectors)
             first += count
@@ -186,6 +230,7 @@ class AttentionPlan:
         state: KrylovState | None,
         diversity: bool,
         draw: bool,
+        rank_sums: bool,
     ) -> _DenseCall:
         """One ``attention_metrics`` call on ``parts`` (one kind), their probabilities formed into one
         buffer; then, within what the buffer leaves of ``room``, their spectra and each part's first
@@ -204,7 +249,7 @@ class AttentionPlan:
             causal=first.causal,
             attendable=_concatenated_patterns([sample.attendable for sample in samples], heads),
             method=self.options.budget.metric_method,
-            include_rank_sums=self.options.budget.attention_rank_sums,
+            include_rank_sums=rank_sums,
             state=state,
             return_spectra=diversity or draw,
         )
@@ -251,7 +296,9 @@ class AttentionPlan:
             ]
         return call
 
-    def _blockwise_attention(self, captured: CapturedAttention, room: int, exact: bool) -> LayerAttention:
+    def _blockwise_attention(
+        self, captured: CapturedAttention, room: int, exact: bool, budget: LayerBudget
+    ) -> LayerAttention:
         """One layer's metrics from q and k in blocks within ``room``; on the Krylov path where the exact
         one would form whole matrices beyond it."""
         method = self.options.budget.metric_method
@@ -268,8 +315,8 @@ class AttentionPlan:
             captured.blockwise_metrics(
                 method=method,
                 max_bytes=max(room, 2**20),
-                include_rank_sums=self.options.budget.attention_rank_sums,
-                state=self._krylov_state(captured),
+                include_rank_sums=budget.rank_sums,
+                state=None if budget.sampled else self._krylov_state(captured),
             )
         )
 
@@ -302,11 +349,13 @@ class _DenseCall:
 @dataclass
 class LayerAttention:
     """A layer's attention as measured: metrics (S, H); spectra (S, H, k) for head diversity and figures,
-    None where the layer was measured blockwise or its spectra did not fit the memory budget."""
+    None where the layer was measured blockwise or its spectra did not fit the memory budget; the heads and
+    sequences measured (``budget``: where fewer than all, the metrics' H and S are those it names)."""
 
     metrics: dict[str, Tensor]
     spectra: Tensor | None = None
     drawn: _DrawnAttention | None = None
+    budget: LayerBudget | None = None
 
 
 def _drawn_attention(sample: AttentionSample, singular_values: Tensor) -> _DrawnAttention | None:

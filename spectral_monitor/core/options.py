@@ -13,6 +13,7 @@ it does not know.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -43,6 +44,8 @@ from spectral_monitor.validation import (
 __all__ = [
     "ALL_FAMILIES",
     "FAMILIES",
+    "FULL_MEMORY_RATIO",
+    "FULL_OVERHEAD_PERCENT",
     "MIN_MEMORY_BUDGET_MB",
     "PRESETS",
     "BudgetOptions",
@@ -61,6 +64,17 @@ _OPTIONS_CLASSES = {"curvature": CurvatureOptions, "jacobian": JacobianOptions, 
 MIN_MEMORY_BUDGET_MB = 2**-10
 """The smallest ``memory_budget_mb`` (1 KiB): below it the attention capture has no byte to hold."""
 
+FULL_OVERHEAD_PERCENT = 10.0
+"""The ``"full"`` preset's curvature probe: at most this share of training time, amortised."""
+FULL_MEMORY_RATIO = 2.0
+"""The ``"full"`` preset's curvature probe: at most this many times a training step's peak memory."""
+
+
+def _full_curvature() -> CurvatureOptions:
+    """The ``"full"`` preset's curvature probe, made anew for each monitor (options are mutable)."""
+    return CurvatureOptions(max_overhead_percent=FULL_OVERHEAD_PERCENT, max_memory_ratio=FULL_MEMORY_RATIO)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "light": {
         "families": ("attention", "weights"),
@@ -70,6 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 0,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
+        "attention_cost_ratio": 0.5,
     },
     "standard": {
         "families": FAMILIES,
@@ -79,6 +94,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 4,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
+        "attention_cost_ratio": 1.0,
     },
     "full": {
         "families": FAMILIES,
@@ -87,14 +103,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "figures_every_n_logs": 10,
         "head_diversity_every_n_logs": 1,
         "weight_spectra_every_n_logs": 10,
-        "curvature": CurvatureOptions,  # made anew for each monitor: options are mutable
+        "curvature": _full_curvature,
+        "attention_cost_ratio": math.inf,
     },
 }
-"""What each ``preset`` sets, for the options left at None (:class:`OutputOptions`' fields, ``families`` and
-``curvature``): ``"light"``, the attention and weight
-scalars alone (no tokens, histograms, figures or head diversity); ``"standard"``, the defaults;
-``"full"``, per-head scalars, head diversity on every logging step, weight spectra every 10th and the
-loss-Hessian probe with :class:`CurvatureOptions`' defaults."""
+"""What each ``preset`` sets, for the options left at None (:class:`OutputOptions`' fields, ``families``,
+``curvature`` and ``attention_cost_ratio``): ``"light"``, the attention and weight
+scalars alone (no tokens, histograms, figures or head diversity), with a tighter attention cost budget;
+``"standard"``, the defaults; ``"full"``, per-head scalars, head diversity on every logging step, weight
+spectra every 10th, every head measured on every logging step (no attention cost budget), and the
+loss-Hessian probe with :class:`CurvatureOptions`' defaults but a cadence stretched to keep it under 10% of
+training time and a refusal, before its first event, when its memory would exceed twice a training step's."""
 
 
 @dataclass
@@ -163,7 +182,7 @@ class OutputOptions:
             each weight's singular values (a full SVD of every weight); 0: never; None: the preset's (0 in
             ``"light"``, else 10). TensorBoard shows 10 images per tag unless started with
             ``--samples_per_plugin images=N``. The figures are kept and redrawn
-            (``spectral_monitor.sinks.figures.RedrawnFigure``), so a later figure step costs less than the
+            (``spectral_monitor.sinks.redrawn.RedrawnFigure``), so a later figure step costs less than the
             first.
         head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
             ``attention/head_diversity/<layer>`` (mean Jensen–Shannon distance between the heads' normalised
@@ -237,6 +256,16 @@ class BudgetOptions:
         attention_rank_sums: measure the attention's effective and threshold ranks, the members that need
             the whole spectrum. On the Krylov path (long sequences) their quadrature is most of the time
             (``benchmarks/README.md``). False leaves them (and the effective-rank figure) out.
+        attention_cost_ratio: most each layer's attention measurement may cost, as a multiple of that
+            layer's training work on the sampled sequences (its attention and a standard block's linear
+            layers, forward and backward), by a cost model measured on a CPU
+            (:mod:`spectral_monitor.core.attention_budget`). Over it a logging step measures fewer heads (all
+            the sampled sequences of each), a different set each step so that every head is measured within
+            ⌈H/k⌉ logging steps; at least one head of one sequence; and where even one matrix is over it
+            on the Krylov path, without the rank sums. The layer's ``heads_measured`` is then written, the
+            per-layer means are over the heads measured, and each has a ``<metric>_head_se``, the standard
+            error of that mean as an estimate of the mean over every head. ``math.inf``: every head always.
+            None: the preset's (0.5 in ``"light"``, 1 in ``"standard"``, ``math.inf`` in ``"full"``).
 
     Raises:
         ValueError: if a field is out of range (the message names it).
@@ -249,6 +278,7 @@ class BudgetOptions:
     memory_budget_mb: float = 256.0
     metric_method: str = "auto"
     attention_rank_sums: bool = True
+    attention_cost_ratio: float | None = None
 
     def __post_init__(self) -> None:
         self.memory_budget_mb = check_number(
@@ -259,6 +289,13 @@ class BudgetOptions:
         )
         check_choice("metric_method", self.metric_method, METRIC_METHODS)
         check_bool("attention_rank_sums", self.attention_rank_sums)
+        if self.attention_cost_ratio is not None and self.attention_cost_ratio != math.inf:
+            self.attention_cost_ratio = check_number(
+                "attention_cost_ratio",
+                self.attention_cost_ratio,
+                above=0,
+                unit="positive number (or math.inf: no attention cost budget)",
+            )
 
 
 _GROUPS = {"capture": CaptureOptions, "outputs": OutputOptions, "budget": BudgetOptions}
@@ -287,7 +324,8 @@ class MonitorOptions:
             warning once per kind and going on without them.
         log_first_step: also measure step 0, the model before any update.
         curvature: options of the loss-Hessian probe (:class:`CurvatureOptions`); giving them turns it on.
-            None: the preset's (``CurvatureOptions()`` in ``"full"``, else off).
+            None: the preset's (in ``"full"``, ``CurvatureOptions(max_overhead_percent=10,
+            max_memory_ratio=2)``, else off).
         jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
         ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
         probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
@@ -383,16 +421,17 @@ class MonitorOptions:
         for group, kind in _GROUPS.items():
             setattr(self, group, check_instance(group, getattr(self, group), kind))
         # The preset fills a copy: a group given by the caller may be shared with other monitors.
-        unset_outputs = {
-            name: value
-            for name, value in PRESETS[self.preset].items()
-            if KEYWORD_GROUPS[name] == "outputs" and getattr(self.outputs, name) is None
-        }
-        self.outputs = replace(self.outputs, **unset_outputs)
+        for group in ("outputs", "budget"):
+            unset = {
+                name: value
+                for name, value in PRESETS[self.preset].items()
+                if KEYWORD_GROUPS[name] == group and getattr(getattr(self, group), name) is None
+            }
+            setattr(self, group, replace(getattr(self, group), **unset))
         for name in ("families", "curvature"):
             if getattr(self, name) is None:
                 value = PRESETS[self.preset][name]
-                setattr(self, name, value() if isinstance(value, type) else value)
+                setattr(self, name, value() if callable(value) else value)
         check_int("every_n_steps", self.every_n_steps, smallest=1)
         named_opt_in = (
             [name for name in self.families if name in OPT_IN_FAMILIES]

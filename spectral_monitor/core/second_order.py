@@ -34,8 +34,6 @@ vectors are parameter-sized; ``CurvatureOptions(checkpoint_warm_vectors=False)``
 
 from __future__ import annotations
 
-import io
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -47,14 +45,27 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from spectral_monitor.checkpoint_entries import StateEntries, checked_tensor
+from spectral_monitor.checkpoint_entries import StateEntries
+from spectral_monitor.core.curvature_budget import (
+    StretchedCadence,
+    estimate_curvature_memory,
+    saved_activation_bytes,
+)
+from spectral_monitor.core.curvature_records import curvature_measurements
+from spectral_monitor.core.probe_checkpoint import (
+    Layout,
+    check_resumable,
+    checked_curvature_warm,
+    checked_list,
+    layout_of,
+    vectors_of,
+)
 from spectral_monitor.core.schedule import Cadence
-from spectral_monitor.distributed import global_rank
-from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode
+from spectral_monitor.distributed import any_rank, global_rank
+from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode, probing
 from spectral_monitor.probes.curvature import (
     BLOCK_PRESETS,
     HESSIAN_METHODS,
-    CurvatureEstimate,
     CurvatureWarmStart,
     HessianMethod,
     ParameterSpace,
@@ -91,7 +102,6 @@ OPT_IN_FAMILIES = ("curvature", "jacobian", "ntk")
 Schedule = Literal["linear", "log"]
 ProbeBatch = Literal["fixed", "current", "averaged"]
 LossFn = Callable[[nn.Module, Any], Tensor]
-Layout = list[tuple[str, tuple[int, ...]]]
 WHOLE_MODEL = "model"
 
 
@@ -131,6 +141,15 @@ class CurvatureOptions:
             float64 parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds
             800 MB to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
             probe batch is checkpointed either way.
+        max_overhead_percent: stretch the cadence so that each event's time, spread over the steps to the
+            next one, is at most this percentage of the training steps' time: the next event waits for the
+            first step of the cadence at least 100 · event seconds / (max_overhead_percent · median step
+            seconds) steps on, written as ``curvature/every_n_steps/model``. None: ``every_n_steps`` alone.
+        max_memory_ratio: before the first event, estimate the probe's peak memory and a training step's
+            (:mod:`spectral_monitor.core.curvature_budget`, from the parameter, optimizer-state and
+            activation counts); when the probe's exceeds this many times the step's (and 256 MiB), the probe
+            is off for the run, with a message naming the estimate and the options that lower it (strict
+            mode raises it). None: never refused.
     """
 
     every_n_steps: int = 100
@@ -146,6 +165,8 @@ class CurvatureOptions:
     tol: float = 1e-3
     method: HessianMethod = "autograd"
     checkpoint_warm_vectors: bool = True
+    max_overhead_percent: float | None = None
+    max_memory_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _check_cadence(self.every_n_steps, self.schedule)
@@ -168,6 +189,10 @@ class CurvatureOptions:
         check_number("tol", self.tol, above=0.0, below=1.0)
         check_choice("method", self.method, HESSIAN_METHODS)
         check_bool("checkpoint_warm_vectors", self.checkpoint_warm_vectors)
+        if self.max_overhead_percent is not None:
+            check_number("max_overhead_percent", self.max_overhead_percent, above=0.0, unit="percentage")
+        if self.max_memory_ratio is not None:
+            check_number("max_memory_ratio", self.max_memory_ratio, above=0.0, unit="ratio")
 
     def spaces(
         self, module: nn.Module, warn: Callable[[str], None] = warnings.warn
@@ -298,59 +323,8 @@ def _batch_size(batch: Any) -> int:
     return min(sizes)
 
 
-def _checked_list(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise TypeError(f"a {type(value).__name__}, not a list")
-    return value
-
-
-def _checked_curvature_warm(entry: Any) -> dict[str, Any]:
-    """A layer's curvature warm start from a checkpoint: the layout of its parameters and finite vectors."""
-    if not isinstance(entry, Mapping):
-        raise TypeError(f"a {type(entry).__name__}, not a mapping")
-    layout = [(name, tuple(shape)) for name, shape in entry["layout"]]
-    sizes = [size for _, shape in layout for size in shape]
-    if not all(isinstance(name, str) for name, _ in layout) or not all(isinstance(n, int) for n in sizes):
-        raise TypeError("its layout is not a list of (parameter name, shape)")
-    vectors = {
-        f.name: checked_tensor(entry[f.name])
-        for f in fields(CurvatureWarmStart)
-        if entry.get(f.name) is not None
-    }
-    return {"layout": layout, **vectors}
-
-
 def _on_device(batch: Any, device: torch.device) -> Any:
     return apply_to_collection(batch, Tensor, lambda tensor: tensor.to(device))
-
-
-def _check_resumable(batches: list[Any]) -> None:
-    """A ValueError unless ``torch.load(weights_only=True)``, how Lightning reads a checkpoint to resume, can
-    rebuild ``batches``: a container type it does not allow (a namedtuple, a dataclass) in the checkpoint
-    would make the whole resume fail. Checked on their structure, every tensor replaced by an empty one."""
-    structure = apply_to_collection(batches, Tensor, lambda tensor: torch.empty(0))
-    buffer = io.BytesIO()
-    torch.save(structure, buffer)
-    buffer.seek(0)
-    refused = torch.serialization.get_unsafe_globals_in_checkpoint(buffer)
-    if refused:
-        raise ValueError(
-            f"the probe batch holds {', '.join(refused)}, which torch.load(weights_only=True) refuses, so "
-            "Lightning could not resume from a checkpoint holding it: it is left out, and a resumed run "
-            "takes a new probe batch at its first event. "
-            f"torch.serialization.add_safe_globals([{refused[0]}]) lets it in"
-        )
-
-
-def _vectors_of(warm: CurvatureWarmStart) -> dict[str, Tensor]:
-    vectors = {f.name: getattr(warm, f.name) for f in fields(warm)}
-    return {name: tensor for name, tensor in vectors.items() if tensor is not None}
-
-
-def _layout(space: ParameterSpace) -> Layout:
-    """The parameter names and shapes a space's coordinates come from: what must match for warm vectors made
-    in another process (restored from a checkpoint) to belong to this space."""
-    return [(name, tuple(c.shape)) for name, c in zip(space.names(), space.coordinates, strict=True)]
 
 
 @dataclass
@@ -405,6 +379,12 @@ class SecondOrderProbes:
         self._last_probe_seconds = 0.0
         self._step_seconds: float | None = None
         self._generator = torch.Generator().manual_seed(0)
+        self._stretched = (
+            None
+            if curvature.max_overhead_percent is None
+            else StretchedCadence(curvature.every_n_steps, curvature.max_overhead_percent)
+        )
+        self._memory_checked = False
 
     def measure_due(
         self, module: nn.Module, batch: Any, step: int, optimizer: torch.optim.Optimizer | None
@@ -418,10 +398,14 @@ class SecondOrderProbes:
         event = ProbeEvent()
         if step == self._last_step:  # a later micro-batch of an accumulated step
             return event
+        if self._stretched is not None and self._step_seconds and self._last_step == step - 1:
+            self._stretched.step_took(self._step_seconds)
         self._last_step = step
+        if self._stretched is not None and (interval := self._stretched.decide()) is not None:
+            event.measurements.append(Measurement(step, "curvature", "every_n_steps", WHOLE_MODEL, interval))
         if self.data.probe_batch == "averaged" and len(self._batches) < self.data.probe_batches:
             self._batches.append(_copy(batch))
-        due = [family for family in self.families if self._cadence(family).due(step - self._step_offset)]
+        due = [family for family in self.families if self._due(family, step)]
         if not due:
             return event
         if self.data.probe_batch == "fixed" and not self._batches:
@@ -432,6 +416,8 @@ class SecondOrderProbes:
             with self._failures_of(f"measuring the {family} family"):
                 getattr(self, f"_measure_{family}")(module, batches, step, event, optimizer)
             elapsed = time.perf_counter() - started
+            if family == "curvature" and self._stretched is not None:
+                self._stretched.measured(step, elapsed)
             event.measurements.append(Measurement(step, family, "overhead_ms", WHOLE_MODEL, 1000 * elapsed))
             if self._step_seconds:
                 percent = 100 * elapsed / self._step_seconds
@@ -442,7 +428,8 @@ class SecondOrderProbes:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to measure as this one would have gone on measuring: the probe batches,
         the warm vectors (the curvature ones unless ``checkpoint_warm_vectors=False``), the generator, the
-        last step seen and the last training step's duration (for ``overhead_percent``)."""
+        last step seen and the last training step's duration (for ``overhead_percent``), and with
+        ``max_overhead_percent`` the last curvature event's step and the interval after it."""
         state: dict[str, Any] = {
             "last_step": self._last_step,
             "step_seconds": self._step_seconds,
@@ -451,12 +438,15 @@ class SecondOrderProbes:
             "probe_batches": [],
             "jacobian_warm": dict(self._jacobian_warm),
         }
+        if self._stretched is not None:
+            state["curvature_last_event"] = self._stretched.last_event
+            state["curvature_interval"] = self._stretched.interval
         with self._failures_of("checkpointing the probe batch"):
-            _check_resumable(self._batches)
+            check_resumable(self._batches)
             state["probe_batches"] = list(self._batches)
         if self.curvature.checkpoint_warm_vectors:
             state["curvature_warm"] = {
-                layer: {"layout": self._space_layouts[layer], **_vectors_of(warm)}
+                layer: {"layout": self._space_layouts[layer], **vectors_of(warm)}
                 for layer, warm in self._curvature_warm.items()
             }
         return state
@@ -477,6 +467,9 @@ class SecondOrderProbes:
         state = self.usable_state(entries)
         self._last_step = state.get("last_step", self._last_step)
         self._step_seconds = state.get("step_seconds", self._step_seconds)
+        if self._stretched is not None:
+            self._stretched.last_event = state.get("curvature_last_event", self._stretched.last_event)
+            self._stretched.interval = state.get("curvature_interval", self._stretched.interval)
         if "generator" in state:
             self._generator.set_state(state["generator"])
         if state.get("rank", 0) == global_rank():
@@ -497,12 +490,15 @@ class SecondOrderProbes:
         """The entries of a checkpoint's state that :meth:`load_state_dict` can use, checked one by one
         (types, shapes, finite values); the others are dropped, named in ``entries.dropped``."""
         state: dict[str, Any] = {
-            "probe_batches": entries.read("probe_batches", [], _checked_list),
+            "probe_batches": entries.read("probe_batches", [], checked_list),
             "jacobian_warm": entries.unit_vectors("jacobian_warm", ndim=2),
-            "curvature_warm": entries.by_name("curvature_warm", _checked_curvature_warm),
+            "curvature_warm": entries.by_name("curvature_warm", checked_curvature_warm),
         }
         if "last_step" in entries:
             state["last_step"] = entries.integer("last_step", None, smallest=-1, optional=True)
+        for key in ("curvature_last_event", "curvature_interval"):
+            if key in entries:
+                state[key] = entries.integer(key, None, smallest=0, optional=True)
         if "step_seconds" in entries:
             state["step_seconds"] = entries.number("step_seconds", None, optional=True)
         generator = entries.generator_state("generator")
@@ -510,6 +506,11 @@ class SecondOrderProbes:
             state["generator"] = generator
         state["rank"] = entries.integer("rank", 0, smallest=0)
         return state
+
+    def _due(self, family: str, step: int) -> bool:
+        if not self._cadence(family).due(step - self._step_offset):
+            return False
+        return family != "curvature" or self._stretched is None or self._stretched.allows(step)
 
     def _cadence(self, family: str) -> Cadence:
         """``"linear"``: (step + 1) % every_n_steps == 0, and step 0; ``"log"``: also the steps with step + 1
@@ -545,7 +546,7 @@ class SecondOrderProbes:
             # parameters are laid out as when they were made; those of a changed model are of no use.
             changed = self._spaces is not None
             self._spaces = self.curvature.spaces(module, self._warn)
-            layouts = {layer: _layout(space) for layer, space in self._spaces.items()}
+            layouts = {layer: layout_of(space) for layer, space in self._spaces.items()}
             self._curvature_warm = {
                 layer: warm
                 for layer, warm in self._curvature_warm.items()
@@ -553,6 +554,9 @@ class SecondOrderProbes:
             }
             self._space_layouts = layouts
         options = self.curvature
+        if not self._memory_checked:
+            self._memory_checked = True
+            self._refuse_if_too_large(module, batches, optimizer)
         for layer, space in self._spaces.items():
             estimate = measure_curvature(
                 module,
@@ -584,6 +588,23 @@ class SecondOrderProbes:
                         lambda n=nodes, w=weights, t=title: spectral_density_figure(n, w, t),
                     )
                 )
+
+    def _refuse_if_too_large(
+        self, module: nn.Module, batches: list[Any], optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        """Turn the curvature family off, with a ValueError naming the estimate and the options that lower
+        it, when its estimated peak memory exceeds ``max_memory_ratio`` times a training step's."""
+        options = self.curvature
+        if options.max_memory_ratio is None or not self._spaces:
+            return
+        with probing(module, self.data.mode):
+            activations = saved_activation_bytes(self._loss_closure(module, batches), module.parameters())
+        sizes = [space.size for space in self._spaces.values()]
+        memory = estimate_curvature_memory(module, sizes, options, optimizer, activations, len(batches))
+        # Under DDP every rank measures or none does: the products are averaged over the ranks.
+        if any_rank([memory.refused(options.max_memory_ratio)])[0]:
+            self.families = [family for family in self.families if family != "curvature"]
+            raise ValueError(memory.refusal(options.max_memory_ratio, options.max_products))
 
     def _measure_jacobian(
         self,
@@ -656,31 +677,3 @@ def _spaces_still_current(spaces: dict[str, ParameterSpace], module: nn.Module) 
         for space in spaces.values()
         for parameter in space.parameters
     )
-
-
-def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -> list[Measurement]:
-    """The ``curvature`` records of one estimate (names agreed across the project)."""
-    records = [
-        Measurement(step, "curvature", f"hessian_eigenvalue_{k + 1}", layer, float(value))
-        for k, value in enumerate(estimate.eigenvalues.tolist())
-    ]
-    records.append(Measurement(step, "curvature", "gradient_alignment", layer, estimate.gradient_alignment))
-    records.append(Measurement(step, "curvature", "converged", layer, float(estimate.converged)))
-    records.append(Measurement(step, "curvature", "hessian_products", layer, float(estimate.products)))
-    edge = estimate.edge
-    records.append(Measurement(step, "curvature", "sharpness", layer, estimate.sharpness))
-    if edge is not None:
-        records.append(Measurement(step, "curvature", "sharpness_threshold", layer, edge.threshold))
-        records.append(
-            Measurement(step, "curvature", "sharpness_ratio", layer, estimate.sharpness / edge.threshold)
-        )
-    if estimate.min_eigenvalue is not None:
-        records.append(
-            Measurement(step, "curvature", "hessian_min_eigenvalue", layer, estimate.min_eigenvalue)
-        )
-    if estimate.trace is not None:
-        records.append(Measurement(step, "curvature", "hessian_trace", layer, float(estimate.trace.mean[0])))
-        records.append(
-            Measurement(step, "curvature", "hessian_trace_se", layer, float(estimate.trace.stderr[0]))
-        )
-    return [record for record in records if not math.isnan(record.value)]

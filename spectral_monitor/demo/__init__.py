@@ -1,4 +1,4 @@
-"""The embedded demo: a tiny transformer and a synthetic recall task, trainable on a CPU in about a minute.
+"""The embedded demo: a tiny transformer and a synthetic recall task, small enough to train on a CPU.
 
 These classes are ``pytorch_lightning``'s (``lightning.pytorch``'s where only that is installed);
 :mod:`spectral_monitor.demo.lightning_pytorch` has the same model and data for ``lightning.pytorch``.

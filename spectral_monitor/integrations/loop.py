@@ -96,6 +96,20 @@ class Monitor:
     Raises:
         ValueError: if an argument or option is unknown or out of range (the message names it and what is
             allowed).
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=32, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> with tempfile.TemporaryDirectory() as run:
+        ...     with Monitor(model, run, every_n_steps=1) as monitor:
+        ...         for step in range(2):
+        ...             with monitor.step(step):
+        ...                 loss = model(torch.randn(2, 5, 32)).square().mean()
+        ...             loss.backward()
+        ...     [name.endswith(".spectral_monitor") for name in os.listdir(run)], monitor.should_stop
+        ([True], False)
     """
 
     def __init__(
@@ -137,8 +151,7 @@ class Monitor:
 
     @contextmanager
     def step(self, step: int, *, batch: Any = None) -> Iterator[bool]:
-        """The block around the forward of training step ``step`` on ``batch``; yields whether it is a
-        logging step.
+        """The block around the forward of training step ``step`` on ``batch``.
 
         Args:
             step: the loop's own step, on the axis of its other TensorBoard scalars (a
@@ -150,6 +163,9 @@ class Monitor:
                 compute their loss on it (``loss_fn(model, batch)``) and need it; a compiled model is
                 measured by a probe forward on it (``model(**batch)`` for a mapping, ``model(batch[0])`` for
                 a tuple or list, ``model(batch)`` otherwise) and needs it. Else it may be left out.
+
+        Yields:
+            Whether ``step`` is a logging step.
 
         Raises:
             RuntimeError: if the monitor is closed, a ``step`` block is already open, or the call comes
@@ -192,12 +208,20 @@ class Monitor:
             self._session.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """The monitor's state for the loop's checkpoint (warm iterative vectors, alert streams, cadence
-        counters), so a resumed run measures, judges and writes as this one would have gone on doing."""
+        """The monitor's state for the loop's checkpoint.
+
+        Returns:
+            Warm iterative vectors, alert streams and cadence counters, so a resumed run measures, judges
+            and writes as this one would have gone on doing.
+        """
         return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, before the first ``step`` of the resumed run."""
+        """Restore the monitor's state, before the first ``step`` of the resumed run.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned.
+        """
         self._session.load_state_dict(state_dict)
 
     def __enter__(self) -> Monitor:

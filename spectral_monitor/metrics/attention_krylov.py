@@ -59,8 +59,7 @@ class KrylovState:
     Attributes:
         vectors: the top right singular vectors (B, m, 2) of the last batch, or ``None`` before the first.
 
-    Example::
-
+    Examples:
         >>> import torch
         >>> from spectral_monitor.metrics import KrylovState, attention_metrics
         >>> state = KrylovState()
@@ -101,6 +100,21 @@ def krylov_spectral_metrics(
     Returns:
         (B,) tensors ``sigma1``, ``sigma2``, ``eigen_gap``, ``effective_rank``, ``effective_rank_se`` and
         ``threshold_rank``, as :func:`~spectral_monitor.metrics.attention_metrics` defines them.
+
+    Examples:
+        >>> import torch
+        >>> from spectral_monitor.linalg.operators import DenseOperator
+        >>> attention = torch.softmax(torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0)), -1)
+        >>> metrics = krylov_spectral_metrics(
+        ...     DenseOperator(attention), torch.ones(2, 32, dtype=torch.bool), causal=False,
+        ...     include_rank_sums=False, frobenius_squared=attention.square().sum(dim=(1, 2)), state=None,
+        ...     generator=None,
+        ... )
+        >>> exact = torch.linalg.svdvals(attention.double())
+        >>> bool(torch.allclose(metrics["sigma1"].double(), exact[:, 0], rtol=1e-3))
+        True
+        >>> bool(metrics["effective_rank"].isnan().all())  # rank sums not asked for
+        True
     """
     # One generator per estimate, seeded from the caller's: how many random vectors one estimate draws (a
     # rank-one element needs filler directions) then cannot change another's draws for the other elements.

@@ -66,10 +66,10 @@ from spectral_monitor.probes.attention_records import (
     LogitSoftcap,
     LogitTransform,
     SkippedCapture,
-    captured_attention,
     dense_working_nbytes,
     fit_to_budget,
 )
+from spectral_monitor.probes.attention_sampling import captured_attention
 from spectral_monitor.probes.huggingface import observe_eager_attention
 from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
 from spectral_monitor.probes.wrappers import eager_named_modules, unwrapped_named_modules
@@ -114,8 +114,39 @@ def register_attention_extractor(
 
     ``target`` is a module type (matched with ``isinstance``) or an ``fnmatch`` pattern over qualified module
     names. Applies to every :class:`AttentionCapture` created afterwards; a capture's own ``extractors``
-    take precedence, and a later registration over an earlier one. Returns a handle whose ``remove()``
-    unregisters (also usable as a context manager).
+    take precedence, and a later registration over an earlier one.
+
+    Args:
+        target: A module type (matched with ``isinstance``) or an ``fnmatch`` pattern over qualified module
+            names.
+        extractor: Reads the call's :class:`AttentionInputs` (:data:`AttentionExtractor`).
+
+    Returns:
+        A handle whose ``remove()`` unregisters (also usable as a context manager).
+
+    Raises:
+        ValueError: ``target`` is neither, or ``extractor`` is not callable.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> class HandWritten(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.qk = nn.Linear(8, 16)
+        ...     def forward(self, x):
+        ...         q, k = self.qk(x).chunk(2, dim=-1)
+        ...         return torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1) @ x
+        >>> def read_q_and_k(module, args, kwargs, output):
+        ...     q, k = module.qk(args[0]).chunk(2, dim=-1)
+        ...     return AttentionInputs(q.unsqueeze(1), k.unsqueeze(1))  # one head
+        >>> model = nn.Sequential(HandWritten())
+        >>> with register_attention_extractor(HandWritten, read_q_and_k):
+        ...     capture = AttentionCapture(model)
+        ...     with capture.armed() as recording:
+        ...         _ = model(torch.randn(2, 5, 8))
+        >>> [captured.layer for captured in recording.captured]
+        ['0']
     """
     _check_extractor_target("target", target, extractor)
     handle = RemovableHandle(_GLOBAL_EXTRACTORS)
@@ -136,6 +167,31 @@ class AttentionCapture:
     :class:`~spectral_monitor.probes.AttentionFamilies` whose mask keywords say which tokens are padding
     (None: ``AttentionFamilies()``). With ``strict=False`` an error while capturing one layer is recorded in
     ``skipped`` and the forward goes on; ``strict=True`` raises it.
+
+    Args:
+        model: The model.
+        max_sequences: The first sequences of the batch kept.
+        max_bytes: What a recording may hold, in bytes; None: no bound.
+        extractors: Module types or name patterns → their :data:`AttentionExtractor`.
+        attention_families: Whose mask keywords say which tokens are padding.
+        strict: Raise an error met while capturing a layer into the forward.
+
+    Raises:
+        ValueError: ``model`` is not a module, ``max_sequences`` or ``max_bytes`` not a positive int, or
+            an extractor's target or function is not valid.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> capture = AttentionCapture(model, max_sequences=1)
+        >>> with capture.armed() as recording:
+        ...     _ = model(torch.randn(3, 5, 8))
+        >>> [(captured.layer, tuple(captured.q.shape)) for captured in recording.captured]
+        [('layers.0.self_attn', (1, 2, 5, 4)), ('layers.1.self_attn', (1, 2, 5, 4))]
+        >>> recording.samples()[0].probs.shape
+        torch.Size([1, 2, 5, 5])
     """
 
     def __init__(
@@ -168,6 +224,7 @@ class AttentionCapture:
 
     @property
     def is_armed(self) -> bool:
+        """Whether the capture is installed."""
         return self._armed is not None
 
     def arm(self, token_mask: Tensor | None = None, *, every_module: bool = False) -> AttentionRecording:
@@ -178,6 +235,17 @@ class AttentionCapture:
         (:mod:`spectral_monitor.probes.token_masks`). Padded queries are left out of every metric.
         ``every_module``: hook the modules inside torch.compile graphs too, for a forward that runs them
         eagerly (under ``torch.compiler.set_stance("force_eager")``).
+
+        Args:
+            token_mask: (B, n) bool, True = real token.
+            every_module: Hook the modules inside compiled graphs too.
+
+        Returns:
+            The recording the capture fills.
+
+        Raises:
+            RuntimeError: The capture is already armed.
+            ValueError: ``token_mask`` is not a 2-D boolean tensor.
         """
         if self._armed is not None:
             raise RuntimeError("AttentionCapture is already armed; disarm() it first")
@@ -185,7 +253,14 @@ class AttentionCapture:
         return self._armed.recording
 
     def disarm(self) -> AttentionRecording:
-        """Remove everything ``arm()`` installed and apply the memory budget; returns the final recording."""
+        """Remove everything ``arm()`` installed and apply the memory budget.
+
+        Returns:
+            The final recording.
+
+        Raises:
+            RuntimeError: The capture is not armed.
+        """
         if self._armed is None:
             raise RuntimeError("AttentionCapture is not armed")
         armed, self._armed = self._armed, None
@@ -193,7 +268,14 @@ class AttentionCapture:
 
     @contextmanager
     def armed(self, token_mask: Tensor | None = None) -> Iterator[AttentionRecording]:
-        """Context manager form of :meth:`arm` / :meth:`disarm`; disarms even if the forward raises."""
+        """Context manager form of :meth:`arm` / :meth:`disarm`; disarms even if the forward raises.
+
+        Args:
+            token_mask: As :meth:`arm`'s.
+
+        Yields:
+            The recording the capture fills.
+        """
         recording = self.arm(token_mask)
         try:
             yield recording

@@ -227,8 +227,9 @@ class AttentionFamilies:
     """Everything the probes know about attention-module families: how they are named, counted, masked and
     packed. A value: the ``with_...`` methods return a new registry and leave this one as it is.
 
-    ``AttentionFamilies()`` is the process-wide default as of when it is made: the module constants above
-    and :data:`BUILT_IN_QKV_LAYOUTS`, then the layouts registered with :func:`register_qkv_layout`. A field
+    ``AttentionFamilies()`` is the process-wide default as of when it is made: the names of this module's
+    constants (:data:`HEAD_COUNT_ATTRIBUTES` and the others), the layouts of :data:`BUILT_IN_QKV_LAYOUTS`,
+    then the layouts registered with :func:`register_qkv_layout`. A field
     given replaces that fact (in YAML too: list the names you keep); the ``with_...`` methods add to it.
     Names are tried in order, the first positive int found wins; names added come first.
 

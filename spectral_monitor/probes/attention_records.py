@@ -1,7 +1,8 @@
 """What an attention capture records, and how a kernel call's inputs become that record.
 
 :class:`AttentionInputs` is one attention computation in ``F.scaled_dot_product_attention``'s terms (what the
-kernel interception and the user's extractors produce); :func:`captured_attention` turns it into a
+kernel interception and the user's extractors produce);
+:func:`~spectral_monitor.probes.attention_sampling.captured_attention` turns it into a
 :class:`CapturedAttention`, detached copies of the sampled sequences' q and k with their masks, from which
 :class:`AttentionSample` probabilities or blockwise metrics are computed on demand. An
 :class:`AttentionRecording` holds one armed forward's captures and what was skipped, and
@@ -12,7 +13,7 @@ kernel interception and the user's extractors produce); :func:`captured_attentio
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -20,8 +21,7 @@ from torch import Tensor
 
 from spectral_monitor.metrics import KrylovState, attention_metrics_from_qk, max_attention_logit
 from spectral_monitor.metrics.long_context import DEFAULT_MAX_BYTES, KRYLOV_COLUMNS
-from spectral_monitor.metrics.masks import additive_mask, attendable_pattern, is_causal_pattern
-from spectral_monitor.probes.token_masks import ForwardTokenMasks, checked_token_mask
+from spectral_monitor.metrics.masks import attendable_pattern
 
 __all__ = [
     "BLOCKWISE_MIN_TOKENS",
@@ -34,7 +34,6 @@ __all__ = [
     "LogitSoftcap",
     "LogitTransform",
     "SkippedCapture",
-    "captured_attention",
     "dense_working_nbytes",
     "fit_to_budget",
 ]
@@ -76,8 +75,7 @@ class LogitSoftcap:
     Raises:
         ValueError: if ``cap`` is not a positive finite number.
 
-    Example::
-
+    Examples:
         >>> import torch
         >>> from spectral_monitor.probes import LogitSoftcap
         >>> LogitSoftcap(50.0)(torch.tensor([0.0, 50.0, 1e4]))
@@ -120,6 +118,17 @@ class AttentionInputs:
         logit_transform: an elementwise function the model applies to the scaled logits scale · q kᵀ before
             the mask is added and the softmax taken (Gemma 2's softcapping: :class:`LogitSoftcap`); it may
             work in place and returns the transformed logits.
+
+    Examples:
+        An extractor returns them; :func:`~spectral_monitor.probes.attention_sampling.captured_attention`
+        keeps the sampled sequences:
+
+        >>> import torch
+        >>> from spectral_monitor.probes.attention_sampling import captured_attention
+        >>> from spectral_monitor.probes.token_masks import ForwardTokenMasks
+        >>> inputs = AttentionInputs(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8), causal=True)
+        >>> captured_attention("attn", inputs, 2, ForwardTokenMasks()).q.shape
+        torch.Size([2, 2, 5, 8])
     """
 
     q: Tensor
@@ -147,6 +156,15 @@ class AttentionSample:
             says (every key, or keys j <= i).
         max_logit: (S, H), the largest logit over real queries x attendable keys
             (:func:`~spectral_monitor.metrics.max_attention_logit`); ``None`` = not taken.
+
+    Examples:
+        >>> import torch
+        >>> q = k = torch.randn(2, 3, 4, 8)  # (sequences, heads, tokens, head width)
+        >>> captured = CapturedAttention("attn", q, k, None, causal=True, scale=8**-0.5, key_mask=None,
+        ...                              query_mask=None)
+        >>> sample = captured.sample()
+        >>> sample.probs.shape, bool(torch.allclose(sample.probs.sum(-1), torch.ones(2, 3, 4)))
+        (torch.Size([2, 3, 4, 4]), True)
     """
 
     layer: str
@@ -175,6 +193,16 @@ class CapturedAttention:
         key_mask: as in :class:`AttentionSample`.
         query_mask: as in :class:`AttentionSample`.
         logit_transform: as in :class:`AttentionInputs`: applied to scale · q kᵀ before the mask.
+
+    Examples:
+        >>> import torch
+        >>> q = k = torch.randn(2, 3, 4, 8)  # (sequences, heads, tokens, head width)
+        >>> captured = CapturedAttention("attn", q, k, None, causal=True, scale=8**-0.5, key_mask=None,
+        ...                              query_mask=None)
+        >>> captured.num_sequences, captured.num_heads, captured.probs()[0, 0, 0].tolist()
+        (2, 3, [1.0, 0.0, 0.0, 0.0])
+        >>> [part.num_heads for part in captured.chunks(2)]
+        [2, 1, 2, 1]
     """
 
     layer: str
@@ -189,15 +217,23 @@ class CapturedAttention:
 
     @property
     def num_sequences(self) -> int:
+        """S, the sequences captured."""
         return self.q.shape[0]
 
     @property
     def num_heads(self) -> int:
+        """H, the query heads."""
         return self.q.shape[1]
 
     def logits(self, out: Tensor | None = None) -> Tensor:
-        """transform(scale · q kᵀ) + mask, with the causal pattern applied: (S, H, n, m) float32 (into
-        ``out``)."""
+        """The logits the softmax reads: transform(scale · q kᵀ) + mask, with the causal pattern applied.
+
+        Args:
+            out: A float32 (S, H, n, m) tensor to write them into.
+
+        Returns:
+            The logits, (S, H, n, m) float32 (``out`` where given).
+        """
         logits = torch.matmul(self.q.float(), self.k.float().transpose(-1, -2), out=out).mul_(self.scale)
         if self.logit_transform is not None:
             transformed = self.logit_transform(logits)
@@ -216,7 +252,14 @@ class CapturedAttention:
         float32 tensor of that shape) if given.
 
         Formed in place over the logits a block of rows at a time, so forming them takes their own size
-        and a block's (``PROBABILITY_BLOCK_BYTES``) rather than three times their size."""
+        and a block's (``PROBABILITY_BLOCK_BYTES``) rather than three times their size.
+
+        Args:
+            out: A float32 (S, H, n, m) tensor to write them into.
+
+        Returns:
+            The probabilities; a row without an attendable key is 0.
+        """
         return self._softmax_in_place(self.logits(out))
 
     def _softmax_in_place(self, logits: Tensor) -> Tensor:
@@ -233,8 +276,14 @@ class CapturedAttention:
         return ((start, min(start + per_block, rows)) for start in range(0, rows, per_block))
 
     def sample(self, out: Tensor | None = None) -> AttentionSample:
-        """The probabilities with their masks and the largest logit of each head, computed now (into ``out``
-        if given, as :meth:`probs`: the largest logits are read before the logits become probabilities)."""
+        """The probabilities with their masks and the largest logit of each head, computed now.
+
+        Args:
+            out: As :meth:`probs`'s (the largest logits are read before the logits become probabilities).
+
+        Returns:
+            The sample the metrics read.
+        """
         logits = self.logits(out)
         max_logit = max_attention_logit(
             logits,
@@ -251,23 +300,48 @@ class CapturedAttention:
         )
 
     def held_nbytes(self) -> int:
-        """Bytes this capture holds: q, k and the masks (no probabilities)."""
+        """The memory this capture holds.
+
+        Returns:
+            Bytes of q, k and the masks (no probabilities).
+        """
         tensors = (self.q, self.k, self.mask, self.key_mask, self.query_mask)
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
 
     def dense_matrix_nbytes(self, exact: bool) -> int:
-        """Most memory measuring one (n, m) matrix densely takes, by :func:`dense_working_nbytes`."""
+        """Most memory measuring one (n, m) matrix densely takes, by :func:`dense_working_nbytes`.
+
+        Args:
+            exact: On the exact path (else the Krylov path).
+
+        Returns:
+            Bytes.
+        """
         return dense_working_nbytes(self.q.shape[2], self.k.shape[2], exact, self._masked())
 
     def matrices_per_chunk(self, max_bytes: int, exact: bool) -> int:
-        """How many of this layer's matrices (sequences × heads) may be measured densely at once within
-        ``max_bytes`` (0: not even one; the layer is then measured blockwise from q and k)."""
+        """How many of this layer's matrices (sequences × heads) may be measured densely at once.
+
+        Args:
+            max_bytes: The memory budget.
+            exact: On the exact path (else the Krylov path).
+
+        Returns:
+            The count; 0 when not even one fits, and the layer is then measured blockwise from q and k.
+        """
         room = max_bytes - DENSE_CALL_NBYTES
         return max(0, min(self.num_sequences * self.num_heads, room // self.dense_matrix_nbytes(exact)))
 
     def chunks(self, matrices: int) -> Iterator[CapturedAttention]:
-        """This capture in consecutive parts of at most ``matrices`` matrices (whole sequences, or heads of
-        one sequence), views of it in the order of its flattened (sequences × heads) batch."""
+        """This capture in consecutive parts.
+
+        Args:
+            matrices: The most matrices of a part.
+
+        Yields:
+            Parts of whole sequences, or of heads of one sequence: views of this capture in the order of its
+            flattened (sequences × heads) batch.
+        """
         heads = self.num_heads
         if matrices >= heads:
             step = matrices // heads
@@ -301,7 +375,15 @@ class CapturedAttention:
         return self.mask is not None or self.key_mask is not None or self.query_mask is not None
 
     def probs_nbytes(self, sequences: int | None = None, heads: int | None = None) -> int:
-        """Bytes of the float32 probabilities of the first ``sequences`` x ``heads``, were they formed."""
+        """Bytes of the float32 probabilities of the first sequences and heads, were they formed.
+
+        Args:
+            sequences: How many sequences; None: all.
+            heads: How many heads; None: all.
+
+        Returns:
+            Bytes.
+        """
         sequences = self.num_sequences if sequences is None else min(sequences, self.num_sequences)
         heads = self.num_heads if heads is None else min(heads, self.num_heads)
         return sequences * heads * 4 * self.q.shape[2] * self.k.shape[2]
@@ -311,7 +393,16 @@ class CapturedAttention:
     ) -> bool:
         """Whether the metrics come from q and k in blocks (:meth:`blockwise_metrics`), never forming the
         probabilities: from ``BLOCKWISE_MIN_TOKENS`` queries or keys on, or where the float32 probabilities of
-        ``sequences`` x ``heads`` would exceed ``max_bytes``."""
+        ``sequences`` x ``heads`` would exceed ``max_bytes``.
+
+        Args:
+            max_bytes: The memory budget; None: no budget.
+            sequences: How many sequences; None: all.
+            heads: How many heads; None: all.
+
+        Returns:
+            Whether the layer is measured blockwise.
+        """
         long = max(self.q.shape[2], self.k.shape[2]) >= BLOCKWISE_MIN_TOKENS
         return long or (max_bytes is not None and self.probs_nbytes(sequences, heads) > max_bytes)
 
@@ -325,7 +416,18 @@ class CapturedAttention:
         generator: torch.Generator | None = None,
     ) -> dict[str, Tensor]:
         """:func:`~spectral_monitor.metrics.attention_metrics_from_qk` of every sequence and head: (S, H)
-        values, computed within ``max_bytes`` of working memory without forming the probabilities."""
+        values, computed without forming the probabilities.
+
+        Args:
+            method: As :func:`~spectral_monitor.metrics.attention_metrics_from_qk` takes it.
+            max_bytes: Its working memory.
+            include_rank_sums: Also the effective and threshold ranks.
+            state: Krylov warm starts, carried from one call to the next.
+            generator: The source of random start vectors.
+
+        Returns:
+            Each metric's name → its (S, H) values.
+        """
         return attention_metrics_from_qk(
             self.q,
             self.k,
@@ -346,7 +448,16 @@ class CapturedAttention:
         self, sequences: int | None = None, heads: int | None = None, max_bytes: int | None = None
     ) -> int:
         """Bytes held by this capture cut to ``sequences`` x ``heads``, plus the float32 probs it implies
-        unless it is measured blockwise under ``max_bytes`` (:meth:`measured_blockwise`)."""
+        unless it is measured blockwise under ``max_bytes`` (:meth:`measured_blockwise`).
+
+        Args:
+            sequences: How many sequences; None: all.
+            heads: How many heads; None: all.
+            max_bytes: The memory budget that decides the blockwise path; None: none.
+
+        Returns:
+            Bytes.
+        """
         sequences = self.num_sequences if sequences is None else min(sequences, self.num_sequences)
         heads = self.num_heads if heads is None else min(heads, self.num_heads)
         n, m = self.q.shape[2], self.k.shape[2]
@@ -368,14 +479,35 @@ class CapturedAttention:
         return total
 
     def first(self, sequences: int, heads: int) -> CapturedAttention:
-        """A copy cut to the first ``sequences`` sequences and ``heads`` heads (fresh storage, not views)."""
+        """A copy cut to the first sequences and heads.
+
+        Args:
+            sequences: How many sequences to keep.
+            heads: How many heads to keep.
+
+        Returns:
+            The copy, in fresh storage (not views).
+        """
+        return self.selected(sequences, range(min(heads, self.num_heads)))
+
+    def selected(self, sequences: int, heads: Sequence[int]) -> CapturedAttention:
+        """A copy cut to the first sequences and the chosen heads.
+
+        Args:
+            sequences: How many sequences to keep.
+            heads: The numbers of the heads kept, in the order kept.
+
+        Returns:
+            The copy, in fresh storage (not views).
+        """
+        index = torch.as_tensor(list(heads), dtype=torch.long, device=self.q.device)
 
         def cut(tensor: Tensor | None, head_dim: bool) -> Tensor | None:
             if tensor is None:
                 return None
             tensor = tensor[:sequences]
-            if head_dim:
-                tensor = tensor[:, :heads]
+            if head_dim and tensor.shape[1] > 1:  # a mask may be shared by the heads (size 1)
+                return tensor.index_select(1, index.to(tensor.device))
             return tensor.clone()
 
         return replace(
@@ -395,6 +527,10 @@ class SkippedCapture:
     Attributes:
         layer: the attention module's qualified name, or ``"*"``.
         reason: why, in words a user can act on.
+
+    Examples:
+        >>> SkippedCapture("blocks.3.attn", "block no longer in the model; its series stop").layer
+        'blocks.3.attn'
     """
 
     layer: str
@@ -408,165 +544,39 @@ class AttentionRecording:
     Attributes:
         captured: the layers captured, in call order.
         skipped: the layers not captured, or cut to the memory budget, each with why.
+
+    Examples:
+        >>> import torch
+        >>> q = k = torch.randn(2, 3, 4, 8)  # (sequences, heads, tokens, head width)
+        >>> captured = CapturedAttention("attn", q, k, None, causal=True, scale=8**-0.5, key_mask=None,
+        ...                              query_mask=None)
+        >>> recording = AttentionRecording([captured])
+        >>> recording.nbytes() == captured.held_nbytes() + captured.probs_nbytes() + 2 * (4 + 4)
+        True
     """
 
     captured: list[CapturedAttention] = field(default_factory=list)
     skipped: list[SkippedCapture] = field(default_factory=list)
 
     def samples(self) -> list[AttentionSample]:
-        """The attention probabilities of every captured layer, computed now (float32)."""
+        """The attention probabilities of every captured layer, computed now.
+
+        Returns:
+            One float32 :class:`AttentionSample` per capture.
+        """
         return [capture.sample() for capture in self.captured]
 
     def nbytes(self, max_bytes: int | None = None) -> int:
         """Bytes held by the captures plus the float32 probabilities of those measured densely under
-        ``max_bytes`` (:meth:`CapturedAttention.measured_blockwise`)."""
+        ``max_bytes`` (:meth:`CapturedAttention.measured_blockwise`).
+
+        Args:
+            max_bytes: The memory budget that decides the blockwise path; None: none.
+
+        Returns:
+            Bytes.
+        """
         return sum(capture.nbytes(max_bytes=max_bytes) for capture in self.captured)
-
-
-def captured_attention(
-    layer: str,
-    inputs: AttentionInputs | None,
-    max_sequences: int,
-    token_masks: ForwardTokenMasks,
-    padded_queries: Tensor | None = None,
-) -> CapturedAttention | None:
-    """Detached copies of the first ``max_sequences`` sequences of ``inputs``, with key and query masks.
-
-    Real queries are those the inputs, the kernel call (``padded_queries``) and the forward's padding masks
-    (``token_masks``) leave, among those with an attendable key; attendable keys are those of real queries.
-
-    Args:
-        layer: the name the record carries.
-        inputs: what the kernel call or an extractor read; ``None`` = nothing to capture.
-        max_sequences: how many of the batch's first sequences to keep.
-        token_masks: the real tokens the forward's modules were given.
-        padded_queries: (B, n) bool, True = a padded query, as the kernel call's own padding mask says.
-
-    Returns:
-        The record, or ``None`` when ``inputs`` is ``None``.
-
-    Raises:
-        TypeError: if ``inputs`` is neither :class:`AttentionInputs` nor ``None`` (an extractor's result).
-        ValueError: if the query heads cannot share the key heads evenly, or a query mask is malformed.
-    """
-    if inputs is None:
-        return None
-    if not isinstance(inputs, AttentionInputs):
-        raise TypeError(
-            f"an attention extractor must return AttentionInputs or None, got {type(inputs).__name__}"
-        )
-    q, k = _batch_heads_layout(inputs.q), _batch_heads_layout(inputs.k)
-    sequences = min(max_sequences, q.shape[0])
-    num_queries, num_keys = q.shape[2], k.shape[2]
-    q = _copy(q[:sequences])
-    k = k[:sequences] if k.shape[0] > 1 else k.expand(sequences, *k.shape[1:])
-    heads, key_heads = q.shape[1], k.shape[1]
-    if heads % key_heads:
-        raise ValueError(f"{heads} query heads cannot share {key_heads} key heads")
-    k = k.repeat_interleave(heads // key_heads, dim=1) if key_heads < heads else _copy(k)
-
-    mask = None
-    if inputs.mask is not None:
-        mask = _batch_heads_mask(inputs.mask, inputs.q.shape, sequences)
-        mask = additive_mask(mask, true_means_masked=False)
-        torch.broadcast_shapes(mask.shape, (sequences, heads, num_queries, num_keys))
-    scale = inputs.scale if inputs.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-
-    real_queries = None
-    query_masks = [inputs.query_mask, token_masks.real_tokens(num_queries)]
-    if padded_queries is not None:
-        query_masks.append(~padded_queries)
-    for given in query_masks:
-        if given is not None:
-            given = checked_token_mask(given, "query_mask")[:sequences].to(q.device)
-            real_queries = _conjunction(real_queries, given)
-    causal = bool(inputs.causal)
-    if mask is not None and mask.shape[-2] > 1:
-        attendable = attendable_pattern(mask, causal, (num_queries, num_keys))
-        assert attendable is not None
-        attendable = attendable.expand(sequences, -1, num_queries, num_keys)
-        query_mask = attendable.any(dim=(1, 3))
-        if real_queries is not None:
-            query_mask &= real_queries
-        key_mask = (attendable & query_mask[:, None, :, None]).any(dim=(1, 2))
-        causal = causal or is_causal_pattern(attendable, query_mask[:, None, :])
-    else:
-        key_mask, query_mask = _attendable_keys_and_queries(
-            mask, causal, real_queries, sequences, num_queries, num_keys, q.device
-        )
-    return CapturedAttention(
-        layer=layer,
-        q=q,
-        k=k,
-        mask=mask,
-        causal=causal,
-        scale=float(scale),
-        key_mask=None if key_mask is None or bool(key_mask.all()) else key_mask,
-        query_mask=None if query_mask is None or bool(query_mask.all()) else query_mask,
-        logit_transform=inputs.logit_transform,
-    )
-
-
-def _batch_heads_layout(tensor: Tensor) -> Tensor:
-    """(..., L, E) as SDPA accepts it -> (B, H, L, E): absent dims become 1, extra dims join heads."""
-    if tensor.dim() == 2:
-        return tensor.view(1, 1, *tensor.shape)
-    if tensor.dim() == 3:
-        return tensor.unsqueeze(1)
-    return tensor.reshape(tensor.shape[0], -1, *tensor.shape[-2:])
-
-
-def _batch_heads_mask(mask: Tensor, query_shape: torch.Size, sequences: int) -> Tensor:
-    """A mask broadcastable to SDPA's (..., L, S) as (B or 1, H or 1, L, S), cut to the sampled sequences."""
-    mask = mask[(None,) * (len(query_shape) - mask.dim())]
-    if len(query_shape) > 4:  # extra dims join the heads, as for q; broadcast dims must be materialised
-        mask = mask.expand(*query_shape[:-2], *mask.shape[-2:])
-    mask = mask[:sequences] if mask.dim() > 2 and mask.shape[0] > 1 else mask
-    return _batch_heads_layout(mask)
-
-
-def _attendable_keys_and_queries(
-    mask: Tensor | None,
-    causal: bool,
-    real_queries: Tensor | None,
-    sequences: int,
-    num_queries: int,
-    num_keys: int,
-    device: torch.device,
-) -> tuple[Tensor | None, Tensor | None]:
-    """(S, m) keys some real query may attend and (S, n) real queries with some attendable key; ``None`` =
-    all, for no mask or one logit row for all queries (key padding).
-
-    From O(n + m) per head: at long context an n × m pattern would be a large part of the memory the
-    blockwise measurement avoids.
-    """
-    if mask is None:
-        open_keys = torch.ones((sequences, 1, num_keys), dtype=torch.bool, device=device)
-    else:
-        open_keys = ~torch.isneginf(mask[:, :, 0]).expand(sequences, -1, num_keys)
-    queries = torch.ones((sequences, num_queries), dtype=torch.bool, device=device)
-    if real_queries is not None:
-        queries = queries & real_queries
-    if not causal:
-        has_key = open_keys.any(dim=2).any(dim=1, keepdim=True)
-        return open_keys.any(dim=1) & queries.any(dim=1, keepdim=True), queries & has_key
-    # Query i attends open keys j <= i: query i is measured if i >= the first open key, and key j if open
-    # and j <= the last measured query.
-    first_open = torch.where(open_keys.any(dim=2), open_keys.to(torch.int8).argmax(dim=2), num_queries)
-    queries = queries & (torch.arange(num_queries, device=device) >= first_open[:, :, None]).any(dim=1)
-    positions = torch.arange(num_queries, device=device)
-    last_query = torch.where(queries, positions, -1).amax(dim=1, keepdim=True)
-    keys = open_keys.any(dim=1) & (torch.arange(num_keys, device=device) <= last_query)
-    return keys, queries
-
-
-def _conjunction(mask: Tensor | None, other: Tensor) -> Tensor:
-    return other.clone() if mask is None else mask & other
-
-
-def _copy(tensor: Tensor) -> Tensor:
-    """A detached copy with its own storage, so nothing of the batch's activations stays alive."""
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
 def fit_to_budget(recording: AttentionRecording, max_bytes: int) -> None:
@@ -575,6 +585,16 @@ def fit_to_budget(recording: AttentionRecording, max_bytes: int) -> None:
     Args:
         recording: cut in place; each cut is listed in its ``skipped``.
         max_bytes: the budget, as :meth:`AttentionRecording.nbytes` counts.
+
+    Examples:
+        >>> import torch
+        >>> q = k = torch.randn(2, 3, 4, 8)  # (sequences, heads, tokens, head width)
+        >>> captured = CapturedAttention("attn", q, k, None, causal=True, scale=8**-0.5, key_mask=None,
+        ...                              query_mask=None)
+        >>> recording = AttentionRecording([captured])
+        >>> fit_to_budget(recording, max_bytes=1000)
+        >>> recording.captured[0].num_sequences, recording.skipped[0].reason
+        (1, 'memory budget of 1000 bytes: kept 1 of 2 sequences and 3 of 3 heads')
     """
     captured = recording.captured
     if not captured or recording.nbytes(max_bytes) <= max_bytes:
@@ -637,6 +657,10 @@ def dense_working_nbytes(queries: int, keys: int, exact: bool, masked: bool) -> 
 
     Returns:
         Bytes.
+
+    Examples:
+        >>> dense_working_nbytes(64, 64, exact=True, masked=False) // (4 * 64 * 64)  # 1 + 7.5 copies
+        8
     """
     matrix = 4 * queries * keys
     held = matrix * (1.25 if masked else 1.0)

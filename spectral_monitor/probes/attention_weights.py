@@ -178,9 +178,6 @@ def check_head_split(query: Tensor, key: Tensor, value: Tensor | None, heads: in
         heads: H.
         key_heads: H_k.
 
-    Returns:
-        Nothing: it returns when the rows split.
-
     Raises:
         ValueError: if a count is not a positive int, H_k does not divide H, a projection's rows are not a
             multiple of its heads, or query and key heads differ in width.

@@ -63,6 +63,22 @@ def observe_eager_attention(
     ``on_uncapturable(reason, None)`` instead, for an eager function whose logits are not q·k plus a mask,
     and ``on_uncapturable(reason, error)`` when reading the call failed (the receiver decides whether that
     error reaches the forward). Only calls whose module belongs to ``model`` are reported.
+
+    Args:
+        model: The model whose attention modules are observed.
+        on_call: Receives each call's ``(args, kwargs)`` in ``F.scaled_dot_product_attention``'s terms.
+        on_uncapturable: Receives ``(reason, error)`` for a call that cannot be reported.
+
+    Returns:
+        The function that ends the observation and restores every global replaced.
+
+    Examples:
+        A model without Hugging Face attention has nothing to observe:
+
+        >>> from torch import nn
+        >>> ignore = lambda *arguments: None
+        >>> stop = observe_eager_attention(nn.Linear(2, 2), ignore, ignore)
+        >>> stop()
     """
     own_modules = {id(module) for module in model.modules()}
     replaced: dict[int, tuple[dict[str, Any], Callable[..., Any], Callable[..., Any]]] = {}
@@ -106,9 +122,26 @@ def observe_eager_attention(
 
 
 def attention_not_seen_advice(model: nn.Module, attention_families: AttentionFamilies | None = None) -> str:
-    """How to make ``model``'s attention visible to the capture, as concretely as the model allows; the
-    modules that look like attention are those ``attention_families`` says do (None:
-    ``AttentionFamilies()``)."""
+    """How to make a model's attention visible to the capture, as concretely as the model allows.
+
+    Args:
+        model: The model whose forward made no attention call the capture could see.
+        attention_families: Which modules look like attention (None: ``AttentionFamilies()``).
+
+    Returns:
+        The advice: the ``attn_implementation`` to switch to, or the extractor to register.
+
+    Raises:
+        ValueError: ``attention_families`` is not an ``AttentionFamilies``.
+
+    Examples:
+        >>> from torch import nn
+        >>> class Attention(nn.Module):
+        ...     def forward(self, x):
+        ...         return x
+        >>> attention_not_seen_advice(nn.Sequential(Attention()))  # doctest: +ELLIPSIS
+        'for attention written by hand, register an extractor ...register_attention_extractor(Attention, ...'
+    """
     families = check_instance("attention_families", attention_families, AttentionFamilies)
     modules = [module for _, module in unwrapped_named_modules(model)]
     implementations = sorted(

@@ -28,8 +28,19 @@ __all__ = ["OutputLogitCapture", "OutputLogitSample", "find_lm_head"]
 
 @dataclass
 class OutputLogitSample:
-    """The LM head's output for the sampled sequences: ``logits`` (S, n, V), a detached copy in the forward's
-    dtype; ``token_mask`` (S, n) bool, True = real token, or ``None`` when every token counts."""
+    """The LM head's output for the sampled sequences.
+
+    Attributes:
+        layer: The LM head's module name.
+        logits: (S, n, V), a detached copy in the forward's dtype.
+        token_mask: (S, n) bool, True = real token, or ``None`` when every token counts.
+
+    Examples:
+        >>> import torch
+        >>> sample = OutputLogitSample("lm_head", torch.zeros(1, 5, 10), None)
+        >>> sample.logits.shape
+        torch.Size([1, 5, 10])
+    """
 
     layer: str
     logits: Tensor
@@ -37,9 +48,25 @@ class OutputLogitSample:
 
 
 def find_lm_head(model: nn.Module, module_name: str | None = None) -> tuple[str, nn.Module]:
-    """(name, module) of the LM head: ``module_name`` if given; else ``get_output_embeddings()`` of a Hugging
-    Face model where that returns a module; else the last ``nn.Linear`` whose ``out_features`` is the
-    vocabulary size of the first ``nn.Embedding``. Raises ValueError naming what is missing."""
+    """Find a language model's LM head.
+
+    Args:
+        model: The model.
+        module_name: The head's module name, where the user names it.
+
+    Returns:
+        ``(name, module)``: the module named ``module_name`` if given; else ``get_output_embeddings()``
+        of a Hugging Face model where that returns a module; else the last ``nn.Linear`` whose
+        ``out_features`` is the vocabulary size of the first ``nn.Embedding``.
+
+    Raises:
+        ValueError: No such module, naming what is missing.
+
+    Examples:
+        >>> from torch import nn
+        >>> find_lm_head(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)))
+        ('1', Linear(in_features=4, out_features=10, bias=True))
+    """
     modules = list(unwrapped_named_modules(model))
     if module_name is not None:
         for name, module in modules:
@@ -74,8 +101,32 @@ def find_lm_head(model: nn.Module, module_name: str | None = None) -> tuple[str,
 
 
 class OutputLogitCapture:
-    """Keeps the LM head's output of one armed forward (the first call while armed); its real tokens are read
-    with ``attention_families``' mask keywords (None: ``AttentionFamilies()``)."""
+    """Keeps the LM head's output of one armed forward (the first call while armed).
+
+    Args:
+        model: The language model.
+        module_name: The LM head's module name; by default found by :func:`find_lm_head`.
+        max_sequences: Sequences of the batch kept.
+        attention_families: Whose mask keywords say the real tokens (None: ``AttentionFamilies()``).
+
+    Attributes:
+        layer: The LM head's module name.
+        head: The LM head.
+
+    Raises:
+        ValueError: No LM head is found, or ``attention_families`` is not an ``AttentionFamilies``.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+        >>> capture = OutputLogitCapture(model, max_sequences=1)
+        >>> capture.arm()
+        >>> _ = model(torch.zeros(3, 5, dtype=torch.long))
+        >>> sample = capture.disarm()
+        >>> sample.layer, sample.logits.shape, capture.is_armed
+        ('1', torch.Size([1, 5, 10]), False)
+    """
 
     def __init__(
         self,
@@ -94,18 +145,27 @@ class OutputLogitCapture:
 
     @property
     def is_armed(self) -> bool:
+        """Whether the head is hooked."""
         return self._handle is not None
 
     def arm(self, token_mask: Tensor | None = None, *, every_module: bool = False) -> None:
-        """Hooks the head until :meth:`disarm`; ``token_mask`` (B, n) bool, True = real token;
-        ``every_module``: as :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`."""
+        """Hook the head until :meth:`disarm`.
+
+        Args:
+            token_mask: (B, n) bool, True = real token, where the forward's own masks do not say.
+            every_module: As :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`.
+        """
         self.disarm()
         self._token_masks = ForwardTokenMasks(token_mask, self.attention_families)
         self._token_masks.install(self.model, every_module=every_module)
         self._handle = self.head.register_forward_hook(self._keep)
 
     def disarm(self) -> OutputLogitSample | None:
-        """Removes the hook; returns what it captured (``None`` when the head did not run)."""
+        """Remove the hooks.
+
+        Returns:
+            What was captured, ``None`` when the head did not run.
+        """
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

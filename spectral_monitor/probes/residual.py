@@ -47,8 +47,15 @@ _PADDING_MASK_ARGUMENTS = {
 class ResidualSample:
     """The output of one block for the sampled sequences.
 
-    ``states``: (S, n, d) float32, a detached copy. ``token_mask``: (S, n) bool, True = real token, or
-    ``None`` when unknown (or when every token is real).
+    Attributes:
+        layer: The block's name.
+        states: (S, n, d) float32, a detached copy.
+        token_mask: (S, n) bool, True = real token, or ``None`` when unknown (or when every token is real).
+
+    Examples:
+        >>> import torch
+        >>> ResidualSample("layers.0", torch.zeros(1, 5, 8), None).states.shape
+        torch.Size([1, 5, 8])
     """
 
     layer: str
@@ -58,16 +65,46 @@ class ResidualSample:
 
 @dataclass
 class ResidualRecording:
-    """The block outputs of one armed forward, in model order, and the blocks not read; final on disarm."""
+    """The block outputs of one armed forward and the blocks not read; final on disarm.
+
+    Attributes:
+        states: One :class:`ResidualSample` per block that ran, in model order.
+        skipped: The blocks not read, and why.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> with ResidualCapture(model, max_sequences=1).armed() as recording:
+        ...     _ = model(torch.randn(3, 5, 8))
+        >>> [(sample.layer, tuple(sample.states.shape)) for sample in recording.states], recording.skipped
+        ([('layers.0', (1, 5, 8)), ('layers.1', (1, 5, 8))], [])
+    """
 
     states: list[ResidualSample] = field(default_factory=list)
     skipped: list[SkippedCapture] = field(default_factory=list)
 
 
 def find_transformer_blocks(model: nn.Module, patterns: Sequence[str] | None = None) -> list[str]:
-    """Qualified names of the transformer blocks of ``model``, in model (registration) order.
+    """The transformer blocks of a model.
 
-    With ``patterns``, the modules whose qualified names match any of the ``fnmatch`` patterns instead.
+    Args:
+        model: The model, wrapped or not.
+        patterns: ``fnmatch`` patterns over qualified module names; by default the blocks are found as the
+            module docstring says.
+
+    Returns:
+        The blocks' qualified names (the modules matching a pattern, with ``patterns``), in model
+        (registration) order.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> find_transformer_blocks(model)
+        ['layers.0', 'layers.1']
     """
     if patterns is not None:
         return [
@@ -95,13 +132,36 @@ def find_transformer_blocks(model: nn.Module, patterns: Sequence[str] | None = N
 class ResidualCapture:
     """Captures block outputs of ``model`` during armed forwards only; costs nothing otherwise.
 
-    ``block_patterns``: ``fnmatch`` patterns over qualified module names choosing the blocks (default: found
-    automatically). The first ``max_sequences`` sequences of the batch are kept; when a block runs several
-    times in one armed forward only its first output is kept. A block that has left the model since is listed
-    in ``recording.skipped``; so is, with ``strict=False``, a block whose output could not be read (an error
-    while copying it), and the forward goes on; ``strict=True`` raises that error into the forward.
-    ``attention_families``: the :class:`~spectral_monitor.probes.AttentionFamilies` whose mask keywords say
-    which tokens are padding (None: ``AttentionFamilies()``).
+    When a block runs several times in one armed forward only its first output is kept. A block that has
+    left the model since is listed in ``recording.skipped``; so is, with ``strict=False``, a block whose
+    output could not be read (an error while copying it), and the forward goes on.
+
+    Args:
+        model: The model.
+        block_patterns: ``fnmatch`` patterns over qualified module names choosing the blocks (default: found
+            by :func:`find_transformer_blocks`).
+        max_sequences: The first sequences of the batch kept.
+        strict: Raise an error met while reading a block's output into the forward.
+        attention_families: The :class:`~spectral_monitor.probes.AttentionFamilies` whose mask keywords say
+            which tokens are padding (None: ``AttentionFamilies()``).
+
+    Attributes:
+        blocks: The blocks' names, in model order.
+
+    Raises:
+        ValueError: ``model`` is not a module, ``max_sequences`` not a positive int, ``block_patterns``
+            not a sequence of patterns, or no block is found.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> capture = ResidualCapture(model, block_patterns=["layers.1"])
+        >>> recording = capture.arm()
+        >>> _ = model(torch.randn(3, 5, 8))
+        >>> [sample.layer for sample in capture.disarm().states], capture.is_armed
+        (['layers.1'], False)
     """
 
     def __init__(
@@ -141,14 +201,23 @@ class ResidualCapture:
 
     @property
     def is_armed(self) -> bool:
+        """Whether the hooks are installed."""
         return self._recording is not None
 
     def arm(self, token_mask: Tensor | None = None, *, every_module: bool = False) -> ResidualRecording:
-        """Install the hooks for the next forward; returns the recording they fill.
+        """Install the hooks for the next forward.
 
-        ``token_mask``: optional (B, n) bool, True = real token, for blocks of n tokens of which neither their
-        own arguments nor the modules around them say which tokens are padding. ``every_module``: as
-        :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`.
+        Args:
+            token_mask: (B, n) bool, True = real token, for blocks of n tokens of which neither their own
+                arguments nor the modules around them say which tokens are padding.
+            every_module: As :meth:`AttentionCapture.arm <spectral_monitor.probes.AttentionCapture.arm>`.
+
+        Returns:
+            The recording the hooks fill.
+
+        Raises:
+            RuntimeError: The capture is already armed.
+            ValueError: ``token_mask`` is not a 2-D boolean tensor.
         """
         if self._recording is not None:
             raise RuntimeError("ResidualCapture is already armed; disarm() it first")
@@ -170,7 +239,14 @@ class ResidualCapture:
         return recording
 
     def disarm(self) -> ResidualRecording:
-        """Remove the hooks; returns the final recording, its states in model order."""
+        """Remove the hooks.
+
+        Returns:
+            The final recording, its states in model order.
+
+        Raises:
+            RuntimeError: The capture is not armed.
+        """
         if self._recording is None:
             raise RuntimeError("ResidualCapture is not armed")
         recording, self._recording = self._recording, None
@@ -186,7 +262,14 @@ class ResidualCapture:
 
     @contextmanager
     def armed(self, token_mask: Tensor | None = None) -> Iterator[ResidualRecording]:
-        """Context manager form of :meth:`arm` / :meth:`disarm`; disarms even if the forward raises."""
+        """Context manager form of :meth:`arm` / :meth:`disarm`; disarms even if the forward raises.
+
+        Args:
+            token_mask: As :meth:`arm`'s.
+
+        Yields:
+            The recording the hooks fill.
+        """
         recording = self.arm(token_mask)
         try:
             yield recording

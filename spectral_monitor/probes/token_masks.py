@@ -35,7 +35,23 @@ _SAYS_NOTHING = object()
 
 
 def checked_token_mask(token_mask: object, argument: str = "token_mask") -> Tensor | None:
-    """``token_mask`` as a (batch, tokens) bool tensor, True = real token; bool or 0/1 tensors accepted."""
+    """A token mask as a (batch, tokens) bool tensor, True = real token.
+
+    Args:
+        token_mask: A bool or 0/1 (batch, tokens) tensor, or None.
+        argument: The argument's name in the error.
+
+    Returns:
+        The bool mask, or None where ``token_mask`` is None.
+
+    Raises:
+        ValueError: ``token_mask`` is not a 2-D real tensor.
+
+    Examples:
+        >>> import torch
+        >>> checked_token_mask(torch.tensor([[1, 1, 0]]))
+        tensor([[ True,  True, False]])
+    """
     if token_mask is None:
         return None
     if not isinstance(token_mask, Tensor) or token_mask.dim() != 2 or token_mask.is_complex():
@@ -47,8 +63,32 @@ def checked_token_mask(token_mask: object, argument: str = "token_mask") -> Tens
 
 
 class ForwardTokenMasks:
-    """The real tokens said by the modules running now, and the batch's token mask as the fallback; the
-    mask keywords are ``attention_families``' (None: ``AttentionFamilies()``)."""
+    """The real tokens said by the modules running now, and the batch's token mask as the fallback.
+
+    Args:
+        fallback: The batch's token mask, (batch, tokens) bool, True = real token.
+        attention_families: Whose mask keywords are read (None: ``AttentionFamilies()``).
+
+    Raises:
+        ValueError: ``fallback`` is not a 2-D tensor, or ``attention_families`` not an
+            ``AttentionFamilies``.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Counted(nn.Module):
+        ...     def forward(self, x, src_key_padding_mask=None):
+        ...         print(masks.real_tokens(x.shape[1]))
+        ...         return x
+        >>> masks = ForwardTokenMasks(fallback=torch.tensor([[True, False]]))
+        >>> model = Counted()
+        >>> masks.install(model)
+        >>> _ = model(torch.zeros(1, 3), src_key_padding_mask=torch.tensor([[False, False, True]]))
+        tensor([[ True,  True, False]])
+        >>> _ = model(torch.zeros(1, 2))
+        tensor([[ True, False]])
+        >>> masks.remove()
+    """
 
     def __init__(
         self, fallback: Tensor | None = None, attention_families: AttentionFamilies | None = None
@@ -59,21 +99,33 @@ class ForwardTokenMasks:
         self._handles: list[RemovableHandle] = []
 
     def install(self, model: nn.Module, *, every_module: bool = False) -> None:
-        """Hooks on every module of ``model`` outside torch.compile graphs (``every_module``: inside them too,
-        for a forward run with compilation off), until :meth:`remove`."""
+        """Hook every module of a model outside torch.compile graphs, until :meth:`remove`.
+
+        Args:
+            model: The model.
+            every_module: Inside compiled graphs too, for a forward run with compilation off.
+        """
         modules = unwrapped_named_modules(model) if every_module else eager_named_modules(model)
         for _, module in modules:
             self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
 
     def remove(self) -> None:
+        """Remove the hooks and forget what the modules said."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._said.clear()
 
     def real_tokens(self, tokens: int) -> Tensor | None:
-        """(batch, tokens) bool, True = real, for a computation over ``tokens`` tokens; None: all real."""
+        """The real tokens of a computation, as the innermost running module that says so gives them.
+
+        Args:
+            tokens: The computation's number of tokens.
+
+        Returns:
+            (batch, tokens) bool, True = real; None: all real.
+        """
         for said in reversed(self._said):
             if said is _SAYS_NOTHING:
                 continue

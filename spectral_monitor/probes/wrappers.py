@@ -52,7 +52,21 @@ WRAPPED_MODULE_ATTRIBUTES = (
 
 
 def wrapped_module(module: nn.Module) -> nn.Module | None:
-    """The module ``module`` wraps, or ``None`` when it is not a wrapper."""
+    """What a wrapper wraps.
+
+    Args:
+        module: A module, wrapper or not.
+
+    Returns:
+        The module ``module`` wraps, or ``None`` when it is not a wrapper.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> wrapped_module(torch.compile(layer)) is layer, wrapped_module(layer)
+        (True, None)
+    """
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         return module.module
     for attribute in WRAPPED_MODULE_ATTRIBUTES:
@@ -74,6 +88,13 @@ def data_parallel_unwrapped(model: nn.Module) -> nn.Module:
 
     Returns:
         The wrapped module, or ``model`` itself.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> compiled = torch.compile(nn.Linear(2, 2))
+        >>> data_parallel_unwrapped(compiled) is compiled
+        True
     """
     wrappers: list[type[nn.Module]] = [nn.parallel.DistributedDataParallel]
     if torch.distributed.is_available():
@@ -88,6 +109,21 @@ def unwrapped_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]
     """``(name, module)`` as ``model.named_modules()``, without wrappers and without their name segments.
 
     The root is named ``""``; each module once, in the same (pre-)order as ``named_modules``.
+
+    Args:
+        model: The model, wrapped or not.
+
+    Yields:
+        ``(name, module)`` of each module that is not a wrapper.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> compiled = torch.compile(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        >>> [name for name, _ in compiled.named_modules()]
+        ['', '_orig_mod', '_orig_mod.0', '_orig_mod.1']
+        >>> [name for name, _ in unwrapped_named_modules(compiled)]
+        ['', '0', '1']
     """
     for name, module, _, _ in _walk(model):
         yield name, module
@@ -98,6 +134,19 @@ def eager_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
     A hook on a module inside a graph is traced into it, and a new hook (each armed step installs new ones)
     fails the graph's guards: it would recompile on every logging step.
+
+    Args:
+        model: The model, wrapped or not.
+
+    Yields:
+        ``(name, module)`` of each module that is neither a wrapper nor inside a compiled graph.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(torch.compile(nn.Linear(2, 2)), nn.ReLU())
+        >>> [name for name, _ in eager_named_modules(model)]
+        ['', '1']
     """
     for name, module, _, in_graph in _walk(model):
         if not in_graph:
@@ -110,6 +159,18 @@ def compiled_module_names(model: nn.Module) -> list[str]:
     Those wrapped by ``torch.compile`` (an ``OptimizedModule``), compiled in place (``module.compile()``),
     and a LightningModule Lightning compiled (``trainer.fit(torch.compile(model))`` sets its
     ``_compiler_ctx``). Everything below such a module runs inside its graphs.
+
+    Args:
+        model: The model, wrapped or not.
+
+    Returns:
+        The names, in module order.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> compiled_module_names(nn.Sequential(torch.compile(nn.Linear(2, 2)), nn.ReLU()))
+        ['0']
     """
     return [name for name, _, compiled, _ in _walk(model) if compiled]
 
@@ -125,8 +186,18 @@ def probe_forward(model: nn.Module) -> Iterator[None]:
     Args:
         model: the module the forward runs (wrapped or compiled: its wrapper's call runs eagerly).
 
-    Returns:
-        A context manager: the forward runs inside it.
+    Yields:
+        Nothing: the forward runs inside the context.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> dropout = nn.Dropout(0.5)
+        >>> with probe_forward(dropout):
+        ...     dropout.training, torch.is_grad_enabled()
+        (False, False)
+        >>> dropout.training
+        True
     """
     training = [(module, module.training) for module in model.modules()]
     fastpath = torch.backends.mha.get_fastpath_enabled()
@@ -156,6 +227,12 @@ def forward_on_batch(model: nn.Module, batch: Any) -> Any:
 
     Raises:
         ValueError: if ``batch`` is None or an empty tuple or list (no inputs to run the model on).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> forward_on_batch(nn.Identity(), (torch.ones(2), torch.zeros(2)))  # inputs, then targets
+        tensor([1., 1.])
     """
     if isinstance(batch, Mapping):
         return model(**batch)

@@ -7,7 +7,6 @@ a number was computed. See ``Sink`` for the contract and ``Capability`` for what
 from spectral_monitor.sinks.figures import (
     attention_heatmap_figure,
     layer_head_heatmap_figure,
-    release_figure,
     spectral_density_figure,
     spectrum_figure,
 )
@@ -26,6 +25,7 @@ from spectral_monitor.sinks.logger import (
     Sink,
     SinkError,
 )
+from spectral_monitor.sinks.redrawn import release_figure
 from spectral_monitor.sinks.tensorboard import SummaryWriterLike, TensorBoardSink, WriteLosses, steps_phrase
 
 __all__ = [

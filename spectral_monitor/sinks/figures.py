@@ -5,13 +5,13 @@ registered globally, nothing has to be closed to be freed, and the user's backen
 (rendering goes through the Agg canvas the sink creates). Sizes are fixed so each PNG stays small.
 
 They are drawn on training steps, so they are laid out by hand (fixed margins, explicit colour-bar axes)
-and use no mathtext: the constrained layout engine and TeX-like labels were about half of each figure's
-cost (benchmarks/README.md).
+and use no mathtext: the constrained layout engine and TeX-like labels cost more than the drawing they
+lay out (benchmarks/README.md).
 
 A monitor draws the same figures every few hundred steps with new data. :class:`SpectrumImages`,
 :class:`AttentionHeatmapImages` and :class:`LayerHeadHeatmapImages` keep each figure and redraw only what
-changes over its rendered axes, ticks and labels (:class:`RedrawnFigure`): with matplotlib 3.11 the text
-of ticks and labels is most of a figure's cost, and redrawn it is paid once. For that the spectrum's legend
+changes over its rendered axes, ticks and labels (:class:`~spectral_monitor.sinks.redrawn.RedrawnFigure`):
+the text of ticks and labels is paid once. For that the spectrum's legend
 sits beside its panels rather than over the curves, and the titles of the spectrum and layer × head
 figures are part of what is kept (a new title makes a new figure): the step a figure belongs to is shown
 by TensorBoard with each image, so it is not in the titles.
@@ -20,20 +20,19 @@ by TensorBoard with each image, so it is not in the titles.
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import matplotlib
 import numpy as np
 from matplotlib.artist import Artist
 from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
+
+from spectral_monitor.sinks.redrawn import KeptFigure
 
 ENERGY_LEVEL = 0.99
 """The cumulative-energy level marked on spectrum figures: the threshold rank's definition."""
@@ -55,43 +54,50 @@ def spectrum_figure(singular_values: Mapping[str, np.ndarray], title: str) -> Fi
     threshold rank. Zero singular values are left out of the log panel; a series that is all zeros has
     no energy curve. The log axis spans ``LOG_DECADES`` decades below the largest value (rounded up to a half
     decade), so figures of successive steps compare.
+
+    Args:
+        singular_values: Each series' label → its singular values.
+        title: The figure's title.
+
+    Returns:
+        The figure; release it with :func:`~spectral_monitor.sinks.release_figure` once written.
+
+    Raises:
+        ValueError: No series, or a series that is not a non-empty 1-D array of finite values >= 0.
+
+    Examples:
+        >>> import numpy as np
+        >>> figure = spectrum_figure({"blocks.0.attn": np.array([1.0, 0.5, 0.1])}, "attention spectrum")
+        >>> [axes.get_yscale() for axes in figure.axes]
+        ['log', 'linear']
     """
     return _Spectrum(_checked_spectra(singular_values), title).figure
 
 
-class _Redrawable(Protocol):
-    """A figure's parts: the figure, the artists a redraw changes, and how new data changes them."""
-
-    figure: Figure
-
-    def changing(self) -> list[Artist]: ...
-
-    def update(self, *data: Any) -> None: ...
-
-
-class _KeptFigure:
-    """The figure an ``*Images`` class keeps between steps, made anew when ``key`` (what a redraw cannot
-    change) differs from the kept figure's, else updated with the new data and redrawn."""
-
-    def __init__(self) -> None:
-        self._key: Hashable = None
-        self._parts: _Redrawable | None = None
-        self._redrawn: RedrawnFigure | None = None
-
-    def _image(self, key: Hashable, make: Callable[[], _Redrawable], *data: Any) -> np.ndarray:
-        if self._parts is None or self._redrawn is None or key != self._key:
-            self._parts = make()
-            self._key, self._redrawn = key, RedrawnFigure(self._parts.figure, self._parts.changing())
-        else:
-            self._parts.update(*data)
-        return self._redrawn.render()
-
-
-class SpectrumImages(_KeptFigure):
+class SpectrumImages(KeptFigure):
     """:func:`spectrum_figure` of successive steps as RGBA images, redrawn while the series' labels, the
-    longest spectrum and the log axis stay the same (then the figure is made anew)."""
+    longest spectrum and the log axis stay the same (then the figure is made anew).
+
+    Examples:
+        >>> import numpy as np
+        >>> images = SpectrumImages()
+        >>> images.image({"a": np.array([1.0, 0.5])}, "spectrum").shape
+        (320, 900, 4)
+    """
 
     def image(self, singular_values: Mapping[str, np.ndarray], title: str) -> np.ndarray:
+        """The spectrum figure of one step.
+
+        Args:
+            singular_values: Each series' label → its singular values.
+            title: The figure's title.
+
+        Returns:
+            The figure as an (height, width, 4) uint8 RGBA array.
+
+        Raises:
+            ValueError: As :func:`spectrum_figure`.
+        """
         spectra = _checked_spectra(singular_values)
         return self._image((_Spectrum.static_key(spectra), title), lambda: _Spectrum(spectra, title), spectra)
 
@@ -200,6 +206,22 @@ def attention_heatmap_figure(
     ``key_padding_mask`` follows ``nn.MultiheadAttention``: shape (m,), ``True`` where a key is padding
     and ignored; those columns are drawn grey. A matrix with more than 128 queries or keys is shown as
     means over blocks of consecutive queries and keys (said in the title), which keeps the PNG small.
+
+    Args:
+        probs: The attention matrix, (n, m), rows summing to 1.
+        title: The figure's title.
+        key_padding_mask: (m,) booleans, True where a key is padding.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: As :func:`attention_block_means`.
+
+    Examples:
+        >>> import numpy as np
+        >>> attention_heatmap_figure(np.full((4, 4), 0.25), "layer 0, head 0").axes[0].get_title()
+        'layer 0, head 0'
     """
     blocks = attention_block_means(probs, key_padding_mask)
     return _AttentionHeatmap(blocks.means, blocks.shape, _blocks_title(title, blocks)).figure
@@ -207,8 +229,20 @@ def attention_heatmap_figure(
 
 @dataclass(frozen=True)
 class AttentionBlocks:
-    """What an attention heatmap draws of a matrix: ``means`` (at most 128 × 128) over ``block``-shaped
-    tiles of consecutive queries and keys of the (n, m) matrix ``shape``, NaN where a tile is all padding."""
+    """What an attention heatmap draws of a matrix.
+
+    Attributes:
+        means: At most 128 × 128 means over ``block``-shaped tiles of consecutive queries and keys, NaN
+            where a tile is all padding.
+        shape: (n, m) of the matrix.
+        block: Queries × keys of a tile.
+
+    Examples:
+        >>> import numpy as np
+        >>> blocks = attention_block_means(np.full((300, 300), 1 / 300))
+        >>> blocks.means.shape, blocks.shape, blocks.block
+        ((100, 100), (300, 300), (3, 3))
+    """
 
     means: np.ndarray
     shape: tuple[int, int]
@@ -218,12 +252,29 @@ class AttentionBlocks:
 def attention_block_means(
     probs: np.ndarray, key_padding_mask: np.ndarray | None = None, query_rows: np.ndarray | None = None
 ) -> AttentionBlocks:
-    """The heatmap's block means of ``probs`` (n, m), any float dtype, restricted to the queries
-    ``query_rows`` (row indices; None: all). Padding keys (``key_padding_mask`` True) are left out of the
-    means.
+    """The heatmap's block means of an attention matrix, padding keys left out.
 
     Read a tile of rows at a time, summed in float64: the working memory is a few tiles' rows, not a
     float64 copy of the matrix (32 MiB at n = 2048), so it fits what the monitor's memory budget leaves.
+
+    Args:
+        probs: The attention matrix, (n, m), any float dtype.
+        key_padding_mask: (m,) booleans, True where a key is padding.
+        query_rows: The row indices of the queries drawn; None: all.
+
+    Returns:
+        The block means.
+
+    Raises:
+        ValueError: ``probs`` is not a non-empty 2-D float array of finite values >= 0, ``query_rows``
+            selects nothing, or ``key_padding_mask`` is not one boolean per key.
+
+    Examples:
+        >>> import numpy as np
+        >>> probs = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+        >>> attention_block_means(probs, key_padding_mask=np.array([False, False, True])).means
+        array([[1. , 0. , nan],
+               [0.5, 0.5, nan]])
     """
     probs = np.asarray(probs)
     if probs.ndim != 2 or probs.size == 0 or not np.issubdtype(probs.dtype, np.floating):
@@ -262,15 +313,43 @@ def attention_block_means(
     return AttentionBlocks(means, (n_queries, n_keys), block)
 
 
-class AttentionHeatmapImages(_KeptFigure):
+class AttentionHeatmapImages(KeptFigure):
     """:func:`attention_heatmap_figure` of successive steps as RGBA images, redrawn while the matrix's
-    shape stays the same."""
+    shape stays the same.
+
+    Examples:
+        >>> import numpy as np
+        >>> images = AttentionHeatmapImages()
+        >>> images.image(np.full((4, 4), 0.25), "layer 0").shape
+        (400, 480, 4)
+    """
 
     def image(self, probs: np.ndarray, title: str, key_padding_mask: np.ndarray | None = None) -> np.ndarray:
+        """The heatmap of one step.
+
+        Args:
+            probs: The attention matrix, (n, m).
+            title: The figure's title.
+            key_padding_mask: (m,) booleans, True where a key is padding.
+
+        Returns:
+            The figure as an (height, width, 4) uint8 RGBA array.
+
+        Raises:
+            ValueError: As :func:`attention_block_means`.
+        """
         return self.image_of_blocks(attention_block_means(probs, key_padding_mask), title)
 
     def image_of_blocks(self, blocks: AttentionBlocks, title: str) -> np.ndarray:
-        """The image of a matrix already reduced by :func:`attention_block_means`."""
+        """The heatmap of a matrix already reduced by :func:`attention_block_means`.
+
+        Args:
+            blocks: The block means.
+            title: The figure's title; the block size is added where blocks are larger than one cell.
+
+        Returns:
+            The figure as an (height, width, 4) uint8 RGBA array.
+        """
         title = _blocks_title(title, blocks)
         shape = blocks.shape
         return self._image(shape, lambda: _AttentionHeatmap(blocks.means, shape, title), blocks.means, title)
@@ -331,14 +410,41 @@ def layer_head_heatmap_figure(
     ``vmin``/``vmax`` fix the colour scale (pass the metric's natural range, e.g. 0 and 1, so figures
     from different steps compare); by default it spans the finite values. NaN cells are grey. Cells are
     annotated while the grid is small enough to read (at most 256 cells).
+
+    Args:
+        values: The (layers, heads) grid.
+        layer_names: The name of each row.
+        title: The figure's title.
+        vmin: The bottom of the colour scale; by default the smallest finite value.
+        vmax: The top of the colour scale; by default the largest finite value.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: ``values`` is not a non-empty 2-D array, ``layer_names`` does not name each row, or
+            ``vmin`` is not below ``vmax``.
+
+    Examples:
+        >>> import numpy as np
+        >>> figure = layer_head_heatmap_figure(np.array([[0.2, 0.9]]), ["blocks.0.attn"], "entropy", 0, 1)
+        >>> figure.axes[0].get_title()
+        'entropy'
     """
     values = _checked_grid(values, layer_names, vmin, vmax)
     return _LayerHeadHeatmap(values, tuple(layer_names), title, vmin, vmax).figure
 
 
-class LayerHeadHeatmapImages(_KeptFigure):
+class LayerHeadHeatmapImages(KeptFigure):
     """:func:`layer_head_heatmap_figure` of successive steps as RGBA images, redrawn while the layers, the
-    number of heads, the title and the colour range stay the same."""
+    number of heads, the title and the colour range stay the same.
+
+    Examples:
+        >>> import numpy as np
+        >>> images = LayerHeadHeatmapImages()
+        >>> images.image(np.array([[0.2, 0.9]]), ["blocks.0.attn"], "entropy", 0.0, 1.0).dtype
+        dtype('uint8')
+    """
 
     def image(
         self,
@@ -348,6 +454,21 @@ class LayerHeadHeatmapImages(_KeptFigure):
         vmin: float | None = None,
         vmax: float | None = None,
     ) -> np.ndarray:
+        """The grid of one step.
+
+        Args:
+            values: The (layers, heads) grid.
+            layer_names: The name of each row.
+            title: The figure's title.
+            vmin: The bottom of the colour scale; by default the smallest finite value.
+            vmax: The top of the colour scale; by default the largest finite value.
+
+        Returns:
+            The figure as an (height, width, 4) uint8 RGBA array.
+
+        Raises:
+            ValueError: As :func:`layer_head_heatmap_figure`.
+        """
         values = _checked_grid(values, layer_names, vmin, vmax)
         names = tuple(layer_names)
         return self._image(
@@ -433,58 +554,12 @@ class _LayerHeadHeatmap:
         return [self.image, *self.axes.spines.values(), *self.annotations, *colour_bar]
 
 
-class RedrawnFigure:
-    """A figure drawn again and again with new data, at a fraction of a fresh figure's cost.
-
-    Its static artists (axes, ticks, labels) are rendered once into a background; each :meth:`render`
-    restores it and draws only ``changing``, in that order, over it (matplotlib's blitting, as its
-    animations use). The caller updates the changing artists between renders and makes a new
-    ``RedrawnFigure`` when anything else must change. A redraw costs a fraction of drawing afresh
-    (benchmarks/README.md).
-    """
-
-    def __init__(self, figure: Figure, changing: Sequence[Artist]) -> None:
-        self.figure = figure
-        self._changing = tuple(changing)
-        self._canvas = FigureCanvasAgg(figure)
-        # Drawing an axes moves its title out of the way when the title is hidden: put texts back after.
-        positions = {artist: artist.get_position() for artist in self._changing if isinstance(artist, Text)}
-        for artist in self._changing:
-            artist.set_visible(False)
-        self._canvas.draw()
-        self._background = self._canvas.copy_from_bbox(figure.bbox)
-        for artist in self._changing:
-            artist.set_visible(True)
-        for text, position in positions.items():
-            text.set_position(position)
-
-    def render(self) -> np.ndarray:
-        """The figure as an (height, width, 4) uint8 RGBA array."""
-        self._canvas.restore_region(self._background)
-        renderer = self._canvas.get_renderer()
-        for artist in self._changing:
-            artist.draw(renderer)
-        return np.array(self._canvas.buffer_rgba())
-
-
 def _axes_with_colorbar(figure: Figure, *, left: float) -> tuple[Axes, Axes]:
     """Main axes from ``left`` (a fraction of the width) and a thin colour bar to their right."""
     bottom, height, bar_width, gap = 0.12, 0.78, 0.03, 0.02
     bar_left = 0.8
     axes = figure.add_axes((left, bottom, bar_left - gap - left, height))
     return axes, figure.add_axes((bar_left, bottom, bar_width, height))
-
-
-def release_figure(figure: Figure) -> None:
-    """Free a figure once it has been written, whoever made it.
-
-    Our figures hold no global state. A figure made with ``pyplot`` stays registered with it until
-    ``pyplot.close``; pyplot is consulted only if the user already imported it, so drawing never
-    imports it (which would pick a backend).
-    """
-    pyplot = sys.modules.get("matplotlib.pyplot")
-    if pyplot is not None:
-        pyplot.close(figure)
 
 
 def _checked_spectra(singular_values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -516,6 +591,23 @@ def spectral_density_figure(nodes: np.ndarray, weights: np.ndarray, title: str) 
     ``nodes`` and ``weights`` are (probes, steps): each probe's Gauss rule. The density is the average of
     the probes' rules, each rescaled to unit mass, smoothed with a Gaussian of 1% of the spectrum's width
     (Ghorbani, Krishnan & Xiao 2019), on a symmetric-log y axis so the bulk and the outliers both show.
+
+    Args:
+        nodes: (probes, steps): the nodes of each probe's Gauss rule.
+        weights: (probes, steps): their weights.
+        title: The figure's title.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: ``nodes`` and ``weights`` are not non-empty 2-D arrays of one shape.
+
+    Examples:
+        >>> import numpy as np
+        >>> figure = spectral_density_figure(np.array([[-1.0, 2.0]]), np.array([[0.5, 0.5]]), "Hessian")
+        >>> figure.axes[0].get_xlabel(), figure.axes[0].get_yscale()
+        ('eigenvalue', 'symlog')
     """
     nodes = np.asarray(nodes, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.float64)
@@ -542,91 +634,3 @@ def spectral_density_figure(nodes: np.ndarray, weights: np.ndarray, title: str) 
     axes.set_ylabel("density")
     axes.set_title(title, fontsize="medium")
     return figure
-
-
-@dataclass
-class DrawnHead:
-    """What the attention figures draw of one layer: plain arrays, kept after the attention is dropped."""
-
-    layer: str
-    blocks: AttentionBlocks  # the drawn head of the first sequence, as its heatmap draws it
-    singular_values: np.ndarray  # of the attention restricted to real queries and attendable keys
-    head_values: dict[str, np.ndarray]  # (heads,) of each layer × head metric the layer has
-
-
-class AttentionImages:
-    """The attention figures, kept from one figure step to the next and redrawn with each one's data
-    (:class:`~spectral_monitor.sinks.figures.RedrawnFigure`), which costs a fraction of drawing afresh."""
-
-    def __init__(self, metrics: Sequence[str], titles: Mapping[str, str], figure_head: int) -> None:
-        """Args:
-        metrics: The per-head metrics drawn as a layer × head image, each ranging over [0, 1].
-        titles: The image title of a metric, where it differs from the metric's name.
-        figure_head: The head each layer's heatmap and spectrum show, named in their titles.
-        """
-        self.titles = titles
-        self.figure_head = figure_head
-        self.spectrum = SpectrumImages()
-        # By the drawn matrix's shape, for the shapes of the last figure step: layers of one shape share a
-        # figure (a redraw costs a fraction of a new figure), and padded batches whose shapes
-        # change from step to step cannot pile figures up.
-        self.heatmaps: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        self.layer_head = {metric: LayerHeadHeatmapImages() for metric in metrics}
-
-    def drawn(self, heads: list[DrawnHead]) -> list[tuple[str, Callable[[], np.ndarray]]]:
-        """(tag, draw) of each attention image; drawing is deferred to the sinks that keep figures.
-
-        Args:
-            heads: What is drawn of each layer, in layer order.
-
-        Returns:
-            The tag and the deferred drawing of the spectrum image, of the first and last layer's heatmap
-            and of each layer × head image whose metric some layer has.
-        """
-        images: list[tuple[str, Callable[[], np.ndarray]]] = [
-            (
-                "attention/figures/spectrum",
-                lambda: self.spectrum.image(
-                    {head.layer: head.singular_values for head in heads},
-                    f"attention singular values, head {self.figure_head} of sequence 0",
-                ),
-            )
-        ]
-        drawn_heads = heads[:1] + heads[1:][-1:]  # the first and the last layer
-        kept: dict[tuple[int, ...], AttentionHeatmapImages] = {}
-        for head in drawn_heads:
-            shape = head.blocks.shape
-            kept[shape] = kept.get(shape) or self.heatmaps.get(shape) or AttentionHeatmapImages()
-        self.heatmaps = kept
-        for head in drawn_heads:
-            heatmap = self.heatmaps[head.blocks.shape]
-            images.append(
-                (
-                    f"attention/figures/heatmap/{head.layer}",
-                    lambda head=head, heatmap=heatmap: heatmap.image_of_blocks(
-                        head.blocks, f"{head.layer}, head {self.figure_head}"
-                    ),
-                )
-            )
-        for metric, kept_figure in self.layer_head.items():
-            measured = [head for head in heads if metric in head.head_values]
-            if not measured:
-                continue
-            grid = np.full((len(measured), max(head.head_values[metric].size for head in measured)), np.nan)
-            for row, head in enumerate(measured):
-                grid[row, : head.head_values[metric].size] = head.head_values[metric]
-            images.append(
-                (
-                    f"attention/figures/{metric}",
-                    lambda grid=grid, measured=measured, metric=metric, kept_figure=kept_figure: (
-                        kept_figure.image(
-                            grid,
-                            [head.layer for head in measured],
-                            self.titles.get(metric, metric),
-                            vmin=0.0,
-                            vmax=1.0,
-                        )
-                    ),
-                )
-            )
-        return images

@@ -38,6 +38,23 @@ def per_layer_layout(scalar_tags: Iterable[str]) -> Layout:
     left out (they stay in the Scalars tab): a chart is made for a metric only when some layer reports
     it per layer. Each chart holds one regex, so a layer that appears later joins its chart without a
     new layout; only a new family or metric changes the layout.
+
+    Args:
+        scalar_tags: The tags written so far.
+
+    Returns:
+        The layout, families and metrics in name order.
+
+    Raises:
+        ValueError: A tag does not have three non-empty parts.
+
+    Examples:
+        >>> tags = ["attention/entropy/blocks.0.attn", "attention/entropy/blocks.1.attn",
+        ...         "attention/entropy/blocks.0.attn/head_0"]
+        >>> import re
+        >>> kind, (regex,) = per_layer_layout(tags)["attention"]["entropy"]
+        >>> kind, [tag for tag in tags if re.match(regex, tag)]
+        ('Multiline', ['attention/entropy/blocks.0.attn', 'attention/entropy/blocks.1.attn'])
     """
     layout: Layout = {}
     for tag in scalar_tags:
@@ -58,13 +75,27 @@ it closes when the sharpness reaches the edge."""
 
 
 def diagnosis_layout(scalar_tags: Iterable[str]) -> Layout:
-    """``per_layer_layout`` with its charts grouped by diagnosis, chart titles ``family/metric``, and the
-    sharpness margin chart once sharpness and its threshold are both logged.
+    """:func:`per_layer_layout` with its charts grouped by diagnosis, chart titles ``family/metric``, and
+    the sharpness margin chart once sharpness and its threshold are both logged.
 
     A metric's category is its dashboard group in :mod:`spectral_monitor.catalog` (a static table of names:
     nothing here knows how a metric is computed), in the catalogue's order of groups; a metric the
     catalogue does not list (another probe's) gets a category named after its family, after those. Within a
     category the charts the diagnoses read come first, in diagnosis order, then the others by name.
+
+    Args:
+        scalar_tags: The tags written so far.
+
+    Returns:
+        The layout, categories in the order of :data:`~spectral_monitor.catalog.GROUPS`.
+
+    Raises:
+        ValueError: A tag does not have three non-empty parts.
+
+    Examples:
+        >>> layout = diagnosis_layout(["attention/entropy/blocks.0.attn", "weights/spectral_norm/head"])
+        >>> {category: list(charts) for category, charts in layout.items()}
+        {'Entropy': ['attention/entropy'], 'Weights': ['weights/spectral_norm']}
     """
     tags = list(scalar_tags)
     layout: Layout = {}
@@ -91,8 +122,28 @@ def diagnosis_layout(scalar_tags: Iterable[str]) -> Layout:
 def with_margin_chart(
     layout: Layout, category: str, title: str, value_tag: str, lower_tag: str, upper_tag: str
 ) -> Layout:
-    """A copy of ``layout`` with a chart of ``value_tag`` drawn inside the band from ``lower_tag`` to
-    ``upper_tag`` (exact tags, e.g. sharpness against its edge-of-stability bounds)."""
+    """A copy of ``layout`` with a chart of one series drawn inside a band.
+
+    Args:
+        layout: The layout to add to.
+        category: The chart's category.
+        title: The chart's title.
+        value_tag: The exact tag of the series drawn.
+        lower_tag: The exact tag of the band's lower edge.
+        upper_tag: The exact tag of the band's upper edge.
+
+    Returns:
+        The new layout; ``layout`` is left as it was.
+
+    Raises:
+        ValueError: A tag is empty.
+
+    Examples:
+        >>> with_margin_chart({}, "Curvature", "sharpness", "curvature/sharpness/model",
+        ...                   "curvature/sharpness/model", "curvature/sharpness_threshold/model")
+        {'Curvature': {'sharpness': ('Margin', ('curvature/sharpness/model', 'curvature/sharpness/model',
+        'curvature/sharpness_threshold/model'))}}
+    """
     for name, tag in (("value_tag", value_tag), ("lower_tag", lower_tag), ("upper_tag", upper_tag)):
         if not tag:
             raise ValueError(f"{name} must be a non-empty scalar tag; got {tag!r}")
@@ -100,7 +151,19 @@ def with_margin_chart(
 
 
 def merged_layout(base: Layout, update: Layout) -> Layout:
-    """``base`` with the charts of ``update`` added; a chart with the same category and title is replaced."""
+    """Two layouts in one.
+
+    Args:
+        base: The layout added to; it is left as it was.
+        update: The charts to add; one with the category and title of a chart of ``base`` replaces it.
+
+    Returns:
+        The merged layout.
+
+    Examples:
+        >>> merged_layout({"A": {"x": ("Multiline", ("a",))}}, {"A": {"y": ("Multiline", ("b",))}})
+        {'A': {'x': ('Multiline', ('a',)), 'y': ('Multiline', ('b',))}}
+    """
     merged = {category: dict(charts) for category, charts in base.items()}
     for category, charts in update.items():
         merged.setdefault(category, {}).update(charts)
@@ -108,7 +171,20 @@ def merged_layout(base: Layout, update: Layout) -> Layout:
 
 
 def check_layout(layout: Layout) -> None:
-    """Raise ``ValueError`` unless ``layout`` has the form described in this module's docstring."""
+    """Check that a layout has the form described in this module's docstring.
+
+    Args:
+        layout: The layout.
+
+    Raises:
+        ValueError: It has not, naming the first chart that is wrong.
+
+    Examples:
+        >>> check_layout({"A": {"x": ("Multiline", ("^a/.+$",))}})
+        >>> check_layout({"A": {"x": ("Multiline", ())}})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: layout['A']['x'] must be ('Multiline', (tag_regex, ...)) or ... got ('Multiline', ())
+    """
     if not isinstance(layout, dict):
         raise ValueError(f"layout must be a dict of categories; got {type(layout).__name__}")
     for category, charts in layout.items():

@@ -20,29 +20,92 @@ from torch.utils.tensorboard.summary import custom_scalars as custom_scalars_sum
 from torch.utils.tensorboard.summary import text as text_summary
 
 from spectral_monitor.records import Distribution, Measurement
-from spectral_monitor.sinks.figures import release_figure
 from spectral_monitor.sinks.layout import Layout, check_layout, merged_layout
 from spectral_monitor.sinks.logger import Capability, Sink, SinkError, check_tag_and_step
+from spectral_monitor.sinks.redrawn import release_figure
 from spectral_monitor.sinks.tfrecord import EventFile
 
 
 class SummaryWriterLike(Protocol):
     """The part of ``torch.utils.tensorboard.SummaryWriter`` this sink uses (Lightning's
-    ``TensorBoardLogger.experiment`` is one)."""
+    ``TensorBoardLogger.experiment`` is one). What its methods return is ignored.
 
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+    Examples:
+        >>> import tempfile
+        >>> from torch.utils.tensorboard import SummaryWriter
+        >>> with tempfile.TemporaryDirectory() as run:
+        ...     writer: SummaryWriterLike = SummaryWriter(run)
+        ...     TensorBoardSink(writer).write_text("notes", "a note", step=0)
+        ...     writer.close()
+    """
 
-    def add_histogram(self, tag: str, values: np.ndarray, global_step: int | None = None) -> Any: ...
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any:
+        """Write one scalar.
+
+        Args:
+            tag: The scalar's tag.
+            scalar_value: Its value.
+            global_step: The training step.
+
+        Returns:
+            Anything; ignored.
+        """
+
+    def add_histogram(self, tag: str, values: np.ndarray, global_step: int | None = None) -> Any:
+        """Write the histogram of some values.
+
+        Args:
+            tag: The histogram's tag.
+            values: The values, all finite.
+            global_step: The training step.
+
+        Returns:
+            Anything; ignored.
+        """
 
     def add_image(
         self, tag: str, img_tensor: np.ndarray, global_step: int | None = None, dataformats: str = "CHW"
-    ) -> Any: ...
+    ) -> Any:
+        """Write an image.
 
-    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> Any: ...
+        Args:
+            tag: The image's tag.
+            img_tensor: The image, uint8.
+            global_step: The training step.
+            dataformats: The order of its axes; the sink gives ``"HWC"``.
 
-    def add_custom_scalars(self, layout: Layout) -> Any: ...
+        Returns:
+            Anything; ignored.
+        """
 
-    def flush(self) -> Any: ...
+    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> Any:
+        """Write a markdown text entry.
+
+        Args:
+            tag: The entry's tag.
+            text_string: The markdown.
+            global_step: The training step.
+
+        Returns:
+            Anything; ignored.
+        """
+
+    def add_custom_scalars(self, layout: Layout) -> Any:
+        """Write the Custom Scalars layout.
+
+        Args:
+            layout: The layout, in the form of :data:`~spectral_monitor.sinks.layout.Layout`.
+
+        Returns:
+            Anything; ignored.
+        """
+
+    def flush(self) -> Any:
+        """Write out what is pending.
+
+        Returns:
+            Anything; ignored.
+        """
 
 
 _WRITER_METHODS = ("add_scalar", "add_histogram", "add_image", "add_text", "add_custom_scalars", "flush")
@@ -53,13 +116,33 @@ MAX_RETRY_DELAY_STEPS = 1024
 
 @dataclass
 class WriteLosses:
-    """What a sink could not write: ``counts[kind][step]`` items of each kind (``"scalars"``, ``"images"``,
-    ...) at each step, and the first error met."""
+    """What a sink could not write; true once anything was lost.
+
+    Attributes:
+        counts: ``counts[kind][step]``: items of each kind (``"scalars"``, ``"images"``, ...) lost at
+            each step.
+        first_error: The first error met, or None.
+
+    Examples:
+        >>> losses = WriteLosses()
+        >>> losses.add("scalars", 3, 10, OSError(28, "No space left on device"))
+        >>> losses.add("scalars", 4, 10)
+        >>> bool(losses), losses.describe()
+        (True, "20 scalars at steps 3–4 (first error: ENOSPC: OSError(28, 'No space left on device'))")
+    """
 
     counts: dict[str, dict[int, int]] = field(default_factory=dict)
     first_error: BaseException | None = None
 
     def add(self, kind: str, step: int, count: int, error: BaseException | None = None) -> None:
+        """Count items lost.
+
+        Args:
+            kind: What they are (``"scalars"``, ``"histograms"``, ``"images"``, ``"texts"``, ``"layouts"``).
+            step: The step they belong to.
+            count: How many.
+            error: Why, where an error said so; kept if it is the first.
+        """
         by_step = self.counts.setdefault(kind, {})
         by_step[step] = by_step.get(step, 0) + count
         if self.first_error is None and error is not None:
@@ -69,7 +152,11 @@ class WriteLosses:
         return bool(self.counts)
 
     def describe(self) -> str:
-        """One line: each kind's count and the steps it was lost at, then the first error."""
+        """What was lost, in one line.
+
+        Returns:
+            Each kind's count and the steps it was lost at, then the first error.
+        """
         parts = [
             f"{sum(by_step.values())} {kind} at steps {steps_phrase(sorted(by_step))}"
             for kind, by_step in self.counts.items()
@@ -92,6 +179,28 @@ class TensorBoardSink(Sink):
 
     Scalars are tagged ``Measurement.tag`` (``family/metric/layer[/head_h]``), so the Scalars tab groups
     by family and metric.
+
+    Args:
+        destination: A run directory, or a ``SummaryWriter`` (:class:`SummaryWriterLike`).
+
+    Attributes:
+        losses: What could not be written to the sink's own event file (:class:`WriteLosses`).
+
+    Raises:
+        ValueError: ``destination`` is neither a path nor an object with the writer's methods.
+
+    Examples:
+        >>> import tempfile
+        >>> from spectral_monitor.records import Measurement
+        >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        >>> with tempfile.TemporaryDirectory() as run:
+        ...     sink = TensorBoardSink(run)
+        ...     sink.write_measurements([Measurement(3, "attention", "entropy", "blocks.0.attn", 0.5)])
+        ...     sink.close()
+        ...     events = EventAccumulator(run)
+        ...     _ = events.Reload()
+        ...     [(scalar.step, scalar.value) for scalar in events.Scalars("attention/entropy/blocks.0.attn")]
+        [(3, 0.5)]
     """
 
     capabilities = frozenset(Capability)
@@ -125,9 +234,19 @@ class TensorBoardSink(Sink):
             self._events.close()
 
     def write_measurements(self, records: Iterable[Measurement]) -> None:
-        """Each record as a scalar. The scalars of one step go out as one event holding them all (as
-        TensorFlow's merged summaries did): a logging step writes hundreds, and each event carries a header,
-        a checksum and a write of its own."""
+        """Each record as a scalar.
+
+        The scalars of one step go out as one event holding them all (as TensorFlow's merged summaries
+        did): a logging step writes hundreds, and each event carries a header, a checksum and a write of
+        its own.
+
+        Args:
+            records: The measurements, of one or more steps.
+
+        Raises:
+            ValueError: A record's tag is empty or its step negative.
+            SinkError: Writing failed.
+        """
         records = list(records)
         for record in records:
             check_tag_and_step(record.tag, record.step)
@@ -150,6 +269,13 @@ class TensorBoardSink(Sink):
         Non-finite values have no bin; the matching scalars still show them. The histograms of one step go
         out as one event, each with ``HISTOGRAM_BINS`` equal-width buckets over its values (TensorBoard
         re-bins them for display anyway), far fewer than ``add_histogram``'s 1549 default buckets.
+
+        Args:
+            records: The distributions, of one or more steps.
+
+        Raises:
+            ValueError: A record's tag is empty or its step negative.
+            SinkError: Writing failed.
         """
         finite_records = []
         for record in records:
@@ -207,7 +333,17 @@ class TensorBoardSink(Sink):
         return True
 
     def write_figure(self, tag: str, figure: Figure, step: int) -> None:
-        """Render ``figure`` to an RGBA image under ``tag``, then release it (even if writing failed)."""
+        """Render a figure to an RGBA image, then release it, even if writing failed.
+
+        Args:
+            tag: The image's tag.
+            figure: The figure; the sink owns it from now on.
+            step: The training step.
+
+        Raises:
+            ValueError: ``figure`` is not a matplotlib figure, the tag is empty or the step negative.
+            SinkError: Rendering or writing failed.
+        """
         try:
             check_tag_and_step(tag, step)
             if not isinstance(figure, Figure):
@@ -221,7 +357,17 @@ class TensorBoardSink(Sink):
             release_figure(figure)
 
     def write_image(self, tag: str, image: np.ndarray, step: int) -> None:
-        """A rendered figure, (height, width, 3 or 4) uint8 RGB(A), as a PNG under ``tag``."""
+        """A rendered figure as a PNG.
+
+        Args:
+            tag: The image's tag.
+            image: A (height, width, 3 or 4) uint8 RGB(A) array.
+            step: The training step.
+
+        Raises:
+            ValueError: ``image`` is not such an array, the tag is empty or the step negative.
+            SinkError: Writing failed.
+        """
         check_tag_and_step(tag, step)
         if (
             not isinstance(image, np.ndarray)
@@ -246,7 +392,17 @@ class TensorBoardSink(Sink):
         self._write_summary(Summary(value=[value]), step, "images", 1)
 
     def write_text(self, tag: str, markdown: str, step: int) -> None:
-        """A markdown text entry; TensorBoard files it under ``<tag>/text_summary``."""
+        """A markdown text entry; TensorBoard files it under ``<tag>/text_summary``.
+
+        Args:
+            tag: The entry's tag.
+            markdown: The text.
+            step: The training step.
+
+        Raises:
+            ValueError: The tag is empty or the step negative.
+            SinkError: Writing failed.
+        """
         check_tag_and_step(tag, step)
         if self._events is None:
             with _failures_as_sink_error(f"text {tag!r} at step {step}"):
@@ -261,7 +417,16 @@ class TensorBoardSink(Sink):
         never hides charts shown before. ``add_custom_scalars`` writes every layout at step 0, and the
         Custom Scalars plugin shows the newest layout record of each run, with TensorBoard's Python loader
         and its Rust data server alike.
-        Returns whether a layout was written.
+
+        Args:
+            layout: The charts to add (:data:`~spectral_monitor.sinks.layout.Layout`).
+
+        Returns:
+            Whether a layout was written.
+
+        Raises:
+            ValueError: ``layout`` is not of that form.
+            SinkError: Writing failed.
         """
         check_layout(layout)
         merged = merged_layout(self._layout, layout)
@@ -276,8 +441,11 @@ class TensorBoardSink(Sink):
         return True
 
     def flush(self) -> None:
-        """Every event of the sink's own file is written out when it is written; a given writer is
-        flushed."""
+        """Flush a given writer; the sink's own file writes each event out as it is written.
+
+        Raises:
+            SinkError: The writer's flush failed.
+        """
         if self._events is None:
             with _failures_as_sink_error("pending events (flush)"):
                 self._writer.flush()
@@ -305,13 +473,26 @@ def _histogram_proto(values: np.ndarray) -> HistogramProto:
 def equal_width_histogram(
     values: np.ndarray, bins: int, *, low: float | None = None, high: float | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``np.histogram(values, bins)`` for finite 1-D ``values``: counts and the ``bins + 1`` edges spanning
-    them (a constant array gets the unit-wide range around its value, as numpy gives it). ``low`` and
-    ``high``, when given, must be the values' min and max (a caller that has them saves a pass).
+    """``np.histogram(values, bins)`` for finite 1-D values, by a direct bucket index.
 
     The bucket index is computed directly, without the fixed cost of ``np.histogram``'s general-purpose
     path, which a logging step would pay once per histogram (benchmarks/README.md). A value within rounding
     of an inner edge may land in the neighbouring bucket from numpy's, which nothing displayed can show.
+
+    Args:
+        values: Finite 1-D values, at least one.
+        bins: The number of equal-width buckets.
+        low: The values' minimum, where the caller has it (it saves a pass).
+        high: The values' maximum, likewise.
+
+    Returns:
+        ``(counts, edges)``: the count of each bucket and the ``bins + 1`` edges spanning the values (a
+        constant array gets the unit-wide range around its value, as numpy gives it).
+
+    Examples:
+        >>> import numpy as np
+        >>> equal_width_histogram(np.array([0.0, 1.0, 1.0, 4.0]), 4)
+        (array([1, 2, 0, 1]), array([0., 1., 2., 3., 4.]))
     """
     low = float(values.min()) if low is None else low
     high = float(values.max()) if high is None else high
@@ -345,7 +526,18 @@ def _described(error: BaseException) -> str:
 
 
 def steps_phrase(steps: Sequence[int]) -> str:
-    """``[1, 2, 3, 7]`` as ``"1–3, 7"``."""
+    """Steps in words, runs of consecutive steps as ranges.
+
+    Args:
+        steps: The steps, in increasing order.
+
+    Returns:
+        The phrase.
+
+    Examples:
+        >>> steps_phrase([1, 2, 3, 7])
+        '1–3, 7'
+    """
     runs: list[list[int]] = []
     for step in steps:
         if runs and step == runs[-1][-1] + 1:

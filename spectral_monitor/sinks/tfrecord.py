@@ -36,14 +36,41 @@ __all__ = [
 
 
 def tfrecord(data: bytes) -> bytes:
-    """``data`` framed as one TFRecord: length, its masked CRC, the data, its masked CRC (little-endian)."""
+    """Frame bytes as one TFRecord.
+
+    Args:
+        data: The record's payload (a serialised event).
+
+    Returns:
+        The length, its masked CRC, the data and its masked CRC, integers little-endian.
+
+    Examples:
+        >>> record = tfrecord(b"abc")
+        >>> len(record), record[12:15]
+        (19, b'abc')
+    """
     header = struct.pack("<Q", len(data))
     return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 def open_for_appending(path: str) -> BinaryIO:
-    """The binary file the monitor's event records are appended to (unbuffered: a record that fails to go
-    out fails at once, not at some later flush)."""
+    """Open the binary file the monitor's event records are appended to.
+
+    Unbuffered: a record that fails to go out fails at once, not at some later flush.
+
+    Args:
+        path: The file, created if missing.
+
+    Returns:
+        The open file; the caller closes it.
+
+    Examples:
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with open_for_appending(os.path.join(folder, "events")) as file:
+        ...         file.write(tfrecord(b"abc"))
+        19
+    """
     return open(path, "ab", buffering=0)  # noqa: SIM115 - EventFile closes it
 
 
@@ -62,6 +89,23 @@ class EventFile:
 
     Records are framed by :func:`tfrecord` with the vectorised checksum, and each event goes out with one
     ``write``.
+
+    Args:
+        log_dir: The run directory; made when the first event is written.
+
+    Attributes:
+        log_dir: The run directory, as a string.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from tensorboard.compat.proto.summary_pb2 import Summary
+        >>> entropy = Summary(value=[Summary.Value(tag="attention/entropy/a", simple_value=0.5)])
+        >>> with tempfile.TemporaryDirectory() as run:
+        ...     events = EventFile(run)
+        ...     events.add_summary(entropy, step=3)
+        ...     events.close()
+        ...     [name.endswith(".spectral_monitor") for name in os.listdir(run)]
+        [True]
     """
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
@@ -69,11 +113,21 @@ class EventFile:
         self._file: BinaryIO | None = None
 
     def add_summary(self, summary: Summary, step: int, walltime: float | None = None) -> None:
-        """``summary`` as one event at ``step``."""
+        """Write a summary as one event, opening the file first where none is open.
+
+        Args:
+            summary: The summary.
+            step: The training step.
+            walltime: The event's time in seconds since the epoch; now by default.
+
+        Raises:
+            OSError: The write failed; the file is closed, and the next write starts a new one.
+        """
         event = Event(summary=summary, step=step, wall_time=time.time() if walltime is None else walltime)
         self._write(event)
 
     def close(self) -> None:
+        """Close the file; a later write opens a new one."""
         file, self._file = self._file, None
         if file is not None:
             file.close()

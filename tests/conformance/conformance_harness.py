@@ -229,6 +229,8 @@ def expected_values(
                 expected[f"attention/{metric}_{aggregate}/{reference.layer}"] = float(value)
             for head, value in enumerate(values):
                 expected[f"{where}/head_{head}"] = float(value)
+        # The default (standard) preset's cost budget measures every head of these short sequences.
+        expected[f"attention/heads_measured/{reference.layer}"] = float(len(per_head["entropy"]))
         previous = previous_maxima.get(reference.layer)
         if maxima is not None and not np.isnan(maxima).all() and previous is not None and previous > 0:
             expected[f"attention/max_logit_growth/{reference.layer}"] = float(np.max(maxima)) / previous

@@ -12,9 +12,9 @@ from helpers.events import read_back, scalar_at
 from helpers.models import HEADS, TOKENS, VOCAB, WIDTH, FusedHeadsAttention, FusedHeadsModel
 from pytorch_lightning.cli import LightningCLI
 
-from spectral_monitor import AttentionFamilies, Monitor, SpectralMonitor
+from spectral_monitor import AttentionFamilies, Monitor, MonitorOptions, SpectralMonitor
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
-from spectral_monitor.probes import QKVLayout
+from spectral_monitor.probes import QKVLayout, register_qkv_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,6 +76,20 @@ def test_monitors_in_one_process_each_read_the_model_with_their_own_registry(tmp
     entropy = {name: scalar_at(events[name], f"attention/entropy/{ATTENTION}", 0) for name in monitors}
     assert entropy["own"] == pytest.approx(entropy["token_mask"], rel=1e-6)
     assert entropy["own"] != pytest.approx(entropy["default"], rel=1e-3)
+
+
+def test_a_monitor_takes_the_process_wide_layouts_registered_by_the_time_it_is_made() -> None:
+    registered, own = QKVLayout("Wqkv", "interleaved"), QKVLayout("qkv", "concatenated")
+    before = MonitorOptions()
+    with register_qkv_layout(FusedHeadsAttention, registered):
+        made = SpectralMonitor(per_head=True)
+        extended = AttentionFamilies().with_qkv_layout("*.mixer", own)
+    after = MonitorOptions()
+    assert made.options.capture.attention_families.qkv_layouts[FusedHeadsAttention] is registered
+    assert extended.qkv_layouts[FusedHeadsAttention] is registered and extended.qkv_layouts["*.mixer"] is own
+    for options in (before, after):
+        assert FusedHeadsAttention not in options.capture.attention_families.qkv_layouts
+    assert after.capture.attention_families == AttentionFamilies()
 
 
 def test_a_registry_in_yaml_reaches_the_monitor_lightning_cli_builds(

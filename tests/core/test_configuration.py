@@ -47,6 +47,7 @@ BAD_VALUES = {
     "figures_every_n_logs": ([-1, 0.5], "int >= 0"),
     "metric_method": (["svd", "", None], "('auto', 'exact', 'krylov')"),
     "attention_rank_sums": (["no", 0], "True or False"),
+    "attention_cost_ratio": ([0, -1.0, math.nan, -math.inf, True, "1"], "positive number (or math.inf"),
     "strict": ([None, 0, "true"], "True or False"),
     "log_first_step": (["no", 1], "True or False"),
     "curvature": ([{"top_k": 3}, 3, "yes"], "CurvatureOptions or None"),

@@ -17,6 +17,7 @@ allocations. Measured with this probe at n = 128, where the attention's share is
 on the first logging step, which makes the figures, and 8.6–8.9 MiB on later ones (3 runs, 2-core VM)."""
 
 STEP_PROBE = """
+    import math
     import pytorch_lightning as pl
     from pytorch_lightning.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
@@ -40,7 +41,7 @@ STEP_PROBE = """
     monitor = SpectralMonitor(every_n_steps=1, families=("attention",), max_sequences=2,
                               memory_budget_mb=budget_mb, figures_every_n_logs=1,
                               head_diversity_every_n_logs=1, attention_rank_sums=False, strict=True,
-                              preflight=False)
+                              preflight=False, attention_cost_ratio=math.inf)
     trainer = pl.Trainer(max_steps=steps, logger=TensorBoardLogger(logdir, name="run", version=0),
                          callbacks=[monitor], accelerator="cpu", devices=1, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)

@@ -27,21 +27,45 @@ import spectral_monitor
 
 PACKAGE = Path(spectral_monitor.__file__).parent
 COMPLETE_DOCSTRINGS = (
+    "spectral_monitor.alerts.text",
+    "spectral_monitor.checksum",
+    "spectral_monitor.cli",
+    "spectral_monitor.core.schedule",
     "spectral_monitor.dashboard.plugin",
     "spectral_monitor.demo.data",
     "spectral_monitor.demo.lightning_pytorch",
     "spectral_monitor.demo.model",
+    "spectral_monitor.eventfiles",
+    "spectral_monitor.integrations.loop",
     "spectral_monitor.judging",
+    "spectral_monitor.lazy_exports",
+    "spectral_monitor.lightning.losses",
+    "spectral_monitor.metrics.attention_krylov",
     "spectral_monitor.metrics.baselines",
     "spectral_monitor.metrics.heads",
     "spectral_monitor.metrics.masks",
     "spectral_monitor.metrics.tokens",
     "spectral_monitor.metrics.weights",
+    "spectral_monitor.probes.attention",
     "spectral_monitor.probes.attention_families",
+    "spectral_monitor.probes.attention_records",
+    "spectral_monitor.probes.attention_sampling",
     "spectral_monitor.probes.attention_weights",
+    "spectral_monitor.probes.huggingface",
     "spectral_monitor.probes.jacobian",
     "spectral_monitor.probes.ntk",
+    "spectral_monitor.probes.output_logits",
+    "spectral_monitor.probes.residual",
+    "spectral_monitor.probes.token_masks",
+    "spectral_monitor.probes.wrappers",
     "spectral_monitor.records",
+    "spectral_monitor.sinks.attention_images",
+    "spectral_monitor.sinks.figures",
+    "spectral_monitor.sinks.layout",
+    "spectral_monitor.sinks.logger",
+    "spectral_monitor.sinks.redrawn",
+    "spectral_monitor.sinks.tensorboard",
+    "spectral_monitor.sinks.tfrecord",
     "spectral_monitor.toolbox.compression",
     "spectral_monitor.toolbox.length_scaling",
     "spectral_monitor.toolbox.preflight",
@@ -198,7 +222,7 @@ def class_gaps(name: str, cls: type) -> list[str]:
     found = sections(docstring)
     gaps = example_gaps(name, found)
     init = vars(cls).get("__init__")
-    if inspect.isfunction(init):
+    if inspect.isfunction(init) and init.__module__ == cls.__module__:  # not a Protocol's placeholder
         documented = entry_names(found.get("Args", [])) | entry_names(found.get("Attributes", []))
         gaps += [
             f"{name} does not document its argument {parameter!r} under Args: or Attributes:"

@@ -36,7 +36,7 @@ from spectral_monitor.core.session import HEATMAP_METRICS, HISTOGRAM_METRICS
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics import attention_metrics, token_metrics
 from spectral_monitor.probes import AttentionCapture, WeightProbe
-from spectral_monitor.sinks.figures import DrawnHead
+from spectral_monitor.sinks.attention_images import DrawnHead
 
 LAYERS = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
 BLOCKS = ("encoder.layers.0", "encoder.layers.1")
@@ -240,7 +240,8 @@ def test_the_custom_scalars_layout_draws_one_line_per_layer_grouped_by_diagnosis
     events = tiny_run.events
     layout = layout_pb2.Layout.FromString(events.Tensors(LAYOUT_TAG)[-1].tensor_proto.string_val[0])
     charts = {(c.title, chart.title): list(chart.multiline.tag) for c in layout.category for chart in c.chart}
-    assert {"Rank collapse", "Entropy", "Token collapse", "Weights", "Alerts"} == {c for c, _ in charts}
+    categories = {"Rank collapse", "Entropy", "Token collapse", "Weights", "Alerts", "Overhead"}
+    assert categories == {c for c, _ in charts}
     for category, family, metric, layers in (
         ("Entropy", "attention", "entropy", LAYERS),
         ("Token collapse", "tokens", "token_residual", BLOCKS),

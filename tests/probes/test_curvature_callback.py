@@ -118,3 +118,22 @@ def test_training_with_every_curvature_probe_on_follows_the_same_trajectory(tmp_
         assert scalar_steps(events, tag)[-2:] == [7, 11], tag
     assert scalar_steps(events, "curvature/hessian_eigenvalue_1/model") == [0, 3, 7, 11]
     assert [event.step for event in events.Images("curvature/figures/density/model")] == [0, 3, 7, 11]
+
+
+def test_in_a_real_run_the_stretched_cadence_spaces_events_by_the_interval_it_writes(tmp_path: Path) -> None:
+    """Measured times, not a fake clock: every gap between curvature events is at least the interval written
+    at the step after the first event of the gap, and those intervals are what keeps each event's time at
+    most 20 % of the training steps between."""
+    monitor = SpectralMonitor(
+        families=[], curvature=CurvatureOptions(every_n_steps=1, max_overhead_percent=20.0)
+    )
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="stretched", version=0)
+    fit(FullBatchRegression(), [monitor], logger, max_steps=80, data=teacher_data(), max_epochs=-1)
+
+    events = read_back(logger.log_dir)
+    measured = scalar_steps(events, "curvature/overhead_ms/model")
+    intervals = {event.step: event.value for event in events.Scalars("curvature/every_n_steps/model")}
+    assert len(measured) >= 2 and measured[0] == 0
+    for event, later in zip(measured[:-1], measured[1:], strict=True):
+        interval = intervals[event + 1]
+        assert interval >= 1 and later - event >= interval

@@ -39,7 +39,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import spectral_monitor.sinks.figures as figures_module
+import spectral_monitor.sinks.redrawn as redrawn_module
 import spectral_monitor.sinks.tfrecord as tfrecord_module
 from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import AlertEvent
@@ -721,7 +721,7 @@ def inject(
         def broken_render(self: Any) -> Any:
             raise ProbeBroke("the figure could not be drawn")
 
-        monkeypatch.setattr(figures_module.RedrawnFigure, "render", broken_render)
+        monkeypatch.setattr(redrawn_module.RedrawnFigure, "render", broken_render)
     return {"model": TinyEncoder(), "data": None}
 
 

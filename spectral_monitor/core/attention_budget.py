@@ -1,0 +1,117 @@
+"""The attention cost budget: how many of a layer's heads a logging step measures.
+
+Measuring a layer's attention costs far more per head than the training step spends on it, and the more so
+the longer the context: the exact path factorises each (n, m) matrix in O(n·m·min(n, m)), where the training
+step's attention is O(n·m·d) per head. ``attention_cost_ratio`` bounds the measurement of each layer by a
+multiple of the layer's training work, by the cost model below; over it, a logging step measures a subset of
+the heads, a different one each step, so that every head is measured within ⌈H/k⌉ logging steps.
+
+The cost model counts in units of one head's training attention on one sequence (forward and backward of
+softmax(q kᵀ/√d) v), whose cost grows as n·m·d: the measurement costs of one matrix, and the layer's training
+work (its attention and the linear layers of a standard block), were measured in those units
+(``benchmarks/README.md``, "The attention cost budget").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from spectral_monitor.metrics.attention import uses_exact_path
+from spectral_monitor.probes import CapturedAttention
+
+__all__ = ["LayerBudget", "layer_budget", "matrix_cost", "training_cost"]
+
+FACTORISATION_COST = 2.0
+"""Cost of measuring one matrix on a path that factorises it, per min(n, m)/d: the exact path, and the dense
+Krylov path's rank sums, which factorise near-uniform attention (the common case early in training) when
+their quadrature does not converge."""
+KRYLOV_COST = 3.0
+"""Cost of measuring one matrix on the dense Krylov path without the rank sums."""
+BLOCKWISE_COST = 6.0
+"""Cost of measuring one matrix blockwise from q and k without the rank sums: each product recomputes its
+softmax rows."""
+BLOCKWISE_RANK_SUMS_COST = 400.0
+"""Cost of measuring one matrix blockwise with the rank sums on near-uniform attention, whose quadrature
+runs every round it has, each a sweep of products over the blocks."""
+MIN_BUDGETED_TOKENS = 256
+"""Layers with fewer queries or keys are measured whole: there per-call overheads, which the cost model does
+not count, dominate the measurement and the training step alike."""
+LINEAR_WORK_PER_ATTENTION = 6.0
+"""A standard block's linear layers (q, k, v and output projections, an MLP 4 times as wide: 12·w²
+multiply-adds a token) cost this many times w/m the training attention of its heads (2·m·w a token)."""
+
+
+@dataclass(frozen=True)
+class LayerBudget:
+    """What a logging step measures of one layer's captured attention.
+
+    Attributes:
+        heads: the heads measured, in order (all of them where the budget allows).
+        sequences: how many of the captured sequences (the first ones).
+        rank_sums: whether the effective and threshold ranks are measured.
+        num_heads: the heads the layer has.
+    """
+
+    heads: tuple[int, ...]
+    sequences: int
+    rank_sums: bool
+    num_heads: int
+
+    @property
+    def sampled(self) -> bool:
+        """Whether fewer than all heads are measured."""
+        return len(self.heads) < self.num_heads
+
+
+def matrix_cost(n: int, m: int, d: int, *, exact: bool, blockwise: bool, rank_sums: bool) -> float:
+    """Cost of measuring one (n, m) attention matrix of head dimension ``d`` on the path given, in units of
+    one head's training attention on one sequence."""
+    if blockwise:
+        return BLOCKWISE_RANK_SUMS_COST if rank_sums else BLOCKWISE_COST
+    if exact or rank_sums:
+        return FACTORISATION_COST * min(n, m) / d
+    return KRYLOV_COST
+
+
+def training_cost(sequences: int, heads: int, m: int, d: int) -> float:
+    """The training work of a layer of ``heads`` heads of dimension ``d`` attending ``m`` keys, on
+    ``sequences`` sequences, in the units of :func:`matrix_cost`: its attention and a standard block's linear
+    layers."""
+    return sequences * heads * (1 + LINEAR_WORK_PER_ATTENTION * heads * d / m)
+
+
+def layer_budget(
+    captured: CapturedAttention, ratio: float, logs_done: int, *, method: str, rank_sums: bool
+) -> LayerBudget:
+    """What to measure of ``captured`` at the logging step after ``logs_done`` others, within ``ratio`` times
+    its training work (:func:`training_cost` of the captured sequences).
+
+    Every sequence of as many heads as fit, at least one head; where not one head of every sequence fits, one
+    head of as many sequences as fit, at least one; where not even one matrix fits with the rank sums off the
+    exact path, without them. The heads measured rotate: step t measures heads t·k, t·k + 1, ...
+    (mod H), so every head is measured within ⌈H/k⌉ logging steps.
+    """
+    sequences, heads = captured.num_sequences, captured.num_heads
+    n, m, d = captured.q.shape[2], captured.k.shape[2], captured.q.shape[3]
+    everything = LayerBudget(tuple(range(heads)), sequences, rank_sums, heads)
+    if math.isinf(ratio) or min(n, m) < MIN_BUDGETED_TOKENS:
+        return everything
+    allowed = ratio * training_cost(sequences, heads, m, d)
+    exact = uses_exact_path(n, m, method, captured.causal)
+    blockwise = captured.measured_blockwise()
+
+    def affordable(with_rank_sums: bool) -> int:
+        cost = matrix_cost(n, m, d, exact=exact, blockwise=blockwise, rank_sums=with_rank_sums)
+        return math.floor(allowed / cost)
+
+    matrices = affordable(rank_sums)
+    if matrices == 0 and rank_sums and not exact:
+        rank_sums, matrices = False, affordable(False)
+    if matrices >= sequences * heads:
+        return LayerBudget(everything.heads, sequences, rank_sums, heads)
+    measured_heads = max(1, min(heads, matrices // sequences))
+    measured_sequences = sequences if matrices >= sequences else max(1, matrices)
+    first = logs_done * measured_heads
+    rotation = tuple((first + offset) % heads for offset in range(measured_heads))
+    return LayerBudget(rotation, measured_sequences, rank_sums, heads)

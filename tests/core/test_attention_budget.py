@@ -1,0 +1,146 @@
+"""The attention cost budget: which heads a logging step measures, what it writes of them, and that without
+it a layer is measured as before."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.events import read_back, scalar_series
+
+from spectral_monitor import Monitor, MonitorOptions
+from spectral_monitor.core.attention_budget import layer_budget, matrix_cost, training_cost
+from spectral_monitor.core.attention_family import head_sample_standard_error
+from spectral_monitor.core.attention_plan import AttentionPlan
+from spectral_monitor.core.reports import Reports
+from spectral_monitor.demo import DemoTransformer
+from spectral_monitor.metrics import attention_metrics
+from spectral_monitor.probes import AttentionCapture, CapturedAttention
+
+SEQUENCES, HEADS, TOKENS, HEAD_DIM = 2, 6, 256, 16
+
+
+def captured_layer(tokens: int = TOKENS, heads: int = HEADS, head_dim: int = HEAD_DIM) -> CapturedAttention:
+    """One causal layer's captured q and k, with heads of different sharpness so their metrics differ."""
+    generator = torch.Generator().manual_seed(0)
+    sharpness = torch.linspace(0.2, 2.0, heads)[None, :, None, None]
+    q = torch.randn(SEQUENCES, heads, tokens, head_dim, generator=generator) * sharpness
+    k = torch.randn(SEQUENCES, heads, tokens, head_dim, generator=generator)
+    return CapturedAttention("blocks.0.attention", q, k, None, True, head_dim**-0.5, None, None)
+
+
+def plan(ratio: float) -> AttentionPlan:
+    return AttentionPlan(MonitorOptions.from_keywords(attention_cost_ratio=ratio), Reports(strict=True))
+
+
+def ratio_for(matrices: int, captured: CapturedAttention) -> float:
+    """A ratio that affords exactly ``matrices`` of the layer's matrices on the exact path."""
+    n, d = captured.q.shape[2], captured.q.shape[3]
+    cost = matrix_cost(n, n, d, exact=True, blockwise=False, rank_sums=True)
+    return (matrices + 0.5) * cost / training_cost(captured.num_sequences, captured.num_heads, n, d)
+
+
+@pytest.mark.parametrize("affordable_heads", [1, 2, 4, 5])
+def test_the_heads_measured_rotate_so_every_head_is_measured_within_ceil_h_over_k_logging_steps(
+    affordable_heads: int,
+) -> None:
+    captured = captured_layer()
+    ratio = ratio_for(affordable_heads * SEQUENCES, captured)
+    steps = math.ceil(HEADS / affordable_heads)
+    budgets = [layer_budget(captured, ratio, t, method="auto", rank_sums=True) for t in range(steps)]
+    assert all(len(budget.heads) == affordable_heads and budget.sequences == SEQUENCES for budget in budgets)
+    assert all(len(set(budget.heads)) == affordable_heads for budget in budgets)
+    assert set().union(*(budget.heads for budget in budgets)) == set(range(HEADS))
+    # One step fewer leaves a head out: the rotation is as short as k heads a step allow.
+    assert set().union(*(budget.heads for budget in budgets[:-1])) != set(range(HEADS))
+
+
+def test_a_layer_over_the_budget_for_one_head_measures_one_head_of_fewer_sequences() -> None:
+    captured = captured_layer()
+    budget = layer_budget(captured, ratio_for(1, captured), 3, method="auto", rank_sums=True)
+    assert (budget.heads, budget.sequences, budget.rank_sums) == ((3,), 1, True)
+    tiny = layer_budget(captured, 1e-9, 0, method="auto", rank_sums=True)
+    assert (len(tiny.heads), tiny.sequences) == (1, 1)
+
+
+def test_at_4096_tokens_the_budget_is_kept_by_leaving_the_rank_sums_out() -> None:
+    """GPT-2 small's shapes (12 heads of 64) at 4096 tokens: one matrix with the blockwise rank sums costs
+    more than the standard preset allows a layer, so the rank sums go and the matrices measured fit it."""
+    ratio = MonitorOptions().budget.attention_cost_ratio
+    q = torch.zeros(SEQUENCES, 12, 4096, 64)
+    captured = CapturedAttention("blocks.0.attention", q, q, None, True, 0.125, None, None)
+    budget = layer_budget(captured, ratio, 0, method="auto", rank_sums=True)
+    allowed = ratio * training_cost(SEQUENCES, 12, 4096, 64)
+    assert matrix_cost(4096, 4096, 64, exact=False, blockwise=True, rank_sums=True) > allowed
+    assert not budget.rank_sums
+    spent = (
+        len(budget.heads)
+        * budget.sequences
+        * matrix_cost(4096, 4096, 64, exact=False, blockwise=True, rank_sums=False)
+    )
+    assert 0 < spent <= allowed
+
+
+def test_the_sampled_heads_metrics_and_their_mean_equal_the_float64_reference_of_those_heads() -> None:
+    captured = captured_layer()
+    (measured,) = plan(ratio_for(2 * SEQUENCES, captured)).measure(
+        [captured], 2**30, diversity=False, draw=False, logs_done=1
+    )
+    heads = list(measured.budget.heads)
+    assert heads == [2, 3]
+    probs = captured.sample().probs.double()[:, heads]
+    reference = attention_metrics(probs, causal=True, method="exact")
+    for name in ("entropy", "sigma1", "spectral_gap", "effective_rank", "rank_one_residual", "sink_mass"):
+        assert measured.metrics[name].shape == (SEQUENCES, 2)
+        torch.testing.assert_close(measured.metrics[name].double(), reference[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            measured.metrics[name].double().mean(dim=0).mean(), reference[name].mean(), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_without_a_budget_every_head_is_measured_bit_for_bit_as_one_call_on_the_whole_layer() -> None:
+    captured = captured_layer()
+    (measured,) = plan(math.inf).measure([captured], 2**30, diversity=False, draw=False, logs_done=5)
+    assert not measured.budget.sampled
+    whole = attention_metrics(captured.sample().probs, causal=True)
+    for name, values in whole.items():
+        assert torch.equal(measured.metrics[name].nan_to_num(7.0), values.nan_to_num(7.0)), name
+
+
+def test_the_standard_error_is_that_of_a_mean_drawn_without_replacement() -> None:
+    values = torch.tensor([0.2, 0.5, 0.6], dtype=torch.float64)
+    spread = math.sqrt(((values - values.mean()) ** 2).sum().item() / 2)
+    assert head_sample_standard_error(values, 12) == pytest.approx(spread / math.sqrt(3) * math.sqrt(9 / 11))
+    assert head_sample_standard_error(values, 3) == 0  # every head measured: the mean has no sampling error
+
+
+def test_a_monitored_run_writes_the_heads_measured_and_the_means_standard_errors(tmp_path: Path) -> None:
+    """A 256-token demo model under a budget of two heads of four: each logging step writes two heads'
+    values under their own head numbers, rotating, with the layer means over them and their errors."""
+    torch.manual_seed(0)
+    model = DemoTransformer(vocab_size=16, d_model=32, n_layers=1, n_heads=4, seq_len=TOKENS, causal=True)
+    tokens = torch.randint(16, (2, TOKENS), generator=torch.Generator().manual_seed(0))
+    with AttentionCapture(model, max_sequences=2).armed() as recording, torch.no_grad():
+        model(tokens)
+    ratio = ratio_for(2 * SEQUENCES, recording.captured[0])
+    with Monitor(model, tmp_path, every_n_steps=1, families=("attention",), per_head=True, strict=True,
+                 attention_cost_ratio=ratio, preflight=False) as monitor:  # fmt: skip
+        for step in range(2):
+            with monitor.step(step, batch=tokens):
+                model(tokens)
+    series = scalar_series(read_back(tmp_path))
+    layer = recording.captured[0].layer
+    assert [value for _, value in series[f"attention/heads_measured/{layer}"]] == [2.0, 2.0]
+    for step, heads in ((0, (0, 1)), (1, (2, 3))):
+        per_head = {
+            head: dict(series[f"attention/entropy/{layer}/head_{head}"]).get(step) for head in range(4)
+        }
+        assert {head for head, value in per_head.items() if value is not None} == set(heads)
+        mean = dict(series[f"attention/entropy/{layer}"])[step]
+        assert mean == pytest.approx(sum(per_head[head] for head in heads) / 2, rel=1e-6)
+        error = dict(series[f"attention/entropy_head_se/{layer}"])[step]
+        values = torch.tensor([per_head[head] for head in heads], dtype=torch.float64)
+        assert error == pytest.approx(head_sample_standard_error(values, 4), rel=1e-6)
+        assert error > 0
