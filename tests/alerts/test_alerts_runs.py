@@ -81,7 +81,7 @@ def fired(events: event_accumulator.EventAccumulator) -> dict[str, float]:
 def test_long_context_collapse_fires_on_both_layers_and_stop_on_stops_training(tmp_path: Path) -> None:
     trainer = fit_config(
         "long_context_collapse", tmp_path, max_steps=20, every_n_steps=5, log_first_step=False,
-        max_sequences=1, stop_on=["uniform_attention"],
+        max_sequences=1, stop_on=["uniform_attention"], attention_cost_ratio=1e9,
     )  # fmt: skip
     events = events_of(tmp_path)
     counts = fired(events)

@@ -284,7 +284,8 @@ FIT_PROBE = """
                             init_std=0.3)
     tokens = torch.randint(16, (1, n), generator=torch.Generator().manual_seed(0))
     monitor = SpectralMonitor(every_n_steps=1, families=("attention",), max_sequences=1, strict=True,
-                              memory_budget_mb=budget_mb, figures_every_n_logs=1, preflight=False)
+                              memory_budget_mb=budget_mb, figures_every_n_logs=1, preflight=False,
+                              attention_cost_ratio=float("inf"))
     trainer = pl.Trainer(max_steps=1, logger=TensorBoardLogger(logdir, name="run", version=0),
                          callbacks=[monitor], accelerator="cpu", devices=1, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)
