@@ -218,8 +218,6 @@ def _run_demo(arguments: argparse.Namespace) -> int:
 _DEMO_OWN_WARNINGS = (
     (UserWarning, "LightningCLI's args parameter is intended"),
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
-    # The default attention-family registry's layouts are values jsonargparse cannot write back as YAML.
-    (Warning, r"\s*Unable to serialize instance QKVLayout"),
 )
 # Where Lightning's rank-zero messages are logged, under each of its package names (imported or not yet).
 _LIGHTNING_RANK_ZERO_LOGGERS = tuple(

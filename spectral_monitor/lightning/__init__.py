@@ -5,5 +5,8 @@ second-order probes (:mod:`~spectral_monitor.lightning.losses`); the namespace s
 """
 
 from spectral_monitor.lightning.callback import SpectralMonitor
+from spectral_monitor.lightning.cli_values import register_cli_values
+
+register_cli_values()
 
 __all__ = ["SpectralMonitor"]

@@ -77,6 +77,7 @@ __all__ = [
     "REAL_TOKEN_MASK_KEYWORDS",
     "AttentionFamilies",
     "QKVLayout",
+    "qkv_layout_pattern",
     "register_qkv_layout",
 ]
 
@@ -210,12 +211,12 @@ BUILT_IN_QKV_LAYOUTS: Mapping[str, QKVLayout] = {
 """The fused layouts every default registry starts with, by class name (transformers stays optional)."""
 
 # An OrderedDict, as torch's hook registries: RemovableHandle needs a weak reference to it.
-_REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[type[nn.Module] | str, QKVLayout]] = OrderedDict()
+_REGISTERED_QKV_LAYOUTS: OrderedDict[int, tuple[str, QKVLayout]] = OrderedDict()
 
 
-def _default_qkv_layouts() -> dict[type[nn.Module] | str, QKVLayout]:
+def _default_qkv_layouts() -> dict[str, QKVLayout]:
     """The built-in layouts, then those registered now, in order (a later one wins)."""
-    layouts: dict[type[nn.Module] | str, QKVLayout] = dict(BUILT_IN_QKV_LAYOUTS)
+    layouts: dict[str, QKVLayout] = dict(BUILT_IN_QKV_LAYOUTS)
     for target, layout in _REGISTERED_QKV_LAYOUTS.values():
         layouts.pop(target, None)
         layouts[target] = layout
@@ -247,10 +248,12 @@ class AttentionFamilies:
             real tokens.
         padding_mask_keywords: keyword arguments whose (batch, tokens) value is True (or ``-inf``) at
             padding.
-        qkv_layouts: the :class:`QKVLayout` of each attention class with a fused projection, keyed by the
-            module type (matched with ``isinstance``) or by a str ``fnmatch`` pattern matched against the
-            class name (``"FalconAttention"``) and the qualified module name (``"blocks.*.attn"``); the last
-            entry that matches wins.
+        qkv_layouts: the :class:`QKVLayout` of each attention class with a fused projection, keyed by a str
+            ``fnmatch`` pattern matched against the class name (``"FalconAttention"``), the qualified module
+            name (``"blocks.*.attn"``) and the import path of the class and of each of its bases
+            (``"my_model.layers.MyAttention"``); the last entry that matches wins. A module type given as a
+            key is kept as its import path, so it matches its subclasses too, and the registry can be
+            written to YAML and read back.
 
     Raises:
         ValueError: if a list of names is not a list of non-empty strs, or ``qkv_layouts`` does not map
@@ -291,7 +294,8 @@ class AttentionFamilies:
             )
         for target, layout in self.qkv_layouts.items():
             _check_qkv_layout("qkv_layouts", target, layout)
-        object.__setattr__(self, "qkv_layouts", dict(self.qkv_layouts))
+        layouts = {qkv_layout_pattern(target): layout for target, layout in self.qkv_layouts.items()}
+        object.__setattr__(self, "qkv_layouts", layouts)
 
     # ----------------------------------------------------------------------------------------------------
     # Extending
@@ -301,9 +305,9 @@ class AttentionFamilies:
         """This registry, with ``layout`` for the attention modules ``target`` names, over any it had.
 
         Args:
-            target: a module type (matched with ``isinstance``), or a str ``fnmatch`` pattern matched
-                against the class name and the qualified module name (``"FalconAttention"``,
-                ``"blocks.*.attn"``).
+            target: a module type (kept as its import path, which matches it and its subclasses), or a
+                str ``fnmatch`` pattern matched against the class name, the qualified module name and the
+                import paths of the class and its bases (``"FalconAttention"``, ``"blocks.*.attn"``).
             layout: the :class:`QKVLayout` of their fused projection.
 
         Returns:
@@ -318,8 +322,9 @@ class AttentionFamilies:
             'Wqkv'
         """
         _check_qkv_layout("target", target, layout)
-        layouts = {key: value for key, value in self.qkv_layouts.items() if key != target}
-        layouts[target] = layout
+        pattern = qkv_layout_pattern(target)
+        layouts = {key: value for key, value in self.qkv_layouts.items() if key != pattern}
+        layouts[pattern] = layout
         return replace(self, qkv_layouts=layouts)
 
     def with_attribute_names(
@@ -480,12 +485,9 @@ class AttentionFamilies:
             >>> AttentionFamilies().qkv_layout_of("blocks.0.attn", nn.Linear(2, 2)) is None
             True
         """
-        class_name = type(module).__name__
-        for target, layout in reversed(self.qkv_layouts.items()):
-            if isinstance(target, str):
-                if fnmatch.fnmatchcase(class_name, target) or fnmatch.fnmatchcase(layer, target):
-                    return layout
-            elif isinstance(module, target):
+        names = (type(module).__name__, layer, *map(qkv_layout_pattern, type(module).__mro__))
+        for pattern, layout in reversed(self.qkv_layouts.items()):
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
                 return layout
         return None
 
@@ -539,8 +541,9 @@ def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> Rem
     ``attention_families`` option instead.
 
     Args:
-        target: a module type (matched with ``isinstance``), or a str ``fnmatch`` pattern matched against
-            the class name and the qualified module name (``"blocks.*.attn"``). A later registration wins
+        target: a module type (kept as its import path, which matches it and its subclasses), or a str
+            ``fnmatch`` pattern matched against the class name, the qualified module name
+            (``"blocks.*.attn"``) and the import paths of the class and its bases. A later registration wins
             over an earlier one and over the built-in layouts; a registry's own ``with_qkv_layout`` and a
             probe's ``attention_readers`` win over all.
         layout: the :class:`QKVLayout` of their fused projection.
@@ -561,8 +564,28 @@ def register_qkv_layout(target: type[nn.Module] | str, layout: QKVLayout) -> Rem
     """
     _check_qkv_layout("target", target, layout)
     handle = RemovableHandle(_REGISTERED_QKV_LAYOUTS)
-    _REGISTERED_QKV_LAYOUTS[handle.id] = (target, layout)
+    _REGISTERED_QKV_LAYOUTS[handle.id] = (qkv_layout_pattern(target), layout)
     return handle
+
+
+def qkv_layout_pattern(target: type[nn.Module] | str) -> str:
+    """The key :attr:`AttentionFamilies.qkv_layouts` holds for ``target``: a str as given, a type's import
+    path.
+
+    Args:
+        target: a module type or a str pattern.
+
+    Returns:
+        The pattern.
+
+    Examples:
+        >>> from torch import nn
+        >>> qkv_layout_pattern(nn.MultiheadAttention)
+        'torch.nn.modules.activation.MultiheadAttention'
+        >>> qkv_layout_pattern("blocks.*.attn")
+        'blocks.*.attn'
+    """
+    return target if isinstance(target, str) else f"{target.__module__}.{target.__qualname__}"
 
 
 def _check_qkv_layout(argument: str, target: object, layout: object) -> None:

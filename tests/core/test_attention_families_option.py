@@ -10,11 +10,14 @@ import pytest
 import torch
 from helpers.events import read_back, scalar_at
 from helpers.models import HEADS, TOKENS, VOCAB, WIDTH, FusedHeadsAttention, FusedHeadsModel
+from jsonargparse import ArgumentParser
 from pytorch_lightning.cli import LightningCLI
+from torch import nn
 
-from spectral_monitor import AttentionFamilies, Monitor, MonitorOptions, SpectralMonitor
+from spectral_monitor import AttentionFamilies, CaptureOptions, Monitor, MonitorOptions, SpectralMonitor
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.probes import QKVLayout, register_qkv_layout
+from spectral_monitor.probes.attention_families import qkv_layout_pattern
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,10 +88,12 @@ def test_a_monitor_takes_the_process_wide_layouts_registered_by_the_time_it_is_m
         made = SpectralMonitor(per_head=True)
         extended = AttentionFamilies().with_qkv_layout("*.mixer", own)
     after = MonitorOptions()
-    assert made.options.capture.attention_families.qkv_layouts[FusedHeadsAttention] is registered
-    assert extended.qkv_layouts[FusedHeadsAttention] is registered and extended.qkv_layouts["*.mixer"] is own
+    fused = qkv_layout_pattern(FusedHeadsAttention)
+    assert made.options.capture.attention_families.qkv_layouts[fused] is registered
+    assert extended.qkv_layouts[fused] is registered and extended.qkv_layouts["*.mixer"] is own
+    assert extended.qkv_layout_of(ATTENTION, FusedHeadsAttention()) is registered
     for options in (before, after):
-        assert FusedHeadsAttention not in options.capture.attention_families.qkv_layouts
+        assert fused not in options.capture.attention_families.qkv_layouts
     assert after.capture.attention_families == AttentionFamilies()
 
 
@@ -138,3 +143,66 @@ data:
     }
     weights = families.read_attention_weights(ATTENTION, FusedHeadsAttention())  # named by its class
     assert weights is not None and weights.num_heads == HEADS
+
+
+def test_the_config_lightning_cli_saves_reads_back_to_the_same_registry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config LightningCLI saves beside each run (``parser.dump(config, skip_none=False)``, as its
+    ``SaveConfigCallback`` writes it) holds the registry's layouts as fields, without a warning; given back
+    as a config, it makes the same registry."""
+    monkeypatch.chdir(tmp_path)
+    families = "--trainer.callbacks.options.capture.attention_families"
+    arguments = [
+        "--trainer.logger=false",
+        "--trainer.callbacks=spectral_monitor.SpectralMonitor",
+        f"{families}.padding_mask_keywords=[pad_mask]",
+        f"{families}.qkv_layouts="
+        '{"*.mixer": {"projection": "Wqkv", "layout": "interleaved", "num_heads": 2}}',
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*serialize")
+        cli = LightningCLI(DemoTransformer, SyntheticDataModule, args=arguments, run=False)
+        saved = tmp_path / "config.yaml"
+        saved.write_text(cli.parser.dump(cli.config, skip_none=False))
+    assert "Unable to serialize" not in saved.read_text()
+
+    read_back = LightningCLI(DemoTransformer, SyntheticDataModule, args=[f"--config={saved}"], run=False)
+    (given,) = [callback for callback in cli.trainer.callbacks if isinstance(callback, SpectralMonitor)]
+    (made,) = [callback for callback in read_back.trainer.callbacks if isinstance(callback, SpectralMonitor)]
+    assert made.options.capture.attention_families == given.options.capture.attention_families
+    assert made.options.capture.attention_families.qkv_layouts == {
+        "*.mixer": QKVLayout("Wqkv", "interleaved", num_heads=2)
+    }
+
+
+def test_a_registry_keyed_by_a_module_type_is_written_as_its_import_path_and_read_back() -> None:
+    """A layout keyed by a module type is kept under the type's import path: jsonargparse, as LightningCLI
+    uses it, writes it to YAML and reads it back, and the path read back matches the type and its
+    subclasses, not other classes of the same name."""
+    layout = QKVLayout("Wqkv", "interleaved", num_heads=HEADS)
+    options = MonitorOptions(
+        capture=CaptureOptions(
+            attention_families=AttentionFamilies().with_qkv_layout(FusedHeadsAttention, layout)
+        )
+    )
+    parser = ArgumentParser()
+    parser.add_argument("--options", type=MonitorOptions, default=options)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*serialize")
+        written = parser.dump(parser.parse_args([]))
+    assert qkv_layout_pattern(FusedHeadsAttention) == "helpers.models.FusedHeadsAttention"
+    assert "helpers.models.FusedHeadsAttention:" in written
+    families = parser.instantiate(parser.parse_string(written)).options.capture.attention_families
+    assert families == options.capture.attention_families
+
+    class Subclassed(FusedHeadsAttention):
+        pass
+
+    class FusedHeadsAttentionOfItsOwn(nn.Module):
+        pass
+
+    FusedHeadsAttentionOfItsOwn.__qualname__ = FusedHeadsAttentionOfItsOwn.__name__ = "FusedHeadsAttention"
+    assert families.qkv_layout_of(ATTENTION, FusedHeadsAttention()) == layout
+    assert families.qkv_layout_of(ATTENTION, Subclassed()) == layout
+    assert families.qkv_layout_of(ATTENTION, FusedHeadsAttentionOfItsOwn()) is None

@@ -27,6 +27,7 @@ from spectral_monitor.probes.attention_families import (
     MODEL_WIDTH_ATTRIBUTES,
     PADDING_MASK_KEYWORDS,
     REAL_TOKEN_MASK_KEYWORDS,
+    qkv_layout_pattern,
 )
 from spectral_monitor.probes.attention_weights import fused_projection_name
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
@@ -121,7 +122,7 @@ def test_extending_gives_a_new_registry_whose_additions_are_tried_first():
     assert extended.padding_mask_keywords == ("pad_mask", *PADDING_MASK_KEYWORDS)
     assert extended.attention_class_name_parts == ("Mixer", *ATTENTION_CLASS_NAME_PARTS)
     # Registered again, a target moves to the end: it wins over "*.attn" registered in between.
-    assert list(extended.qkv_layouts)[-2:] == ["*.attn", FusedHeadsAttention]
+    assert list(extended.qkv_layouts)[-2:] == ["*.attn", qkv_layout_pattern(FusedHeadsAttention)]
     assert extended.qkv_layout_of("blocks.0.attn", FusedHeadsAttention()) is second
     assert extended.qkv_layout_of("blocks.0.attn", nn.Linear(2, 2)) is second  # by its qualified name
     assert extended.qkv_layout_of("Phi3Attention", nn.Linear(2, 2)) is BUILT_IN_QKV_LAYOUTS["Phi3Attention"]
