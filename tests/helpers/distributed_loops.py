@@ -180,6 +180,8 @@ def main(mode: str, output: Path) -> None:
         torch.save(
             {"state": monitor.state_dict(), "run_directory": monitor.run_directory}, output / f"rank{rank}.pt"
         )
+        # Nor does it destroy it: gloo's threads left running at interpreter exit can abort the process.
+        dist.destroy_process_group()
         return
     dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
