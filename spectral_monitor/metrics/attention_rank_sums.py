@@ -5,8 +5,8 @@ the matrices themselves are at hand and the quadrature cannot reach its accuracy
 Gauss quadrature on AᵀA resolves the spectrum down to about λ₁/steps². Near-uniform attention (a freshly
 initialised model's, and causal attention above all) keeps a fifth of Σσ in singular values below 1% of σ₁:
 there the rules stop short of the truth and the probes' spread is wide, so no number of rounds reaches the
-target, and the rounds read the effective rank 7–15% low. :func:`rank_sums` therefore gives such elements
-one round only and then factorises them, when it can.
+target, and the rounds read the effective rank low. :func:`rank_sums` therefore gives such elements
+``FIRST_ROUNDS_BEFORE_EXACT`` rounds only and then factorises them, when it can.
 """
 
 from __future__ import annotations
@@ -78,6 +78,20 @@ def rank_sums(
         them, an element still above ``ERANK_TARGET_RSE`` after ``FIRST_ROUNDS_BEFORE_EXACT`` rounds is
         factorised instead (its standard error then 0): on such spectra further rounds cost more than the
         factorisation and stay biased (benchmarks/README.md).
+
+    Examples:
+        A = ½I + ½·11ᵀ/8 has σ = (1, ½, …, ½): below the top pair the spectrum is flat, so the quadrature
+        is exact whatever the probes, and exp(H(σ/Σσ)) = 7.715. The top pair comes from a factorisation here,
+        from :func:`~spectral_monitor.linalg.top_singular` in the Krylov path.
+
+        >>> import torch
+        >>> from spectral_monitor.linalg.operators import DenseOperator
+        >>> attention = (0.5 * torch.eye(8, dtype=torch.float64) + 0.5 / 8)[None]  # one (8, 8) matrix
+        >>> _, sigma, vh = torch.linalg.svd(attention)
+        >>> frobenius_squared = attention.square().sum(dim=(1, 2))
+        >>> sums = rank_sums(DenseOperator(attention), vh[:, :2].mT, sigma[:, :2], frobenius_squared, None)
+        >>> round(float(sums["effective_rank"]), 3), round(float(sums["effective_rank_se"]), 6)
+        (7.715, 0.0)
     """
     if matrices is None:
         return _quadrature_rank_sums(operator, top_vectors, sigma, frobenius_squared, generator)

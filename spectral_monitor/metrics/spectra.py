@@ -22,14 +22,35 @@ _KS_CHUNK = 256
 
 
 def power_law_alpha(eigenvalues: Tensor) -> dict[str, Tensor]:
-    """Power-law fit of the tail of ``eigenvalues`` (k,), WeightWatcher's convention (module docstring).
+    """Power-law fit of the tail of ``eigenvalues``, WeightWatcher's convention (module docstring).
 
     Eigenvalues that are zero up to rounding (≤ k·ε·λ_max) are left out, as a rank-deficient matrix's are.
     For each candidate λ_min = λ_(i) (ascending, all but the largest), α_i = 1 + n_i / Σ_{j≥i} log(λ_j/λ_(i))
     with n_i the tail size, and D_i = max_{j≥i} |F_fit(λ_j) − (j − i)/n_i| with
-    F_fit(λ) = 1 − (λ/λ_(i))^{1−α_i}.
-    Returns 0-d float64 tensors: ``alpha`` (of the λ_min with the smallest D), ``xmin``, ``ks_distance`` D,
-    ``tail_size`` n; all NaN with fewer than ``MIN_TAIL`` usable eigenvalues.
+    F_fit(λ) = 1 − (λ/λ_(i))^{1−α_i}. The fit kept is the candidate with the smallest D among those with
+    α_i > 1 and at least ``MIN_TAIL`` eigenvalues in the tail.
+
+    Args:
+        eigenvalues: (k,) floating, the eigenvalues λᵢ = σᵢ² of WᵀW in any order; computed in float64.
+
+    Returns:
+        0-d float64 tensors by name: ``alpha`` (the fitted α), ``xmin`` (its λ_min), ``ks_distance`` (its D)
+        and ``tail_size`` (its n_i, as a float). All NaN where fewer than ``MIN_TAIL`` eigenvalues are
+        usable or no candidate fits.
+
+    Raises:
+        ValueError: ``eigenvalues`` is not a 1-D floating tensor, or holds a negative value.
+
+    Examples:
+        Eigenvalues at the quantiles of a Pareto law of exponent 3 give back α ≈ 3 over the whole spectrum:
+
+        >>> import torch
+        >>> quantiles = (torch.arange(200, dtype=torch.float64) + 0.5) / 200
+        >>> fit = power_law_alpha((1 - quantiles) ** -0.5)
+        >>> round(float(fit["alpha"]), 2), int(fit["tail_size"])
+        (3.01, 200)
+        >>> bool(power_law_alpha(torch.tensor([1.0]))["alpha"].isnan())  # one eigenvalue: no tail
+        True
     """
     if not isinstance(eigenvalues, Tensor) or eigenvalues.ndim != 1 or not eigenvalues.is_floating_point():
         raise ValueError(f"eigenvalues must be a 1-D floating tensor, got {_describe(eigenvalues)}")
@@ -78,8 +99,26 @@ def energy_rank(singular_values: Tensor, level: float) -> Tensor:
     """Smallest k whose top singular values keep ``level`` of the energy: Σ_{i≤k} σᵢ² ≥ level·Σσᵢ².
 
     The rank a truncated SVD needs to keep that fraction of ‖W‖_F² (Eckart–Young: the discarded fraction is
-    then the relative squared Frobenius error, at most 1 − level). ``singular_values`` (..., k) sorted
-    descending; the attention metrics' threshold rank is ``energy_rank(σ, 0.99)``.
+    then the relative squared Frobenius error, at most 1 − level). The attention metrics' threshold rank is
+    ``energy_rank(σ, 0.99)``.
+
+    Args:
+        singular_values: (..., k) floating, each row sorted descending.
+        level: The fraction of Σσᵢ² to keep, in (0, 1].
+
+    Returns:
+        (...,) the rank k of each row, as a floating tensor.
+
+    Raises:
+        ValueError: ``level`` is not a number in (0, 1].
+
+    Examples:
+        σ = (3, 1, 1) has energies 9, 1, 1 of 11: the top value keeps 82%, the top two 91%.
+
+        >>> import torch
+        >>> sigma = torch.tensor([3.0, 1.0, 1.0])
+        >>> int(energy_rank(sigma, 0.8)), int(energy_rank(sigma, 0.9)), int(energy_rank(sigma, 1.0))
+        (1, 2, 3)
     """
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1:
         raise ValueError(f"level must be a fraction in (0, 1], got {level!r}")
@@ -87,11 +126,32 @@ def energy_rank(singular_values: Tensor, level: float) -> Tensor:
 
 
 def marchenko_pastur_density(eigenvalues: Tensor, rows: int, cols: int, variance: float) -> Tensor:
-    """Limiting density of the eigenvalues of WᵀW (the min(N, M)-sided Gram) for W N×M with iid entries of
-    ``variance`` σ²: supported on [σ²(√N − √M)², σ²(√N + √M)²] (singular values within σ(√N ± √M), the edge
-    of :func:`~spectral_monitor.metrics.marchenko_pastur_edge`), zero outside, integrating to 1.
+    """Limiting (Marchenko–Pastur) density of the eigenvalues of WᵀW, the min(N, M)-sided Gram matrix, for
+    W N×M with iid entries of variance σ².
 
-    With p = min(N, M), q = max(N, M): ρ(λ) = √((λ₊ − λ)(λ − λ₋)) / (2π σ² p λ).
+    With p = min(N, M), λ± = σ²(√N ± √M)²: ρ(λ) = √((λ₊ − λ)(λ − λ₋)) / (2π σ² p λ) on (λ₋, λ₊), zero
+    outside, integrating to 1. The singular values then lie within σ(√N ± √M), the edge of
+    :func:`~spectral_monitor.metrics.marchenko_pastur_edge`.
+
+    Args:
+        eigenvalues: Where to evaluate ρ: a tensor of any shape (the values λ, not σ).
+        rows: N, the rows of W (≥ 1).
+        cols: M, the columns of W (≥ 1).
+        variance: σ², the variance of W's entries (> 0).
+
+    Returns:
+        Float64 ρ(λ) of ``eigenvalues``' shape.
+
+    Raises:
+        ValueError: ``rows`` or ``cols`` is below 1, or ``variance`` is not positive.
+
+    Examples:
+        A square W with σ² = 1/N: support [0, 4], ρ(λ) = √((4 − λ)λ) / (2πλ).
+
+        >>> import torch
+        >>> density = marchenko_pastur_density(torch.tensor([1.0, 2.0, 5.0]), 100, 100, 0.01)
+        >>> [round(value, 4) for value in density.tolist()]
+        [0.2757, 0.1592, 0.0]
     """
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be >= 1, got {rows!r}, {cols!r}")
