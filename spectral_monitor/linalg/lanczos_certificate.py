@@ -19,8 +19,8 @@ start, that an eigenvalue above a reported one was never seen
 (:func:`~spectral_monitor.linalg.lanczos_eigsh`)."""
 ROUNDING_FLOOR = 10
 """A residual below this many units of rounding of the operator's dtype, times the largest product norm seen,
-meets any tolerance: float rounding of the products, not the solver, sets the error there. Ten units, not
-more: the floor is an absolute error, so on the float32 Gram products of attention a larger one lets σ₂ of
+meets any tolerance: float rounding of the products, not the solver, sets the error there. The floor is an
+absolute error, so it is kept small: on the float32 Gram products of attention a larger one would let σ₂ of
 a matrix whose σ₂² is a few percent of σ₁² stop several times further off than its own tolerance."""
 EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
@@ -29,8 +29,19 @@ instead: near zero, float32 rounding of the products, not θ, sets the scale an 
 
 @dataclass
 class Verdict:
-    """The stop test of one iteration, per batch element: ``met``, and ``least_degree``, a Krylov degree
-    below which the certificate cannot pass (0 when it does not apply or has passed)."""
+    """The stop test of one iteration, per batch element.
+
+    Attributes:
+        met: (B,) bool, every test of :func:`judge` passed.
+        least_degree: (B,) a Krylov degree below which the degree test cannot pass, in the dtype of the Ritz
+            values; 0 where it does not apply (no ``failure_probability``, error bounds not yet met) or has
+            passed.
+
+    Examples:
+        >>> import torch
+        >>> Verdict(met=torch.tensor([True]), least_degree=torch.zeros(1)).met
+        tensor([True])
+    """
 
     met: Tensor
     least_degree: Tensor
@@ -38,8 +49,18 @@ class Verdict:
 
 @dataclass
 class StopTest:
-    """What :func:`stop_test` found: ``verdict`` (None where a cheap bound already fails test 1 everywhere,
-    so the full test was not run), and the wanted Ritz pairs' residuals relative to max |θ|, (B, k)."""
+    """What :func:`stop_test` found.
+
+    Attributes:
+        verdict: The :class:`Verdict`, or ``None`` where a cheap bound already fails test 1 of :func:`judge`
+            for every batch element, so the full test was not run.
+        relative_residual: (B, k) the wanted Ritz pairs' residuals relative to max |θ|, largest θ first.
+
+    Examples:
+        >>> import torch
+        >>> StopTest(verdict=None, relative_residual=torch.tensor([[0.5]])).verdict is None
+        True
+    """
 
     verdict: Verdict | None
     relative_residual: Tensor
@@ -60,11 +81,43 @@ def stop_test(
     failure_probability: float | None,
     last: bool,
 ) -> StopTest:
-    """The stop test of one Lanczos iteration on the ascending Ritz values ``theta`` (B, m) and the residuals
-    of every Ritz pair ``residual`` (B, m): each wanted value's tolerance (``tol`` of max |θ|, or of itself
-    with ``relative_to="each"``, floored at ``EACH_FLOOR`` of max |θ|, and never below ``ROUNDING_FLOOR``
-    units ``rounding`` of the operator's dtype times the largest product norm ``scale`` (B,) seen), then
-    :func:`judge`, unless it cannot pass yet and this is not the ``last`` iteration."""
+    """The stop test of one Lanczos iteration: each wanted value's absolute tolerance, then :func:`judge`.
+
+    The tolerance of a wanted value is ``tol`` of max |θ|, or of its own |θᵢ| with ``relative_to="each"``
+    (floored at ``EACH_FLOOR`` of max |θ|), and never below ``ROUNDING_FLOOR`` · ``rounding`` · ``scale``.
+
+    Args:
+        theta: (B, m) the Ritz values, ascending.
+        residual: (B, m) the residual norm of every Ritz pair, in the order of ``theta``.
+        k: How many of the largest Ritz values are wanted.
+        tol: The relative tolerance, > 0.
+        relative_to: ``"largest"`` (against max |θ|) or ``"each"`` (against each wanted |θᵢ|).
+        criterion: ``"residual"`` or ``"eigenvalue"``, the error bound of :func:`judge`'s test 1.
+        rounding: The rounding unit ε of the operator's dtype.
+        scale: (B,) the largest product norm seen so far.
+        degree: The Krylov degree of the space (iterations less one).
+        n: The operator's size.
+        failure_probability: p of the degree test, or ``None`` to skip it.
+        last: Whether this is the last iteration: the full test then runs even where it cannot pass.
+
+    Returns:
+        The :class:`StopTest`; its ``verdict`` is ``None`` when this is not the ``last`` iteration and
+        :func:`beyond_tolerance` shows test 1 fails everywhere.
+
+    Examples:
+        A top Ritz value 5 with residual 0.05 and the next Ritz value 3 below it: the Kato–Temple bound
+        0.05²/3 is within 2·10⁻⁴ of 5, the residual itself is not.
+
+        >>> import torch
+        >>> theta, residual = torch.tensor([[1.0, 2.0, 5.0]]), torch.tensor([[0.0, 0.0, 0.05]])
+        >>> common = dict(k=1, tol=2e-4, relative_to="largest", rounding=1e-7, scale=torch.tensor([5.0]))
+        >>> more = dict(degree=5, n=3, failure_probability=None, last=False)
+        >>> stop_test(theta, residual, criterion="eigenvalue", **common, **more).verdict.met
+        tensor([True])
+        >>> test = stop_test(theta, residual, criterion="residual", **common, **more)
+        >>> test.verdict is None, test.relative_residual
+        (True, tensor([[0.0100]]))
+    """
     magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(theta.dtype).tiny)
     wanted_residual = residual[:, -k:].flip(1)
     judged_against = magnitude[:, None].expand(-1, k)
@@ -110,6 +163,36 @@ def judge(
        polynomial of degree d on [λ_min, θ₁] gives a vector of the space whose Rayleigh quotient exceeds θ₁,
        the largest Ritz value. Below the top the Ritz values above θᵢ enter the bound for the i-th one, and
        the stricter τᵢ leaves room for them.
+
+    Args:
+        theta: (B, m) the Ritz values, ascending.
+        residual: (B, m) the residual norm of every Ritz pair, in the order of ``theta``.
+        k: How many of the largest Ritz values are wanted; with m ≤ k nothing is resolved below them and
+            the test fails.
+        tolerance: (B, k) absolute tolerances of the wanted values, largest θ first.
+        criterion: ``"residual"`` (error bound r) or ``"eigenvalue"`` (min(r, r²/δ)).
+        degree: d, the Krylov degree of the space.
+        n: The operator's size.
+        failure_probability: p of test 3, or ``None`` to skip it.
+
+    Returns:
+        The :class:`Verdict`; its ``least_degree`` is set where tests 1 and 2 pass and test 3 does not.
+
+    Examples:
+        Ritz values 1, 2, 5, all exact, in a space of size 3: the degree test at p = 0.01 needs a degree of
+        at least 4.27 for the gap of 3 below the top.
+
+        >>> import torch
+        >>> theta = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)
+        >>> exact = torch.zeros(1, 3, dtype=torch.float64)
+        >>> tolerance = torch.full((1, 1), 1e-3, dtype=torch.float64)
+        >>> judge(theta, exact, 1, tolerance, "residual", 2, 3, None).met
+        tensor([True])
+        >>> verdict = judge(theta, exact, 1, tolerance, "residual", 2, 3, 0.01)
+        >>> verdict.met, round(verdict.least_degree.item(), 2)
+        (tensor([False]), 4.27)
+        >>> judge(theta, exact, 1, tolerance, "residual", 5, 3, 0.01).met
+        tensor([True])
     """
     batch, m = theta.shape
     tiny = torch.finfo(theta.dtype).tiny
@@ -169,6 +252,18 @@ def pulled_within(gap: Tensor, tolerance: Tensor) -> Tensor:
     above θ₁, which is the largest. The values below it keep τᵢ: between θᵢ and an unseen eigenvalue above
     it lie the Ritz values above θᵢ, and the bound for the i-th Ritz value carries factors of their gaps that
     τᵢ leaves room for and δᵢ would not.
+
+    Args:
+        gap: (B, k) δᵢ, each wanted value's gap (floored at its tolerance), largest θ first.
+        tolerance: (B, k) τᵢ, the absolute tolerances, in the same order.
+
+    Returns:
+        (B, k): δ₁ for the top value, τᵢ for the others.
+
+    Examples:
+        >>> import torch
+        >>> pulled_within(torch.tensor([[3.0, 2.0]]), torch.tensor([[0.1, 0.1]]))
+        tensor([[3.0000, 0.1000]])
     """
     return torch.cat([gap[:, :1], tolerance[:, 1:]], dim=1)
 
@@ -179,7 +274,25 @@ def beyond_tolerance(
     """Whether every batch element fails test 1 of :func:`judge` for certain, judged from bounds that cost a
     few operations instead of the whole test: the error bound min(r, r²/δ) is at least min(r, r²/S) with S
     the span of the Ritz values, since δ ≤ S whenever some Ritz value lies outside θᵢ's cluster, which it
-    must when S > 2τᵢ."""
+    must when S > 2τᵢ.
+
+    Args:
+        theta: (B, m) the Ritz values, ascending.
+        wanted_residual: (B, k) the wanted Ritz pairs' residuals, largest θ first.
+        tolerance: (B, k) their absolute tolerances.
+        criterion: ``"residual"`` or ``"eigenvalue"``, as in :func:`judge`.
+
+    Returns:
+        ``True`` only where the full test would fail test 1 for every batch element.
+
+    Examples:
+        >>> import torch
+        >>> theta, tolerance = torch.tensor([[1.0, 2.0, 5.0]]), torch.full((1, 1), 1e-3)
+        >>> beyond_tolerance(theta, torch.tensor([[0.1]]), tolerance, "eigenvalue")
+        True
+        >>> beyond_tolerance(theta, torch.tensor([[0.01]]), tolerance, "eigenvalue")
+        False
+    """
     if criterion == "residual":
         return bool((wanted_residual > tolerance).any(dim=1).all())
     span = (theta[:, -1] - theta[:, 0])[:, None]
@@ -191,5 +304,17 @@ def beyond_tolerance(
 
 def least_degree(n: int, failure_probability: float) -> float:
     """The degree below which the certificate of :func:`judge` fails whatever the spectrum: its gap is at
-    most the span of the spectrum and its tolerance at most that span."""
+    most the span of the spectrum and its tolerance at most that span.
+
+    Args:
+        n: The operator's size.
+        failure_probability: p of the degree test, in (0, 1).
+
+    Returns:
+        acosh(2√n/p) / acosh(3), a Krylov degree (not rounded).
+
+    Examples:
+        >>> round(least_degree(1000, 0.01), 3)
+        5.358
+    """
     return math.acosh(2 * n**0.5 / failure_probability) / math.acosh(3)

@@ -24,8 +24,20 @@ from spectral_monitor.linalg.operators import (
 
 @dataclass
 class TraceEstimate:
-    """A stochastic trace: ``mean`` (B,), its sampling ``stderr`` (B,), the per-probe ``samples``
-    (B, probes), and ``bias_bound`` (B,): a bound on the deterministic (quadrature) error, 0 where exact."""
+    """A stochastic trace estimate per batch element.
+
+    Attributes:
+        mean: (B,) the estimate, the mean of ``samples`` over probes.
+        stderr: (B,) its sampling standard error, std/√probes (NaN with a single probe).
+        samples: (B, probes) the per-probe estimates, for ratios of traces and jackknife errors.
+        bias_bound: (B,) a bound on the deterministic (quadrature) error, 0 where the estimator has none.
+
+    Examples:
+        >>> import torch
+        >>> estimate = TraceEstimate.from_samples(torch.tensor([[1.0, 3.0]]))
+        >>> estimate.mean, estimate.stderr, estimate.bias_bound
+        (tensor([2.]), tensor([1.]), tensor([0.]))
+    """
 
     mean: Tensor
     stderr: Tensor
@@ -34,6 +46,15 @@ class TraceEstimate:
 
     @classmethod
     def from_samples(cls, samples: Tensor, bias_bound: Tensor | None = None) -> TraceEstimate:
+        """The estimate of per-probe samples: their mean and the standard error of that mean.
+
+        Args:
+            samples: (B, probes) per-probe estimates of the trace.
+            bias_bound: (B,) the deterministic error bound, or ``None`` for 0.
+
+        Returns:
+            The :class:`TraceEstimate`, ``stderr`` NaN where there is a single probe.
+        """
         probes = samples.shape[-1]
         spread = samples.std(dim=-1) if probes > 1 else torch.full_like(samples[..., 0], float("nan"))
         mean = samples.mean(dim=-1)
@@ -43,10 +64,23 @@ class TraceEstimate:
 
 @dataclass
 class QuadratureNodes:
-    """Gauss quadrature of each probe's spectral measure: ``nodes``, ``weights`` (B, probes, steps).
+    """Gauss and Gauss–Radau quadrature of each probe's spectral measure.
 
-    ``weights`` already include the probe's squared norm, so ``(weights * f(nodes)).sum(-1)`` is that probe's
+    The weights already include the probe's squared norm, so ``(weights * f(nodes)).sum(-1)`` is that probe's
     estimate of tr f(M); averaged over probes they form a discrete approximation of the spectral density.
+    Nodes with zero weight pad a rule that stopped early (they change no sum).
+
+    Attributes:
+        nodes: (B, probes, steps) the Gauss nodes, the Ritz values of each probe's Lanczos tridiagonal.
+        weights: (B, probes, steps) the Gauss weights.
+        radau_nodes: (B, probes, steps + 1) the Gauss–Radau nodes, one of them fixed at 0 (up to rounding).
+        radau_weights: (B, probes, steps + 1) the Gauss–Radau weights.
+
+    Examples:
+        >>> import torch
+        >>> rule = QuadratureNodes(*(torch.ones(1, 2, 3),) * 2, *(torch.ones(1, 2, 4),) * 2)
+        >>> (rule.weights * rule.nodes.square()).sum(-1)
+        tensor([[3., 3.]])
     """
 
     nodes: Tensor
@@ -87,6 +121,40 @@ def lanczos_quadrature(
     of that step, padded with zero-weight nodes to the others' length (which changes no sum Σ w f(θ)), and
     the operator is restricted to the elements still going, so a finished element costs no more products.
     ``num_steps`` is the cap.
+
+    Args:
+        op: A symmetric operator M.
+        num_probes: Probes per batch element, at least 2 (a standard error needs two samples).
+        num_steps: Lanczos steps per probe, at most; at most n are taken.
+        deflate: (B, n, r) orthonormal columns U to project out, or ``None``.
+        probes: (B, n, num_probes) probe vectors to use instead of a Rademacher draw, or ``None``.
+        until: A test ``(quadrature) -> (B,) bool`` after which an element stops, or ``None`` to run
+            ``num_steps``.
+        check_every: Steps between two checks of ``until``, at least 1.
+        first_check: The first step at which ``until`` is checked; ``None`` for ``2 * check_every``.
+        generator: Draws the Rademacher probes; ``None`` for a private generator of seed 0, so the
+            result is reproducible and the global RNG untouched.
+        dtype: The dtype the recurrence runs in; ``None`` for the operator's (at least float32).
+
+    Returns:
+        The :class:`QuadratureNodes`, (B, num_probes, steps) with steps the number taken.
+
+    Raises:
+        ValueError: ``op`` is not symmetric, ``num_probes`` < 2, ``num_steps`` < 1, ``check_every`` < 1, or
+            ``probes`` is not of shape (B, n, num_probes).
+
+    Examples:
+        On diag(1, 2, 3) three steps exhaust the space: each Rademacher probe's nodes are the eigenvalues,
+        each of weight zᵢ² = 1.
+
+        >>> import torch
+        >>> from spectral_monitor.linalg import DenseOperator
+        >>> op = DenseOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))[None], True)
+        >>> rule = lanczos_quadrature(op, num_probes=2, num_steps=3)
+        >>> rule.nodes.round(decimals=6), rule.weights.round(decimals=6)
+        (tensor([[[1., 2., 3.],
+                 [1., 2., 3.]]], dtype=torch.float64), tensor([[[1., 1., 1.],
+                 [1., 1., 1.]]], dtype=torch.float64))
     """
     if not op.symmetric:
         raise ValueError("op must be symmetric")
@@ -210,8 +278,8 @@ def _quadrature(alphas: Tensor, betas: Tensor, probe_norm: Tensor) -> Quadrature
 
 def _nodes_and_weights(alphas: Tensor, betas: Tensor, probe_norm: Tensor) -> tuple[Tensor, Tensor]:
     tridiagonal = torch.diag_embed(alphas) + torch.diag_embed(betas, 1) + torch.diag_embed(betas, -1)
-    # float64: the small solve is cheap there, and float32 tridiagonals with subnormal entries made LAPACK
-    # 100x slower (measured).
+    # float64: the small solve is cheap there, and LAPACK is slow on float32 tridiagonals with subnormal
+    # entries.
     nodes, vectors = torch.linalg.eigh(tridiagonal.double())
     weights = vectors[..., 0, :] ** 2 * (probe_norm.double() ** 2)[..., None]
     return nodes.to(alphas.dtype), weights.to(alphas.dtype)
@@ -239,6 +307,24 @@ def spectral_sums(
 
     Each probe's value is the mean of its Gauss and Gauss–Radau rules; half their spread (averaged over
     probes) is the ``bias_bound``.
+
+    Args:
+        quadrature: The rules of :func:`lanczos_quadrature`.
+        functions: f by name, each elementwise on a tensor of nodes. Every f is evaluated at every node,
+            zero-weight padding and the Radau node at 0 included, which can come out a rounding below 0:
+            clamp where f is undefined there (``lambda x: x.clamp_min(0).sqrt()``).
+
+    Returns:
+        A :class:`TraceEstimate` of tr f(M) by name.
+
+    Examples:
+        >>> import torch
+        >>> from spectral_monitor.linalg import DenseOperator
+        >>> op = DenseOperator(torch.diag(torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))[None], True)
+        >>> sums = spectral_sums(lanczos_quadrature(op, num_probes=2, num_steps=3), {
+        ...     "trace": lambda x: x, "nuclear": lambda x: x.clamp_min(0).sqrt()})
+        >>> {name: round(estimate.mean.item(), 6) for name, estimate in sums.items()}
+        {'trace': 14.0, 'nuclear': 6.0}
     """
     sums = {}
     for name, f in functions.items():
@@ -256,7 +342,30 @@ def hutchinson_trace(
     generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
 ) -> TraceEstimate:
-    """tr M from Rademacher probes, ``E[zᵀ M z]``; one wide product."""
+    """tr M from Rademacher probes, ``E[zᵀ M z]``; one wide product.
+
+    Args:
+        op: A square operator M.
+        num_probes: Probes per batch element, at least 2.
+        generator: Draws the probes; ``None`` for a private generator of seed 0.
+        dtype: The dtype the estimate is formed in; ``None`` for the operator's (at least float32).
+
+    Returns:
+        The :class:`TraceEstimate`, ``bias_bound`` 0 (the estimator is unbiased).
+
+    Raises:
+        ValueError: ``num_probes`` < 2.
+
+    Examples:
+        A diagonal operator's trace comes out exact (zᵢ² = 1 for every probe):
+
+        >>> import torch
+        >>> from spectral_monitor.linalg import DenseOperator
+        >>> op = DenseOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0]))[None])
+        >>> estimate = hutchinson_trace(op, num_probes=4)
+        >>> estimate.mean, estimate.stderr
+        (tensor([6.]), tensor([0.]))
+    """
     if num_probes < 2:
         raise ValueError(f"num_probes must be >= 2, got {num_probes}")
     work = working_dtype(op.dtype, dtype)
@@ -278,6 +387,28 @@ def hutchpp_trace(
     A third of the products find the dominant range Q by a sketch, tr(QᵀMQ) is taken exactly, and the
     remaining third estimate the trace of the deflated rest by Hutchinson. The standard error is that of
     the Hutchinson part (the exact part has none); ``samples`` are the per-probe totals.
+
+    Args:
+        op: A symmetric operator M.
+        num_products: Operator-vector products in all, at least 6; the sketch is at most n wide, and the
+            products it leaves go to the Hutchinson probes.
+        generator: Draws the sketch and the probes; ``None`` for a private generator of seed 0.
+        dtype: The dtype the estimate is formed in; ``None`` for the operator's (at least float32).
+
+    Returns:
+        The :class:`TraceEstimate`, ``bias_bound`` 0.
+
+    Raises:
+        ValueError: ``num_products`` < 6, or ``op`` is not symmetric.
+
+    Examples:
+        A sketch as wide as the operator finds its whole range, so the trace is exact:
+
+        >>> import torch
+        >>> from spectral_monitor.linalg import DenseOperator
+        >>> op = DenseOperator(torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))[None], True)
+        >>> round(hutchpp_trace(op, num_products=9).mean.item(), 6)
+        6.0
     """
     if num_products < 6:
         raise ValueError(f"num_products must be >= 6, got {num_products}")
