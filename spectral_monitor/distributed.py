@@ -58,20 +58,55 @@ __all__ = [
 
 
 def is_distributed() -> bool:
-    """Whether a process group with more than one rank is initialised (the collectives below do work)."""
+    """Whether a process group with more than one rank is initialised, so the collectives below do work.
+
+    Collective-free.
+
+    Returns:
+        True under an initialised process group of world size > 1; False otherwise (the helpers of this
+        module then return their input).
+
+    Examples:
+        In a single process:
+
+        >>> is_distributed()
+        False
+    """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def global_rank() -> int:
-    """This process's rank in the initialised process group; 0 without one. Collective-free."""
+    """This process's rank in the initialised process group. Collective-free.
+
+    Returns:
+        The global rank, in [0, world size); 0 without an initialised process group.
+
+    Examples:
+        >>> global_rank()
+        0
+    """
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def mean_over_ranks_(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
-    """Replaces each tensor by its mean over the ranks, in place; returns ``tensors``. Every rank calls it.
+    """Replaces each tensor by its mean over the ranks, in place. Every rank calls it.
 
     One all-reduce per tensor, in the order given, so every rank must pass tensors of the same shapes and
-    dtypes in the same order.
+    dtypes in the same order. Each tensor keeps its device; on NCCL it is reduced through a CUDA copy.
+
+    Args:
+        tensors: Floating-point tensors, overwritten with their mean over the ranks.
+
+    Returns:
+        ``tensors`` itself, untouched without a process group of more than one rank.
+
+    Examples:
+        In a single process the mean over one rank is the tensor:
+
+        >>> import torch
+        >>> products = [torch.tensor([1.0, 2.0])]
+        >>> mean_over_ranks_(products) is products, products[0].tolist()
+        (True, [1.0, 2.0])
     """
     if not is_distributed():
         return tensors
@@ -84,22 +119,63 @@ def mean_over_ranks_(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
 
 
 def any_rank(flags: Sequence[bool]) -> list[bool]:
-    """For each flag, whether it is true on at least one rank; every rank calls it with as many flags and
-    gets the same answer (one all-reduce for all of them)."""
+    """For each flag, whether it is true on at least one rank. Every rank calls it.
+
+    One all-reduce (max) for all the flags, so every rank must pass as many, in the same order; every rank
+    gets the same answer.
+
+    Args:
+        flags: This rank's flags, read as ``bool``.
+
+    Returns:
+        One bool per flag: whether it is true on some rank (this rank's flags without a process group).
+
+    Examples:
+        >>> any_rank([False, 1])
+        [False, True]
+    """
     votes = torch.tensor([int(bool(flag)) for flag in flags], dtype=torch.int32)
     return [bool(vote) for vote in _reduced(votes, dist.ReduceOp.MAX).tolist()]
 
 
 def on_every_rank(flags: Tensor) -> Tensor:
-    """Elementwise: whether each of the bool ``flags`` is true on every rank; every rank calls it with the
-    same shape and gets the same answer."""
+    """Elementwise: whether each flag is true on every rank. Every rank calls it.
+
+    One all-reduce (min), so every rank must pass the same shape; every rank gets the same answer. This is
+    how an iterative solver whose stopping depends on each rank's data stops on the same iteration
+    everywhere.
+
+    Args:
+        flags: Bool tensor of this rank's flags, any shape, on any device.
+
+    Returns:
+        Bool tensor of the shape and device of ``flags``: true where every rank's flag is (``flags``
+        without a process group).
+
+    Examples:
+        >>> import torch
+        >>> on_every_rank(torch.tensor([True, False]))
+        tensor([ True, False])
+    """
     return _reduced(flags.to(torch.int32), dist.ReduceOp.MIN).to(device=flags.device, dtype=torch.bool)
 
 
 def rank_zero_seed() -> int:
-    """A seed drawn from the operating system on rank 0 and shared by every rank, so that random starts of a
-    computation the ranks run together agree; every rank calls it. This process's own draw without a
-    process group."""
+    """A seed drawn from the operating system on rank 0 and shared by every rank. Every rank calls it.
+
+    Random starts of a computation the ranks run together (the start vector of a Lanczos run over the mean
+    Hessian) then agree. One broadcast from rank 0.
+
+    Returns:
+        An int in [0, 2⁶³): rank 0's draw on every rank; this process's own draw without a process group.
+
+    Examples:
+        >>> import torch
+        >>> seed = rank_zero_seed()
+        >>> 0 <= seed < 2**63
+        True
+        >>> start = torch.randn(3, generator=torch.Generator().manual_seed(seed))  # the same on every rank
+    """
     seed = torch.Generator().seed() % 2**63
     if not is_distributed():
         return seed
@@ -120,12 +196,28 @@ def _reduced(tensor: Tensor, op: dist.ReduceOp) -> Tensor:
 def full_parameters(model: nn.Module) -> Iterator[None]:
     """Inside, every FSDP-sharded parameter of ``model`` is whole (read-only); every rank must enter.
 
-    For FSDP (``FullyShardedDataParallel``) it is ``summon_full_params(writeback=False)`` on the root, so
-    each parameter is its own full tensor again (FSDP's flat shards cut matrices at arbitrary element
-    offsets, not at rows: a shard alone is no matrix). For FSDP2 (``fully_shard``) every ``FSDPModule``
-    is unsharded and resharded on exit. A model without sharded parameters is left as it is, with no
-    collective. Pass the outermost module (Lightning: ``trainer.strategy.model``), so parameters owned by a
-    root wrapper are gathered too. Costs the memory of the whole unsharded model while inside.
+    For FSDP (``FullyShardedDataParallel``) it is ``summon_full_params(writeback=False)`` on each outermost
+    FSDP module, so each parameter is its own full tensor again (FSDP's flat shards cut matrices at arbitrary
+    element offsets, not at rows: a shard alone is no matrix); changes made inside are not written back. For
+    FSDP2 (``fully_shard``) every ``FSDPModule`` is unsharded, and resharded on exit. A model without
+    sharded parameters is left as it is, with no collective. Costs the memory of the whole unsharded model
+    while inside.
+
+    Args:
+        model: The outermost module (Lightning: ``trainer.strategy.model``), so parameters owned by a root
+            wrapper are gathered too.
+
+    Yields:
+        Nothing: the parameters are whole while the ``with`` block runs.
+
+    Examples:
+        On every rank, around what reads whole matrices (a model without sharded parameters is read as it
+        is, so the same code runs in a single process):
+
+        ```python
+        with full_parameters(trainer.strategy.model):
+            spectra = weight_spectra(pl_module)
+        ```
     """
     fsdp_roots = _outermost_fsdp1(model)
     fsdp2_modules = [module for module in model.modules() if _is_fsdp2(module)]
@@ -143,8 +235,23 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
 
 
 def sharded_parameters(model: nn.Module) -> list[str]:
-    """What in ``model`` is sharded across ranks: FSDP (v1) and FSDP2 modules, and DTensor parameters, by
-    name (empty for a plain or DDP-wrapped model). Collective-free."""
+    """What in ``model`` is sharded across ranks, by name. Collective-free.
+
+    Args:
+        model: The model as the strategy wrapped it.
+
+    Returns:
+        The qualified names of its FSDP (v1) and FSDP2 modules (a wrapping root by its class name); failing
+        those, of its DTensor parameters; empty for a plain or DDP-wrapped model.
+
+    Examples:
+        How a probe that cannot run on shards refuses them:
+
+        ```python
+        if sharded := sharded_parameters(trainer.strategy.model):
+            raise ValueError(f"sharded across ranks: {', '.join(sharded)}; use DDP")
+        ```
+    """
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 

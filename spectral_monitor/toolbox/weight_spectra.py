@@ -38,12 +38,45 @@ SPECTRUM_METRICS = ("mp_edge", "mp_spikes", "alpha", "alpha_ks_distance", "energ
 
 @dataclass(frozen=True)
 class WeightSpectrum:
-    """The exact spectrum of one weight W (N×M as ``nn.Linear`` stores it) and what is read from it."""
+    """The exact spectrum of one weight W (N×M as ``nn.Linear`` stores it) and what is read from it.
+
+    Built by :func:`weight_spectra`; frozen. The Marchenko–Pastur (MP) edge is where the singular values of
+    an N×M matrix of iid entries with W's mean square end: a singular value above it is a spike, structure
+    the training put there.
+
+    Attributes:
+        layer: The weight's name, as :class:`~spectral_monitor.probes.WeightProbe` names it (the module's
+            qualified name; q, k and v of a packed projection named apart).
+        rows: N, the output features.
+        cols: M, the input features.
+        singular_values: float64 σ₁ ≥ σ₂ ≥ … ≥ 0, min(N, M) of them.
+        mp_edge: σ̂(√N + √M) with σ̂² = ‖W‖_F²/(NM).
+        mp_spikes: How many σᵢ exceed ``mp_edge``.
+        stable_rank: ‖W‖_F²/σ₁², in [1, min(N, M)]; NaN for W = 0.
+        alpha: The power-law exponent α fitted to the tail of the eigenvalues λᵢ = σᵢ²
+            (:func:`~spectral_monitor.metrics.spectra.power_law_alpha`); NaN with too few non-zero λ.
+        alpha_xmin: The λ_min where the fitted tail starts; NaN where ``alpha`` is.
+        alpha_ks_distance: The Kolmogorov–Smirnov distance of the fit over the tail; NaN where ``alpha`` is.
+        energy_rank_90: The smallest k with Σ_{i≤k} σᵢ² ≥ 0.9‖W‖_F².
+        energy_rank_99: The smallest k with Σ_{i≤k} σᵢ² ≥ 0.99‖W‖_F².
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.copy_(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])))
+        >>> spectrum = weight_spectra(model)[0]
+        >>> spectrum.eigenvalues.tolist(), round(spectrum.mp_edge**2, 6), spectrum.stable_rank
+        ([16.0, 9.0, 4.0, 1.0], 30.0, 1.875)
+        >>> spectrum.mp_spikes, spectrum.energy_rank_90, spectrum.energy_rank_99
+        (0, 3, 4)
+    """
 
     layer: str
     rows: int
     cols: int
-    singular_values: np.ndarray  # float64, descending, min(N, M) of them
+    singular_values: np.ndarray
     mp_edge: float
     mp_spikes: int
     stable_rank: float
@@ -68,7 +101,6 @@ def weight_spectra(
     attention_families: AttentionFamilies | None = None,
 ) -> list[WeightSpectrum]:
     """The :class:`WeightSpectrum` of every weight ``WeightProbe(model, include=..., exclude=...)`` measures.
-
 
     One batched ``torch.linalg.svdvals`` per weight shape, in float64 on detached copies.
 
@@ -111,7 +143,27 @@ def weight_spectra(
 
 
 def weight_spectrum_measurements(spectra: Sequence[WeightSpectrum], step: int) -> list[Measurement]:
-    """The ``SPECTRUM_METRICS`` records (family "weights", layer = the weight's name) of ``spectra``."""
+    """The ``SPECTRUM_METRICS`` records of each spectrum, for a sink or the alerts.
+
+    Args:
+        spectra: Spectra of :func:`weight_spectra`.
+        step: The step the records are filed under.
+
+    Returns:
+        Family "weights" records, layer = the weight's name: per spectrum, one per metric of
+        ``SPECTRUM_METRICS`` in that order, counts as floats and NaN kept.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.copy_(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])))
+        >>> records = weight_spectrum_measurements(weight_spectra(model), step=5)
+        >>> [(record.tag, round(record.value, 4)) for record in records if record.metric != "alpha"]
+        [('weights/mp_edge/0', 5.4772), ('weights/mp_spikes/0', 0.0), ('weights/alpha_ks_distance/0', 0.3321),
+         ('weights/energy_rank_90/0', 3.0), ('weights/energy_rank_99/0', 4.0)]
+    """
     records = []
     for spectrum in spectra:
         for metric in SPECTRUM_METRICS:
@@ -121,8 +173,29 @@ def weight_spectrum_measurements(spectra: Sequence[WeightSpectrum], step: int) -
 
 
 def esd_figure(spectrum: WeightSpectrum, title: str | None = None) -> Figure:
-    """Histogram of the eigenvalues σ² of WᵀW against the MP density of an iid matrix of the same ‖W‖_F, with
-    the MP bulk edge and the fitted power-law λ_min marked; log-scaled x when the spectrum spans decades."""
+    """The empirical spectral density of one weight, drawn against the Marchenko–Pastur law.
+
+    A density histogram of the eigenvalues λ = σ² of WᵀW against the MP density of an iid matrix of the same
+    ‖W‖_F, with the MP bulk edge (``mp_edge``²) and the fitted power-law λ_min marked. The x axis is
+    logarithmic (zero eigenvalues left out) when the positive eigenvalues span more than two decades.
+
+    Args:
+        spectrum: What to draw.
+        title: The axes' title; None: the weight's name, shape and spike count.
+
+    Returns:
+        A new matplotlib ``Figure`` (not attached to pyplot, so nothing to close).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.copy_(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])))
+        >>> figure = esd_figure(weight_spectra(model)[0])
+        >>> figure.axes[0].get_title(), figure.axes[0].get_xscale()
+        ('0 (4×4), 0 spikes', 'linear')
+    """
     eigenvalues = spectrum.eigenvalues
     variance = float(np.sum(eigenvalues) / (spectrum.rows * spectrum.cols))
     figure = Figure(figsize=(5.0, 3.2), dpi=100, layout="constrained")

@@ -35,6 +35,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.demo.data",
     "spectral_monitor.demo.lightning_pytorch",
     "spectral_monitor.demo.model",
+    "spectral_monitor.distributed",
     "spectral_monitor.eventfiles",
     "spectral_monitor.integrations.loop",
     "spectral_monitor.judging",
@@ -73,9 +74,11 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.sinks.tensorboard",
     "spectral_monitor.sinks.tfrecord",
     "spectral_monitor.toolbox.compression",
+    "spectral_monitor.toolbox.head_diversity",
     "spectral_monitor.toolbox.length_scaling",
     "spectral_monitor.toolbox.preflight",
     "spectral_monitor.toolbox.sweep",
+    "spectral_monitor.toolbox.weight_spectra",
 )
 
 
