@@ -67,19 +67,30 @@ RELATIVE_TO = ("largest", "each")
 InitMode = Literal["prepend", "mix"]
 INIT_MODES = ("prepend", "mix")
 INITIAL_BASIS_BLOCKS = 12
-"""Blocks the Lanczos basis has room for before it grows: σ₁, σ₂ of softmax attention take 11–17."""
+"""Blocks the Lanczos basis has room for before it grows: about what σ₁, σ₂ of softmax attention take."""
 
 
 @dataclass
 class ConvergenceInfo:
     """How an iterative estimate converged, per batch element.
 
-    ``iterations``: block iterations used; ``residual``: Ritz residual norms ‖Op y − θ y‖ of the returned
-    pairs, relative to max |θ|; ``converged``: every returned pair passed the test of
-    :func:`lanczos_eigsh`; ``products``: total
-    operator-vector products spent on the whole batch (one block product of width b counts b per element);
-    ``out_of_budget``: the element stopped before ``max_iters`` because the certificate needs a Krylov degree
-    beyond it (not converged; its values are the best the space held).
+    Attributes:
+        iterations: (B,) long, the block iterations each element used.
+        residual: (B, k) Ritz residual norms ‖Op y − θ y‖ of the returned pairs, relative to max |θ|; NaN
+            where a product was non-finite.
+        converged: (B,) bool, every returned pair passed the test of :func:`lanczos_eigsh` (or the space
+            was exhausted, which makes the answer exact).
+        products: Operator-vector products spent on the whole batch (one block product of width b counts b
+            per element).
+        out_of_budget: (B,) bool, the element stopped before ``max_iters`` because the certificate needs a
+            Krylov degree beyond it (not converged; its values are the best the space held); ``None`` where
+            the solver does not say.
+
+    Examples:
+        >>> import torch
+        >>> info = lanczos_eigsh(torch.eye(3)[None], generator=torch.Generator().manual_seed(0)).info
+        >>> info.converged, info.out_of_budget, info.products
+        (tensor([True]), tensor([False]), 3)
     """
 
     iterations: Tensor
@@ -91,7 +102,21 @@ class ConvergenceInfo:
 
 @dataclass
 class EigenResult:
-    """Extreme eigenpairs of a batch of symmetric operators: ``values`` (B, k), ``vectors`` (B, n, k)."""
+    """Extreme eigenpairs of a batch of symmetric operators.
+
+    Attributes:
+        values: (B, k) eigenvalues, the most extreme first (descending for ``"largest"``, ascending for
+            ``"smallest"``); NaN where a product was non-finite.
+        vectors: (B, n, k) orthonormal eigenvectors, column i for ``values[:, i]`` (each up to sign).
+        info: How each element converged.
+
+    Examples:
+        >>> import torch
+        >>> matrix = torch.diag(torch.tensor([1.0, 3.0, 2.0]))[None]
+        >>> result = lanczos_eigsh(matrix, generator=torch.Generator())
+        >>> result.values.round(decimals=4), result.vectors[0, :, 0].abs().round(decimals=4)
+        (tensor([[3.]]), tensor([0., 1., 0.]))
+    """
 
     values: Tensor
     vectors: Tensor
@@ -100,8 +125,22 @@ class EigenResult:
 
 @dataclass
 class SingularResult:
-    """Top singular triplets: ``values`` (B, k) descending, ``left`` (B, m, k), ``right`` (B, n, k); a side
-    that was not asked for (``top_singular``'s ``return_vectors``) is ``None``."""
+    """Top singular triplets of a batch of (B, m, n) matrices.
+
+    Attributes:
+        values: (B, k) singular values σ₁ ≥ … ≥ σₖ ≥ 0.
+        left: (B, m, k) left singular vectors, or ``None`` where :func:`top_singular`'s ``return_vectors``
+            did not ask for them.
+        right: (B, n, k) right singular vectors, or ``None`` likewise. A pair's signs are arbitrary but
+            consistent: A vᵢ = σᵢ uᵢ.
+        info: How the Lanczos iteration on the Gram operator converged (its residuals relative to σ₁²).
+
+    Examples:
+        >>> import torch
+        >>> result = top_singular(torch.full((1, 4, 4), 0.25), generator=torch.Generator().manual_seed(0))
+        >>> result.values, result.right[0, :, 0].abs()
+        (tensor([[1.]]), tensor([0.5000, 0.5000, 0.5000, 0.5000]))
+    """
 
     values: Tensor
     left: Tensor | None
@@ -111,7 +150,18 @@ class SingularResult:
 
 def fresh_generator() -> torch.Generator:
     """A private CPU generator with a seed of its own (from the operating system), so a solver that was not
-    given one starts from a new random block at every call and never consumes the user's global RNG stream."""
+    given one starts from a new random block at every call and never consumes the user's global RNG stream.
+
+    Returns:
+        A new ``torch.Generator`` on the CPU, seeded.
+
+    Examples:
+        >>> import torch
+        >>> state = torch.random.get_rng_state()
+        >>> _ = torch.randn(2, generator=fresh_generator())
+        >>> torch.equal(state, torch.random.get_rng_state())
+        True
+    """
     generator = torch.Generator()
     generator.seed()
     return generator
@@ -137,19 +187,54 @@ def lanczos_eigsh(
 
     Block Lanczos with full reorthogonalisation. A batch element stops when every wanted Ritz pair meets
     ``tol`` by ``criterion`` and the space has resolved the Ritz pair past them (the module docstring says
-    what that guarantees and assumes): ``"residual"``, the Ritz residual r (an eigenvalue lies within r of
-    θ: a bound on the error, usually far above it); ``"eigenvalue"``, the Kato–Temple error min(r, r²/δ)
-    with δ the gap to the nearest other Ritz interval. ``relative_to="largest"`` judges against max|θ|;
-    ``"each"`` judges each wanted pair against its own |θᵢ| (floored at ``EACH_FLOOR`` · max|θ|, where float
-    rounding of the products, not θ, sets the scale an error can reach), and never below ``ROUNDING_FLOOR``
-    units of the operator dtype's rounding times the largest product norm seen. ``failure_probability`` adds
-    the Kaniel–Paige–Saad degree test, which makes a cluster the space has not split, or a warm vector that
-    is an eigenvector of a lower eigenvalue, cost products instead of accuracy.
-    An element whose product is non-finite stops with NaN values, not converged. A ``block_size`` below
-    ``k`` is allowed (single-vector Lanczos needs the fewest products when exact multiplicities are not
-    expected). ``init`` (B, n, r) warm-starts from earlier vectors, as ``init_mode`` says. ``max_iters`` caps
-    block iterations;
-    ``info`` says what each element reached (``converged`` False where the cap came first).
+    what that guarantees and assumes). An element whose product is non-finite stops with NaN values, not
+    converged; ``info`` says what each element reached (``converged`` False where the cap came first).
+
+    Args:
+        op: A symmetric operator, or a (B, n, n) tensor taken to be symmetric (only its shape is checked).
+        k: How many eigenpairs, in [1, n].
+        which: ``"largest"`` or ``"smallest"`` algebraic eigenvalues (right for indefinite operators).
+        block_size: The block width, at least 1 (at most n is used); ``None`` for max(2k, 4). A width below
+            ``k`` is allowed: single-vector Lanczos needs the fewest products when exact multiplicities are
+            not expected; exactly repeated eigenvalues need a width at least the multiplicity.
+        tol: The relative tolerance, > 0.
+        max_iters: The cap on block iterations, ≥ 1; (width + warm vectors) · ``max_iters`` must reach k.
+        init: (B, n, r) earlier vectors to warm-start from, as ``init_mode`` says, or ``None``.
+        generator: Draws the random start (and filler directions); ``None`` for :func:`fresh_generator`.
+        dtype: The dtype of the basis and the results; ``None`` for the operator's (at least float32).
+            Products are formed in the operator's own dtype.
+        criterion: ``"residual"``: the Ritz residual r (an eigenvalue lies within r of θ: a bound on the
+            error, usually far above it); ``"eigenvalue"``: the Kato–Temple error min(r, r²/δ), δ the gap to
+            the nearest other Ritz interval.
+        relative_to: ``"largest"`` judges every wanted pair against max|θ|; ``"each"`` against its own |θᵢ|
+            (floored at ``EACH_FLOOR`` · max|θ|, where float rounding of the products, not θ, sets the scale
+            an error can reach). Either way never below ``ROUNDING_FLOOR`` units of the operator dtype's
+            rounding times the largest product norm seen.
+        init_mode: ``"prepend"`` or ``"mix"`` (the module docstring says what each keeps).
+        failure_probability: p in (0, 1) of the Kaniel–Paige–Saad degree test, which makes a cluster the
+            space has not split, or a warm vector that is an eigenvector of a lower eigenvalue, cost products
+            instead of accuracy; ``None`` for the first two tests only.
+
+    Returns:
+        The :class:`EigenResult`, values and vectors in ``dtype``.
+
+    Raises:
+        ValueError: ``op`` is neither an operator nor a (B, n, n) tensor, or is not symmetric; ``which``,
+            ``criterion``, ``relative_to`` or ``init_mode`` is none of its choices; ``k``, ``tol``,
+            ``max_iters``, ``block_size`` or ``failure_probability`` is out of range, or the budget cannot
+            reach ``k``; ``init`` is not of shape (B, n, r).
+
+    Examples:
+        The two largest and the smallest eigenvalue of diag(1, …, 6):
+
+        >>> import torch
+        >>> matrix = torch.diag(torch.arange(1.0, 7.0, dtype=torch.float64))[None]
+        >>> top = lanczos_eigsh(matrix, k=2, generator=torch.Generator().manual_seed(0))
+        >>> top.values.round(decimals=6), top.info.converged
+        (tensor([[6., 5.]], dtype=torch.float64), tensor([True]))
+        >>> bottom = lanczos_eigsh(matrix, which="smallest", block_size=1, generator=torch.Generator())
+        >>> bottom.values.round(decimals=6)
+        tensor([[1.]], dtype=torch.float64)
     """
     op = op if isinstance(op, BatchedOperator) else DenseOperator(as_symmetric_tensor(op), symmetric=True)
     if not op.symmetric:
@@ -211,8 +296,8 @@ def lanczos_eigsh(
         )
 
     # Blocks and the basis are kept as rows (B, b, n): a product with the transpose of a (B, n, k) basis
-    # read it with a stride, and full reorthogonalisation, which reads the whole basis twice a block, took
-    # 2–3× as long as it does on rows (64 bases of 1024 × 12–44 in float32). Operators see (B, n, b) views.
+    # read it with a stride, and full reorthogonalisation reads the whole basis twice a block, so rows keep
+    # it contiguous. Operators see (B, n, b) views.
     def apply(active_op: BatchedOperator, rows: Tensor) -> Tensor:
         y = active_op.matmat(rows.mT.to(active_op.dtype)).to(work).mT.contiguous()
         return y if sign > 0 else -y
@@ -376,9 +461,8 @@ def _single_vector_lanczos(
 ) -> EigenResult:
     """:func:`lanczos_eigsh` for one operator and one start vector (n,): the same iteration, basis and stop
     test as the block loop there, with the three-term recurrence's scalars kept as Python floats and the
-    small eigenproblem and its test on the CPU. On an operator whose product costs about a millisecond (the
-    Hessian of a small network), the block loop's bookkeeping on (1, 1, n) tensors cost about as much as
-    the products."""
+    small eigenproblem and its test on the CPU: on a cheap operator (the Hessian of a small network) the
+    block loop's bookkeeping on (1, 1, n) tensors would cost as much as the products."""
     n, work, device = op.cols, start.dtype, op.device
     unit = torch.ones(1, dtype=work, device=device)
     first, _ = orthonormal_rows(start.view(1, 1, n), None, unit, generator)
@@ -487,6 +571,22 @@ def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:
+    """``matrices`` as :func:`lanczos_eigsh` takes a tensor: square matrices, taken to be symmetric.
+
+    Args:
+        matrices: (B, n, n) matrices; their symmetry is not checked.
+
+    Returns:
+        ``matrices`` itself.
+
+    Raises:
+        ValueError: ``matrices`` is not a tensor of shape (B, n, n).
+
+    Examples:
+        >>> import torch
+        >>> as_symmetric_tensor(torch.eye(2)[None]).shape
+        torch.Size([1, 2, 2])
+    """
     if not isinstance(matrices, Tensor) or matrices.ndim != 3 or matrices.shape[1] != matrices.shape[2]:
         shape = tuple(matrices.shape) if isinstance(matrices, Tensor) else type(matrices).__name__
         raise ValueError(f"op must be a BatchedOperator or a (B, n, n) symmetric tensor, got {shape}")
@@ -510,12 +610,39 @@ def top_singular(
 ) -> SingularResult:
     """The ``k`` largest singular triplets of a batch of (possibly rectangular) matrices ``(B, m, n)``.
 
-    Block Lanczos on the Gram operator (AᵀA or AAᵀ, whichever is smaller); ``init`` holds earlier right
-    singular vectors (B, n, r) for a warm start. Tolerance is on the Gram operator's Ritz residual, relative
-    to σ₁² (``criterion``, ``relative_to`` and ``failure_probability`` as :func:`lanczos_eigsh` has them, on
-    σᵢ²). ``return_vectors``
-    says which singular vectors to return (``True``: both, as scipy's ``svds``):
-    the Gram operator's own side comes free, the other costs one more product.
+    Block Lanczos on the Gram operator (AᵀA or AAᵀ, whichever is smaller), its eigenvalues σᵢ². The
+    Gram operator's own side of singular vectors comes free, the other costs one more product.
+
+    Args:
+        matrices: A (B, m, n) tensor, or an operator with both products (``matmat`` and ``rmatmat``).
+        k: How many triplets, in [1, min(m, n)].
+        block_size: As :func:`lanczos_eigsh` has it.
+        tol: The tolerance on the Gram operator's Ritz residual, relative to σ₁² (as ``relative_to`` says).
+        max_iters: The cap on block iterations.
+        init: (B, n, r) earlier right singular vectors to warm-start from (prepended), or ``None``.
+        generator: As :func:`lanczos_eigsh` has it.
+        dtype: The dtype of the results; ``None`` for the operator's (at least float32).
+        return_vectors: ``True`` for both sides (as scipy's ``svds``), ``"left"`` or ``"right"`` for one,
+            ``False`` for none.
+        criterion: As :func:`lanczos_eigsh` has it, on σᵢ².
+        relative_to: As :func:`lanczos_eigsh` has it, on σᵢ².
+        failure_probability: As :func:`lanczos_eigsh` has it; ``None`` (no degree test) by default here.
+
+    Returns:
+        The :class:`SingularResult`. Where σᵢ = 0 the column of the side computed by a product is that
+        product (zero), not a unit vector.
+
+    Raises:
+        ValueError: ``return_vectors`` is none of its choices, and as :func:`lanczos_eigsh` raises.
+
+    Examples:
+        A 2 × 3 matrix with singular values 3 and 2:
+
+        >>> import torch
+        >>> matrix = torch.tensor([[[3.0, 0.0, 0.0], [0.0, 2.0, 0.0]]], dtype=torch.float64)
+        >>> result = top_singular(matrix, k=2, return_vectors="right", generator=torch.Generator())
+        >>> result.values.round(decimals=6), result.left is None, result.right.shape
+        (tensor([[3., 2.]], dtype=torch.float64), True, torch.Size([1, 3, 2]))
     """
     if return_vectors not in (True, False, "left", "right"):
         raise ValueError(f"return_vectors must be True, False, 'left' or 'right', got {return_vectors!r}")

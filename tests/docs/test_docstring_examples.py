@@ -42,6 +42,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.lazy_exports",
     "spectral_monitor.lightning.losses",
     "spectral_monitor.linalg.krylov_basis",
+    "spectral_monitor.linalg.lanczos",
     "spectral_monitor.linalg.lanczos_certificate",
     "spectral_monitor.linalg.quadrature",
     "spectral_monitor.metrics.attention_krylov",
