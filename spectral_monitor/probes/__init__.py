@@ -1,7 +1,13 @@
-"""Probes: what looks at a model while it trains (attention-kernel inputs, the residual stream).
+"""Probes: what looks at a model while it trains (attention-kernel inputs, the residual stream, the weights).
 
 Probes know ``nn.Module`` but not Lightning; they are armed on logging steps only and hand back detached
-copies of what they saw.
+copies of what they saw, or measurements of it.
+
+Examples:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Linear(8, 8))
+    >>> sorted({record.layer for record in WeightProbe(model, per_head=False).measure(step=0)})
+    ['0', '0.k', '0.out_proj', '0.q', '0.v', '1']
 """
 
 from spectral_monitor.probes.attention import (

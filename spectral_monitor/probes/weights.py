@@ -25,22 +25,12 @@ the biases; its growth precedes attention-entropy collapse (Zhai et al. 2023). W
 the form at relative position 0. Histograms (:meth:`WeightProbe.distributions`) are named
 ``<metric>_per_head``, so they never share a tag with a scalar.
 
-How. σ₁ comes from the batched block Lanczos of :mod:`spectral_monitor.linalg`, warm-started like
-``torch.nn.utils.parametrizations.spectral_norm``: each weight (and head) keeps its top singular vector on
-its smaller side (right for a tall weight, left for a wide one) between calls, so a logging step costs
-``iterations_per_step`` block iterations, and all weights whose smaller sides agree run as one batch (one
-Lanczos run for the demo model's 25 weights of four shapes). A weight seen for the first time, or whose shape
-changed, starts cold and is solved to ``tol``.
-A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
-the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov iteration buys nothing there.
-The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller): some singular value
-lies within about half of it (relative) of the estimate. A cold start is certified to be σ₁ (the
-Kaniel–Paige–Saad test of :func:`~spectral_monitor.linalg.lanczos_eigsh`, failure probability 1% over its
-random start). A warm estimate runs a fixed ``iterations_per_step`` and is not certified
-(``docs/curvature.md`` says what a certified solve costs); its error is bounded on one side: it never exceeds
-σ₁ (a Ritz value of the Gram matrix is at most its top eigenvalue) and lies within its residual of some
-singular value, so after two singular values cross it can follow the one that was on top, from below.
-‖W_Q^hᵀ W_K^h‖₂ is exact: see :func:`query_key_spectral_norms`.
+How. :mod:`spectral_monitor.probes.weight_norms` computes the norms: σ₁ by batched block Lanczos, each
+weight (and head) warm-started between calls from its last top singular vector, so a logging step costs
+``iterations_per_step`` block iterations (one Lanczos run for all weights whose smaller sides agree); a weight
+seen for the first time starts cold and is solved to ``tol``, certified; a side of at most 32 gets the exact
+σ₁. A warm estimate is not certified: it never exceeds σ₁ and lies within its residual of some singular
+value. ‖W_Q^hᵀ W_K^h‖₂ is exact (:func:`query_key_spectral_norms`).
 
 Sharded models: under FSDP a weight is whole only inside ``spectral_monitor.distributed.full_parameters``
 (every rank enters it; the callback does); outside, a flat shard's freed views are skipped as unusable.
@@ -55,7 +45,6 @@ read as stored (a parametrized one as its ``original``: :mod:`spectral_monitor.p
 from __future__ import annotations
 
 import fnmatch
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -66,16 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from spectral_monitor.checkpoint_entries import StateEntries
-from spectral_monitor.linalg import lanczos_eigsh
-from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
-from spectral_monitor.linalg.operators import (
-    DenseOperator,
-    GramOperator,
-    StackedOperator,
-    default_generator,
-    working_dtype,
-)
-from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
+from spectral_monitor.linalg.operators import default_generator
 from spectral_monitor.probes.attention_families import (
     AttentionFamilies,
     QKVLayout,
@@ -85,9 +65,15 @@ from spectral_monitor.probes.attention_records import ROOT_LAYER_NAME
 from spectral_monitor.probes.attention_weights import (
     AttentionWeights,
     AttentionWeightsReader,
-    check_head_split,
     fused_projection_name,
     plain_weight,
+)
+from spectral_monitor.probes.weight_norms import (
+    NormTarget,
+    attention_query_key_norms,
+    estimate_spectral_norms,
+    full_spectra,
+    query_key_spectral_norms,
 )
 from spectral_monitor.probes.wrappers import unwrapped_named_modules
 from spectral_monitor.records import Distribution, Measurement
@@ -106,60 +92,7 @@ __all__ = [
 WEIGHT_FAMILY = "weights"
 """The family of the weight probe's measurements: the first part of their tags."""
 
-_COLD_START_MAX_ITERATIONS = 60  # once per weight, so it may cost what converging to ``tol`` costs
-# A matrix with a side this short (a head's rows, a small layer) gets its exact σ₁ (eigvalsh): there a few
-# block Krylov iterations already span the whole space, so iterating buys nothing.
-_EXACT_MAX_SIZE = 32
-# Bounds the float32 copies held at once (a 7B model's q, k, v and o of all layers would be 8 GiB); a single
-# weight larger than this is measured alone.
-_MAX_BATCH_BYTES = 256 * 2**20
 _PER_HEAD_METRICS = ("spectral_norm", "frobenius_norm", "stable_rank")
-
-
-def query_key_spectral_norms(
-    query: Tensor, key: Tensor, num_heads: int, num_key_value_heads: int | None = None
-) -> Tensor:
-    """‖W_Q^hᵀ W_K^g‖₂ for every query head h (g its key head), exactly, as a (H,) tensor.
-
-    ``query`` (H·d_k, d_q) and ``key`` (H_k·d_k, d_kv) as ``nn.Linear`` stores them, so head h's logit between
-    inputs x and y is (W_Q^h x)·(W_K^g y) = xᵀ (W_Q^hᵀ W_K^g) y, with g = h // (H / H_k). With reduced QR
-    factors W_Q^hᵀ = U_Q R_Q and W_K^gᵀ = U_K R_K (orthonormal U), W_Q^hᵀ W_K^g = U_Q (R_Q R_Kᵀ) U_Kᵀ has the
-    singular values of the d_k × d_k matrix R_Q R_Kᵀ: nothing of size d_q × d_kv is formed.
-    """
-    key_heads = num_heads if num_key_value_heads is None else num_key_value_heads
-    check_head_split(query, key, None, num_heads, key_heads)
-    head_dim = query.shape[0] // num_heads
-    query_heads = query.reshape(num_heads, head_dim, -1).transpose(1, 2)
-    key_heads_per_query = key.reshape(key_heads, head_dim, -1).transpose(1, 2)
-    key_heads_per_query = key_heads_per_query.repeat_interleave(num_heads // key_heads, dim=0)
-    norms = query.new_full((num_heads,), math.nan)
-    finite = _finite_matrices(query_heads) & _finite_matrices(key_heads_per_query)  # QR raises on NaN
-    if finite.any():
-        r_query = torch.linalg.qr(query_heads[finite], mode="r").R
-        r_key = torch.linalg.qr(key_heads_per_query[finite], mode="r").R
-        norms[finite] = torch.linalg.svdvals(r_query @ r_key.transpose(1, 2))[:, 0]
-    return norms
-
-
-@dataclass
-class _Target:
-    """One matrix whose top singular value is estimated: a whole weight, or one head's rows of it."""
-
-    layer: str
-    head: int | None
-    matrix: Tensor  # a detached (out, in) view of the stored weight
-
-    @property
-    def key(self) -> str:
-        return self.layer if self.head is None else f"{self.layer}/head_{self.head}"
-
-
-@dataclass
-class _Estimate:
-    spectral_norm: float
-    frobenius_norm: float
-    stable_rank: float
-    residual: float
 
 
 @dataclass
@@ -188,19 +121,41 @@ class _Selection:
 class WeightProbe:
     """Per-weight spectral norms, Frobenius norms and stable ranks of ``model``, warm-started between calls.
 
-    ``include`` / ``exclude``: ``fnmatch`` patterns over qualified module names. A weight is measured when its
-    module (for a split projection: the attention module or the packed submodule) matches some ``include``
-    pattern (default: all) and none of ``exclude``; :attr:`unmatched_patterns` lists patterns that select
-    nothing. ``iterations_per_step``: block Lanczos iterations per call for a warm weight. ``tol``: relative
-    Ritz residual at which an estimate stops early. ``per_head``: also measure each attention head.
-    ``attention_readers``: module types or name patterns mapped to a function returning the module's
-    :class:`AttentionWeights`, tried before ``attention_families``, the
-    :class:`~spectral_monitor.probes.AttentionFamilies` registry that reads every other module (None:
-    ``AttentionFamilies()``, the default as of the probe's making). ``warn``:
-    receives the one warning about a fused projection no layout splits (default: a ``RuntimeWarning``).
-
     :meth:`measure` returns :class:`~spectral_monitor.records.Measurement` records, :meth:`distributions`
-    histograms; :meth:`state_dict` / :meth:`load_state_dict` carry the warm vectors through a checkpoint.
+    histograms; :meth:`state_dict` / :meth:`load_state_dict` carry the warm vectors through a checkpoint. The
+    modules are read afresh at every call, so weights added, removed or reshaped are followed.
+
+    Args:
+        model: The model whose weights are measured; only read.
+        include: ``fnmatch`` patterns over qualified module names: a weight is measured when its module (for
+            a split projection: the attention module or the packed submodule) matches one of them. None: all.
+        exclude: Patterns of modules left out, even when ``include`` matches them. :attr:`unmatched_patterns`
+            lists the patterns of either that select nothing.
+        iterations_per_step: Block Lanczos iterations per call for a warm weight.
+        tol: Relative Ritz residual at which an estimate stops early, in (0, 1).
+        per_head: Also measure each attention head's rows of q, k and v, and ‖W_Q^hᵀ W_K^h‖₂ per head.
+        attention_readers: Module types or module-name patterns mapped to a function returning the module's
+            :class:`AttentionWeights` (or None: not attention), tried before ``attention_families``.
+        attention_families: The :class:`~spectral_monitor.probes.AttentionFamilies` registry that reads
+            every other module. None: ``AttentionFamilies()``, the layouts registered when the probe is made.
+        warn: Receives the one warning about a fused projection no layout splits (None: a
+            ``RuntimeWarning``).
+
+    Raises:
+        ValueError: If ``model`` is not an ``nn.Module``, ``iterations_per_step`` is not a positive int,
+            ``tol`` is not in (0, 1), ``per_head`` is not a bool, a pattern list is empty or not of strings,
+            ``attention_readers`` maps something other than module types or strings to callables, or
+            ``attention_families`` is not an ``AttentionFamilies``.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(3, 2, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.copy_(torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]]))
+        >>> probe = WeightProbe(nn.Sequential(layer))
+        >>> {record.metric: round(record.value, 4) for record in probe.measure(step=0)}
+        {'spectral_norm': 4.0, 'frobenius_norm': 5.0, 'stable_rank': 1.5625, 'spectral_norm_residual': 0.0}
     """
 
     def __init__(
@@ -246,7 +201,7 @@ class WeightProbe:
         self._warn = warn or _runtime_warning
         self._fused_layouts_checked = False  # once, at the first measurement: the model's modules stay
         self._generator = default_generator(torch.device("cpu"))
-        # Each weight's top singular vector on its smaller side; saved as "right_vectors" (its old name).
+        # Each weight's top singular vector on its smaller side (the checkpoint's "right_vectors").
         self._warm_vectors: dict[str, Tensor] = {}
         self._latest_histograms: tuple[int, list[Distribution]] | None = None
 
@@ -258,11 +213,14 @@ class WeightProbe:
         return [pattern for pattern in patterns if not any(fnmatch.fnmatchcase(n, pattern) for n in names)]
 
     def named_matrices(self) -> Iterator[tuple[str, Tensor]]:
-        """``(layer, W)`` for every measured weight, W a detached (out, in) view.
+        """The measured weights, as :meth:`measure` names and reads them.
 
         q, k and v come split out of packed weights and ``Conv1D`` weights transposed: the matrices and names
-        :meth:`measure` uses, for metrics it does not compute (e.g. an exact spectrum). Views share storage
-        with the parameters: copy before modifying.
+        :meth:`measure` uses, for metrics it does not compute (e.g. an exact spectrum).
+
+        Yields:
+            ``(layer, W)`` for every selected weight in module order, W a detached (out, in) view sharing
+            storage with the parameter: copy before modifying.
         """
         for item in self._select().items:
             if isinstance(item, _AttentionSite):
@@ -272,39 +230,65 @@ class WeightProbe:
                 yield item
 
     def attention_weights(self) -> list[tuple[str, AttentionWeights]]:
-        """``(qualified module name, projections)`` of each selected attention module ("" = the root)."""
+        """The projections of each selected attention module.
+
+        Returns:
+            ``(qualified module name, projections)`` per attention module, in module order; ``""`` names the
+            root.
+        """
         items = self._select().items
         return [(item.module_name, item.weights) for item in items if isinstance(item, _AttentionSite)]
 
     @torch.no_grad()
     def measure(self, step: int) -> list[Measurement]:
-        """Advance every estimate by ``iterations_per_step`` (cold ones to ``tol``) and return the records."""
+        """Advance every estimate by ``iterations_per_step`` (cold ones to ``tol``).
+
+        Args:
+            step: The step the records carry; the histograms of this step are kept for :meth:`distributions`.
+
+        Returns:
+            The records of family ``"weights"`` (the module docstring lists them), in module order.
+        """
         measurements, histograms = self._run(step)
         self._latest_histograms = (step, histograms)
         return measurements
 
     @torch.no_grad()
     def distributions(self, step: int, *, full_spectrum: bool = False) -> list[Distribution]:
-        """Per-head histograms (``<metric>_per_head`` of q, k, v; ``qk_spectral_norm_per_head``) of ``step``.
+        """Per-head histograms of ``step``: ``<metric>_per_head`` of q, k, v, ``qk_spectral_norm_per_head``.
 
-        Reuses the estimates of :meth:`measure` at the same step, or runs them. ``full_spectrum`` adds every
-        singular value of each whole weight (``singular_values``, ``torch.linalg.svdvals``: a full SVD, meant
-        for occasional steps).
+        Reuses the estimates of :meth:`measure` at the same step, or runs it.
+
+        Args:
+            step: The step of the histograms.
+            full_spectrum: Also every singular value of each whole weight (``singular_values``, a full SVD
+                by ``torch.linalg.svdvals``: meant for occasional steps).
+
+        Returns:
+            The histograms, per attention module (per projection for the norms) and, with ``full_spectrum``,
+            per weight.
         """
         if self._latest_histograms is None or self._latest_histograms[0] != step:
             self.measure(step)
         assert self._latest_histograms is not None
         records = list(self._latest_histograms[1])
         if full_spectrum:
-            records.extend(self._singular_values(step))
+            targets = [NormTarget(layer, None, matrix) for layer, matrix in self.named_matrices()]
+            spectra = full_spectra(targets)
+            records.extend(
+                Distribution(step, WEIGHT_FAMILY, "singular_values", target.layer, spectra[target.key])
+                for target in targets
+            )
         return records
 
     def state_dict(self) -> dict[str, Any]:
-        """The warm vectors, keyed by layer (``layer/head_h`` per head), and the private generator's state.
+        """What a resumed probe needs to go on as this one would.
 
-        ``right_vectors`` holds each weight's top singular vector on its smaller side: the left one of a
-        wide weight (earlier checkpoints held its right one, which no longer fits: that weight starts
-        cold)."""
+        Returns:
+            ``{"right_vectors": ..., "generator": ...}``: each weight's top singular vector on its smaller
+            side (the left one of a wide weight), a copy keyed by layer (``layer/head_h`` per head), and the
+            private generator's state. A vector whose length does not fit its weight starts it cold.
+        """
         return {
             "right_vectors": {key: vector.detach().clone() for key, vector in self._warm_vectors.items()},
             "generator": self._generator.get_state(),
@@ -315,6 +299,9 @@ class WeightProbe:
 
         Weights without an entry start cold; entries for absent weights, and vectors whose length no longer
         fits their weight, are dropped at the next :meth:`measure`.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned, or its entries already read from a checkpoint.
 
         Returns:
             The entries dropped, each named with why (the session warns of them).
@@ -329,9 +316,15 @@ class WeightProbe:
 
     @staticmethod
     def usable_state(entries: StateEntries) -> dict[str, Any]:
-        """The entries of a checkpoint's state that :meth:`load_state_dict` can use: warm vectors that are
-        2-D tensors of finite floats with unit columns, and a generator state a CPU generator takes. The
-        others are dropped, named in ``entries.dropped``."""
+        """The entries of a checkpoint's state that :meth:`load_state_dict` can use.
+
+        Args:
+            entries: The checkpoint's entries; those it cannot use are dropped, named in ``entries.dropped``.
+
+        Returns:
+            ``right_vectors``: the warm vectors that are 2-D tensors of finite floats with unit columns, and
+            ``generator`` where the state is one a CPU generator takes.
+        """
         state: dict[str, Any] = {"right_vectors": entries.unit_vectors("right_vectors", ndim=2)}
         generator = entries.generator_state("generator")
         if generator is not None:
@@ -434,7 +427,13 @@ class WeightProbe:
     def _run(self, step: int) -> tuple[list[Measurement], list[Distribution]]:
         items = self._select().items
         targets_per_item = [self._targets(item) for item in items]
-        estimates = self._estimate([target for targets in targets_per_item for target in targets])
+        estimates, self._warm_vectors = estimate_spectral_norms(
+            [target for targets in targets_per_item for target in targets],
+            self._warm_vectors,
+            iterations_per_step=self.iterations_per_step,
+            tol=self.tol,
+            generator=self._generator,
+        )
 
         measurements: list[Measurement] = []
         per_head: dict[tuple[str, str], list[float]] = {}
@@ -454,11 +453,7 @@ class WeightProbe:
                     if target.head is not None and metric in _PER_HEAD_METRICS:
                         per_head.setdefault((metric, target.layer), []).append(value)
             if isinstance(item, _AttentionSite):
-                weights = item.weights
-                (query,), query_scale = _scaled_copy([weights.query])
-                (key,), key_scale = _scaled_copy([weights.key])
-                norms = query_key_spectral_norms(query, key, weights.num_heads, weights.key_value_heads)
-                norms = (norms.double() * query_scale * key_scale).tolist()
+                norms = attention_query_key_norms(item.weights)
                 if self.per_head:
                     measurements.extend(
                         Measurement(step, WEIGHT_FAMILY, "qk_spectral_norm", item.layer, value, head=h)
@@ -475,127 +470,16 @@ class WeightProbe:
         ]
         return measurements, distributions
 
-    def _targets(self, item: tuple[str, Tensor] | _AttentionSite) -> list[_Target]:
+    def _targets(self, item: tuple[str, Tensor] | _AttentionSite) -> list[NormTarget]:
         if not isinstance(item, _AttentionSite):
             layer, matrix = item
-            return [_Target(layer, None, matrix)]
+            return [NormTarget(layer, None, matrix)]
         targets = []
         for layer, weight, heads in item.projections():
-            targets.append(_Target(layer, None, weight))
+            targets.append(NormTarget(layer, None, weight))
             if self.per_head:
-                targets.extend(_Target(layer, h, rows) for h, rows in enumerate(weight.chunk(heads)))
+                targets.extend(NormTarget(layer, h, rows) for h, rows in enumerate(weight.chunk(heads)))
         return targets
-
-    def _estimate(self, targets: list[_Target]) -> dict[str, _Estimate]:
-        """σ₁, ‖·‖_F, stable rank and the residual of every target; keeps the warm vectors.
-
-        The Gram operator of a weight is WᵀW or WWᵀ, whichever is smaller, and all weights with Gram
-        operators of one size go through one Lanczos run (``StackedOperator``): warm ones for
-        ``iterations_per_step`` iterations, new ones to ``tol``. At most ``_MAX_BATCH_BYTES`` of copies
-        wait for a run at once.
-        """
-        estimates: dict[str, _Estimate] = {}
-        vectors: dict[str, Tensor] = {}
-        # (targets, their scaled copies, ‖·‖_F of those, the scales)
-        waiting: list[tuple[list[_Target], Tensor, Tensor, Tensor]] = []
-        waiting_bytes = 0
-        for group in _batches(targets):
-            matrices, scale = _scaled_copy([target.matrix for target in group])
-            frobenius = torch.linalg.matrix_norm(matrices)
-            if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
-                sigma = _largest_singular_values(matrices)
-                estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma), scale))
-                continue
-            size = matrices.numel() * matrices.element_size()
-            if waiting and waiting_bytes + size > _MAX_BATCH_BYTES:
-                estimates.update(self._solve(waiting, vectors))
-                waiting, waiting_bytes = [], 0
-            waiting.append((group, matrices, frobenius, scale))
-            waiting_bytes += size
-        if waiting:
-            estimates.update(self._solve(waiting, vectors))
-        self._warm_vectors = vectors  # weights gone or reshaped lose their state here
-        return estimates
-
-    def _solve(
-        self, waiting: list[tuple[list[_Target], Tensor, Tensor, Tensor]], vectors: dict[str, Tensor]
-    ) -> dict[str, _Estimate]:
-        """σ₁ of every finite matrix of ``waiting`` by one Lanczos run per Gram size and warmth; the new warm
-        vectors go into ``vectors``. A weight holding NaN or inf has no σ₁ (the solvers would raise): NaN,
-        and it restarts cold."""
-        sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
-        residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
-        runs: dict[tuple[int, bool], dict[int, list[int]]] = {}  # (size, warm) -> item -> its elements
-        for item, (group, matrices, _, _) in enumerate(waiting):
-            finite = _finite_matrices(matrices).tolist()
-            size = min(matrices.shape[1:])
-            for element, target in enumerate(group):
-                if finite[element]:
-                    warm = self._fits(target.key, size)
-                    runs.setdefault((size, warm), {}).setdefault(item, []).append(element)
-        # Warm runs first: an element whose warm start gave no finite σ₁ is retried cold, before anything is
-        # reported (a NaN here would read as a non-finite weight).
-        for warm_pass in (True, False):
-            for (size, warm), members in list(runs.items()):
-                if warm != warm_pass:
-                    continue
-                order = [(item, element) for item, elements in members.items() for element in elements]
-                operator = StackedOperator(
-                    [
-                        GramOperator(DenseOperator(_rows(waiting[item][1], elements)))
-                        for item, elements in members.items()
-                    ]
-                )
-                init = None
-                if warm:
-                    init = torch.stack(
-                        [self._warm_vectors[waiting[item][0][element].key] for item, element in order]
-                    )
-                    init = init.to(device=operator.device, dtype=operator.dtype)
-                result = lanczos_eigsh(
-                    operator,
-                    1,
-                    tol=self.tol,
-                    max_iters=self.iterations_per_step if warm else _COLD_START_MAX_ITERATIONS,
-                    init=init,
-                    generator=self._generator,
-                    # A cold start is certified to be σ₁; a warm one runs its fixed iterations, a lower bound
-                    # on σ₁ within its residual of some singular value (the module docstring).
-                    failure_probability=None if warm else CERTAINTY,
-                )
-                values = result.values[:, 0].clamp_min(0).sqrt()
-                usable = (values.isfinite() & result.vectors.isfinite().flatten(1).all(dim=1)).tolist()
-                for position, (item, element) in enumerate(order):
-                    if warm and not usable[position]:
-                        runs.setdefault((size, False), {}).setdefault(item, []).append(element)
-                        continue
-                    sigma[item][element] = values[position]
-                    residual[item][element] = result.info.residual[position, 0]
-                    vectors[waiting[item][0][element].key] = result.vectors[position].clone()
-        estimates: dict[str, _Estimate] = {}
-        for item, (group, _, frobenius, scale) in enumerate(waiting):
-            estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item], scale))
-        return estimates
-
-    def _fits(self, key: str, size: int) -> bool:
-        vector = self._warm_vectors.get(key)
-        return vector is not None and vector.shape[0] == size
-
-    def _singular_values(self, step: int) -> list[Distribution]:
-        targets = [_Target(layer, None, matrix) for layer, matrix in self.named_matrices()]
-        spectra: dict[str, np.ndarray] = {}
-        for group in _batches(targets):
-            matrices = _stacked_copy([target.matrix for target in group])
-            values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan)
-            finite = _finite_matrices(matrices)  # a non-finite weight's spectrum stays NaN: svd would raise
-            if finite.any():
-                values[finite] = torch.linalg.svdvals(matrices[finite])
-            values = values.cpu().numpy()
-            spectra.update((target.layer, spectrum) for target, spectrum in zip(group, values, strict=True))
-        return [
-            Distribution(step, WEIGHT_FAMILY, "singular_values", target.layer, spectra[target.layer])
-            for target in targets
-        ]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -616,75 +500,6 @@ def _patterns(argument: str, patterns: Sequence[str] | None) -> tuple[str, ...] 
             f"(e.g. ['blocks.*.attn']), got {patterns!r}"
         )
     return tuple(patterns)
-
-
-def _rows(matrices: Tensor, elements: list[int]) -> Tensor:
-    """``matrices[elements]``, without copying the batch when that is all of it (the common case)."""
-    return matrices if len(elements) == matrices.shape[0] else matrices[elements]
-
-
-def _estimates_of(
-    targets: list[_Target], sigma: Tensor, frobenius: Tensor, residual: Tensor, scale: Tensor
-) -> dict[str, _Estimate]:
-    """The estimates of ``targets`` from σ₁ and ‖·‖_F of their copies scaled down by ``scale``: the norms
-    are scaled back in float64, the stable rank is a ratio of the scaled ones."""
-    ratio = stable_rank(frobenius.square(), sigma)
-    columns = torch.stack(
-        [sigma.double() * scale, frobenius.double() * scale, ratio.double(), residual.double()], dim=1
-    )
-    return {target.key: _Estimate(*values) for target, values in zip(targets, columns.tolist(), strict=True)}
-
-
-def _scaled_copy(matrices: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """:func:`_stacked_copy` of ``matrices``, each divided by the power of two that brings its largest entry
-    into [0.5, 1) (:func:`~spectral_monitor.metrics._common.power_of_two_exponents`: exact, and no sum of
-    squares of a finite float32 weight overflows), and those powers as float64 (batch,). A non-finite matrix
-    stays as it is."""
-    stacked = _stacked_copy(matrices)
-    exponents = power_of_two_exponents(stacked)
-    stacked.mul_(powers_of_two(-exponents, stacked.dtype)[:, None, None])
-    return stacked, powers_of_two(exponents, torch.float64)
-
-
-def _stacked_copy(matrices: list[Tensor]) -> Tensor:
-    """One float32 (float64 stays float64) batch, a copy: nothing measured can reach a parameter."""
-    stacked = torch.stack([matrix.detach() for matrix in matrices])
-    return stacked.to(working_dtype(stacked.dtype))
-
-
-def _finite_matrices(matrices: Tensor) -> Tensor:
-    """(batch,) bool: which matrices of a (batch, rows, cols) stack hold only finite values."""
-    return matrices.isfinite().flatten(1).all(dim=1)
-
-
-def _largest_singular_values(matrices: Tensor) -> Tensor:
-    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN for one holding NaN or inf.
-
-    From the top eigenvalue of the smaller Gram matrix: squaring loses the small singular values, never σ₁
-    (the rounding is relative to σ₁²), and on small head slices it is faster than ``svdvals``
-    (benchmarks/README.md).
-    """
-    sigma = matrices.new_full(matrices.shape[:1], math.nan)
-    finite = _finite_matrices(matrices)
-    if finite.any():
-        kept = matrices[finite]
-        gram = kept.transpose(1, 2) @ kept if kept.shape[2] <= kept.shape[1] else kept @ kept.transpose(1, 2)
-        sigma[finite] = torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0).sqrt()
-    return sigma
-
-
-def _batches(targets: list[_Target]) -> Iterator[list[_Target]]:
-    """Targets of one shape, dtype and device together, at most ``_MAX_BATCH_BYTES`` of copies per batch."""
-    groups: dict[tuple[Any, ...], list[_Target]] = {}
-    for target in targets:
-        matrix = target.matrix
-        groups.setdefault((tuple(matrix.shape), matrix.dtype, matrix.device), []).append(target)
-    for group in groups.values():
-        matrix = group[0].matrix
-        copy_bytes = matrix.numel() * torch.finfo(working_dtype(matrix.dtype)).bits // 8
-        size = max(1, _MAX_BATCH_BYTES // copy_bytes)
-        for start in range(0, len(group), size):
-            yield group[start : start + size]
 
 
 def _qualified(parent: str, child: str) -> str:

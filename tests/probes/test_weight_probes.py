@@ -18,7 +18,7 @@ from helpers.reference_metrics import attention_probabilities
 from torch import nn
 
 from spectral_monitor.linalg import top_singular
-from spectral_monitor.probes import weights as weights_module
+from spectral_monitor.probes import weight_norms
 from spectral_monitor.probes.weights import AttentionWeights, WeightProbe, query_key_spectral_norms
 
 RTOL = 1e-3
@@ -83,9 +83,9 @@ def test_weights_of_several_shapes_with_one_smaller_side_share_one_lanczos_run(
     # Gram side 40 for all three: a tall 96×40 (WᵀW), a wide 40×96 (WWᵀ) and a square 40×40.
     model = nn.Sequential(nn.Linear(40, 96), nn.Linear(96, 40), nn.Linear(40, 40))
     runs = []
-    original = weights_module.lanczos_eigsh
+    original = weight_norms.lanczos_eigsh
     monkeypatch.setattr(
-        weights_module, "lanczos_eigsh", lambda op, *a, **k: runs.append(op.batch) or original(op, *a, **k)
+        weight_norms, "lanczos_eigsh", lambda op, *a, **k: runs.append(op.batch) or original(op, *a, **k)
     )
     probe = WeightProbe(model, iterations_per_step=2)
     generator = torch.Generator().manual_seed(1)
@@ -389,7 +389,7 @@ def test_include_and_exclude_select_by_module_name_and_report_patterns_that_matc
 def test_weights_split_into_memory_bounded_batches_are_all_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(18)
     model = nn.Sequential(*(nn.Linear(40, 40) for _ in range(5)))
-    monkeypatch.setattr(weights_module, "_MAX_BATCH_BYTES", 2 * 40 * 40 * 4)  # two weights per batch
+    monkeypatch.setattr(weight_norms, "_MAX_BATCH_BYTES", 2 * 40 * 40 * 4)  # two weights per batch
     records = by_tag(WeightProbe(model).measure(0))
     for index, layer in enumerate(model):
         assert records[f"weights/spectral_norm/{index}"] == pytest.approx(
