@@ -36,7 +36,18 @@ _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging
 
 def alert_logger() -> logging.Logger:
     """The ``spectral_monitor.alerts`` logger; given a console handler, as Lightning does for its own logger,
-    when the application configured none, so alert lines (resolved ones at INFO included) are seen."""
+    when the application configured none, so alert lines (resolved ones at INFO included) are seen.
+
+    Where neither the root logger nor this one has a handler, a ``StreamHandler`` (stderr) is added, the
+    level set to INFO and propagation turned off; a configured application's logging is left as it is.
+
+    Returns:
+        The logger.
+
+    Examples:
+        >>> alert_logger().name
+        'spectral_monitor.alerts'
+    """
     logger = logging.getLogger("spectral_monitor.alerts")
     if not logging.getLogger().hasHandlers() and not logger.handlers:
         logger.addHandler(logging.StreamHandler())
@@ -48,7 +59,19 @@ def alert_logger() -> logging.Logger:
 @dataclass
 class AlertStep:
     """What one logging step's alerts add to the sinks' output (rank 0), and the ``stop_on`` rules that fired
-    on this rank."""
+    on this rank.
+
+    Attributes:
+        records: the ``alerts`` counter records (``open`` and ``fired`` per rule that can fire); empty off the
+            writing rank.
+        text: the open-alerts table (markdown) for :data:`ALERT_TEXT_TAG`, when an alert fired or resolved or
+            the table was never written; else None.
+        stop: the ``stop_on`` rules that fired on this rank's data at this step.
+
+    Examples:
+        >>> AlertStep(stop=["weight_runaway"])
+        AlertStep(records=[], text=None, stop=['weight_runaway'])
+    """
 
     records: list[Measurement] = field(default_factory=list)
     text: str | None = None
@@ -57,7 +80,27 @@ class AlertStep:
 
 def can_fire(rule: Rule, families: Sequence[str]) -> bool:
     """Whether ``rule`` is evaluated with ``families`` measured: the families its required conditions read
-    are measured (any of them with ``combine="any"``, all of them with ``"all"``)."""
+    are measured (any of them with ``combine="any"``, all of them with ``"all"``).
+
+    A condition's family is the first part of its metric (``"attention/entropy"``: ``attention``); the
+    ``alerts`` family is always measured.
+
+    Args:
+        rule: an alert rule.
+        families: the families measured, as :attr:`MonitorOptions.families
+            <spectral_monitor.core.MonitorOptions.families>` names them.
+
+    Returns:
+        Whether the rule can ever fire.
+
+    Examples:
+        >>> from spectral_monitor.alerts import default_rules
+        >>> rules = {rule.name: rule for rule in default_rules()}
+        >>> can_fire(rules["edge_of_stability"], ["attention", "weights"])
+        False
+        >>> can_fire(rules["weight_runaway"], ["attention", "weights"])
+        True
+    """
     read = [c.metric.split("/", 1)[0] for c in rule.conditions if c.required]
     measured = [any(fnmatch.fnmatchcase(on, family) for on in (*families, "alerts")) for family in read]
     return all(measured) if rule.combine == "all" else any(measured)
@@ -90,6 +133,29 @@ class Alerting:
     Every rank evaluates (each measures its own batch), so a ``stop_on`` decision is taken by all ranks in
     one collective; only the writing rank (global rank 0) logs, calls ``on_alert`` and returns output for the
     sinks.
+
+    Args:
+        config: which rules run: None for :func:`~spectral_monitor.alerts.default_rules`.
+        on_alert: called on the writing rank with each fired or resolved event, after its console line; or
+            None.
+        stop_on: names of rules whose firing stops training.
+        families: the families measured; a ``stop_on`` rule must be able to fire with them.
+
+    Attributes:
+        engine: the rules' state.
+        counted: the rules that can fire with ``families``, whose counters are written.
+        stopping: whether a stop was asked for in this run.
+
+    Raises:
+        ValueError: if ``on_alert`` is not callable, or ``stop_on`` names a rule that does not run or can
+            never fire with ``families`` (from the validation it calls).
+
+    Examples:
+        >>> alerting = Alerting(None, None, stop_on=["weight_runaway"], families=["attention", "weights"])
+        >>> alerting.evaluate(0, [], writes=False)
+        AlertStep(records=[], text=None, stop=[])
+        >>> alerting.rules_stopping(0, [], writes=False)
+        []
     """
 
     def __init__(
@@ -108,7 +174,20 @@ class Alerting:
         self.status_written = False  # the open-alerts table is written once even when nothing ever fires
 
     def evaluate(self, step: int, measurements: Sequence[Measurement], writes: bool) -> AlertStep:
-        """Advance the rules by one evaluation; log and hand over what changed (on the writing rank)."""
+        """Advance the rules by one evaluation; log and hand over what changed (on the writing rank).
+
+        On the writing rank each event is logged (a fired one at its severity's level, a resolved one at
+        INFO) and given to ``on_alert``.
+
+        Args:
+            step: the logging step.
+            measurements: the step's records, those judged only included.
+            writes: whether this is the writing rank.
+
+        Returns:
+            The ``stop_on`` rules that fired here and, on the writing rank, the counter records and the
+            open-alerts table when it changed (or was never written).
+        """
         events = self.engine.evaluate(step, measurements)
         fired = {event.rule for event in events if event.kind == "fired"}
         stop = [rule for rule in self.stop_on if rule in fired]
@@ -134,6 +213,15 @@ class Alerting:
         every step the alerts are evaluated, whatever its own rules did; the writing rank names the rules that
         fired, once per run, and whether they fired on its own data or only on another rank's (whose alert
         it does not log).
+
+        Args:
+            step: the logging step.
+            fired_here: the ``stop_on`` rules that fired on this rank (:attr:`AlertStep.stop`).
+            writes: whether this is the writing rank.
+
+        Returns:
+            The ``stop_on`` rules that fired on some rank, in ``stop_on``'s order; empty when none did or
+            ``stop_on`` is empty.
         """
         if not self.stop_on:
             return []

@@ -51,6 +51,11 @@ class LayerBudget:
         sequences: how many of the captured sequences (the first ones).
         rank_sums: whether the effective and threshold ranks are measured.
         num_heads: the heads the layer has.
+
+    Examples:
+        >>> budget = LayerBudget(heads=(2, 3), sequences=2, rank_sums=True, num_heads=4)
+        >>> budget.sampled, LayerBudget((0, 1, 2, 3), 2, True, 4).sampled
+        (True, False)
     """
 
     heads: tuple[int, ...]
@@ -66,7 +71,28 @@ class LayerBudget:
 
 def matrix_cost(n: int, m: int, d: int, *, exact: bool, blockwise: bool, rank_sums: bool) -> float:
     """Cost of measuring one (n, m) attention matrix of head dimension ``d`` on the path given, in units of
-    one head's training attention on one sequence."""
+    one head's training attention on one sequence.
+
+    Blockwise: :data:`BLOCKWISE_RANK_SUMS_COST` with the rank sums, else :data:`BLOCKWISE_COST`. Exact or
+    with the rank sums: :data:`FACTORISATION_COST` · min(n, m)/d. Else (dense Krylov): :data:`KRYLOV_COST`.
+
+    Args:
+        n: the queries.
+        m: the keys.
+        d: the head width.
+        exact: whether the exact path factorises the matrix.
+        blockwise: whether it is measured blockwise from q and k.
+        rank_sums: whether the effective and threshold ranks are measured.
+
+    Returns:
+        The cost, a positive float.
+
+    Examples:
+        >>> matrix_cost(512, 512, 64, exact=True, blockwise=False, rank_sums=True)
+        16.0
+        >>> matrix_cost(8192, 8192, 64, exact=False, blockwise=False, rank_sums=False)
+        3.0
+    """
     if blockwise:
         return BLOCKWISE_RANK_SUMS_COST if rank_sums else BLOCKWISE_COST
     if exact or rank_sums:
@@ -77,7 +103,21 @@ def matrix_cost(n: int, m: int, d: int, *, exact: bool, blockwise: bool, rank_su
 def training_cost(sequences: int, heads: int, m: int, d: int) -> float:
     """The training work of a layer of ``heads`` heads of dimension ``d`` attending ``m`` keys, on
     ``sequences`` sequences, in the units of :func:`matrix_cost`: its attention and a standard block's linear
-    layers."""
+    layers, S · H · (1 + :data:`LINEAR_WORK_PER_ATTENTION` · H · d/m).
+
+    Args:
+        sequences: the sequences S.
+        heads: the heads H.
+        m: the keys.
+        d: the head width (the model width is H · d).
+
+    Returns:
+        The work, a positive float.
+
+    Examples:
+        >>> training_cost(2, 8, 512, 64)
+        112.0
+    """
     return sequences * heads * (1 + LINEAR_WORK_PER_ATTENTION * heads * d / m)
 
 
@@ -90,7 +130,26 @@ def layer_budget(
     Every sequence of as many heads as fit, at least one head; where not one head of every sequence fits, one
     head of as many sequences as fit, at least one; where not even one matrix fits with the rank sums off the
     exact path, without them. The heads measured rotate: step t measures heads t·k, t·k + 1, ...
-    (mod H), so every head is measured within ⌈H/k⌉ logging steps.
+    (mod H), so every head is measured within ⌈H/k⌉ logging steps. Layers with fewer than
+    :data:`MIN_BUDGETED_TOKENS` queries or keys, and an infinite ``ratio``, measure everything.
+
+    Args:
+        captured: the layer's captured attention, (S, H, n, d) queries and (S, H, m, d) keys.
+        ratio: the ``attention_cost_ratio``; ``math.inf`` for no budget.
+        logs_done: the logging steps before this one, which pick the rotation's heads.
+        method: the attention metrics' ``method`` (``"auto"``, ``"exact"``, ``"krylov"``).
+        rank_sums: whether the rank sums are asked for.
+
+    Returns:
+        The heads, sequences and rank sums to measure.
+
+    Examples:
+        >>> import torch
+        >>> q = torch.zeros(2, 8, 512, 64)  # 2 sequences, 8 heads, 512 tokens
+        >>> captured = CapturedAttention("blocks.0.attn", q, q, None, causal=True, scale=0.125,
+        ...                              key_mask=None, query_mask=None)
+        >>> layer_budget(captured, 1.0, 1, method="exact", rank_sums=True)  # 112 // 16 = 7 matrices
+        LayerBudget(heads=(3, 4, 5), sequences=2, rank_sums=True, num_heads=8)
     """
     sequences, heads = captured.num_sequences, captured.num_heads
     n, m, d = captured.q.shape[2], captured.k.shape[2], captured.q.shape[3]

@@ -57,7 +57,38 @@ _NO_ATTENTION_SEEN = (
 class AttentionFamily(CaptureFamily):
     """Attention: its q and k captured during the forward, measured at the step's end within the memory
     budget (:class:`~spectral_monitor.core.attention_plan.AttentionPlan`), summed up over sequences and heads,
-    with head diversity on its own cadence and the figures on figure steps."""
+    with head diversity on its own cadence and the figures on figure steps.
+
+    Per layer and metric: the mean over heads of each head's value (the mean over the sampled sequences, or
+    their largest for a maximum such as ``max_logit``), the ``_min``/``_max`` aggregates the catalogue asks
+    for, each head's value (written with ``per_head``, else judged by the alerts only), ``<metric>_per_head``
+    histograms, and ``max_logit_growth``, the layer's largest logit over the previous logging step's where
+    that one was positive. Under a cost budget also ``heads_measured``, and where fewer heads than all were
+    measured each mean's standard error ``<metric>_head_se``. A non-finite attention matrix is a problem
+    (raised when strict) and its metrics are NaN.
+
+    Args:
+        options: the run's options; the family captures only when ``"attention"`` is among its families.
+        reports: where the family's failures and problems go.
+
+    Attributes:
+        plan: what is measured and within which memory, with the Krylov warm starts per layer.
+
+    Examples:
+        The session drives it; by hand, one logging step reads:
+
+        ```python
+        family = AttentionFamily(MonitorOptions(families=["attention"]), Reports(strict=False))
+        family.start(Run(model=model, training_root=model, kept=lambda capability: False))
+        family.arm(token_mask=None, every_module=False)
+        loss = model(batch).loss  # the training forward: q and k captured
+        family.disarm()
+        progress = LoggingStep(step=10)
+        with torch.no_grad():
+            family.measure(progress)  # progress.measurements holds the attention records
+        family.close()
+        ```
+    """
 
     capture_name = "attention"
     metrics_name = "attention metrics"
@@ -71,6 +102,11 @@ class AttentionFamily(CaptureFamily):
         self._kept: Callable[[Capability], bool] = _nothing_kept  # picklable: ddp_spawn pickles the monitor
 
     def start(self, run: Run) -> None:
+        """Begin a run on ``run.model``: make the capture, when the attention family is on.
+
+        Args:
+            run: the run; its ``kept`` says whether a sink keeps histograms.
+        """
         self._kept = run.kept
         if "attention" in self.options.families:
             self._capture = AttentionCapture(
@@ -92,6 +128,12 @@ class AttentionFamily(CaptureFamily):
             self.reports.once("no attention", f"{_NO_ATTENTION_SEEN}; {advice}")
 
     def state_dict(self) -> dict[str, Any]:
+        """The family's entries of the session's checkpoint state.
+
+        Returns:
+            ``"attention_krylov_vectors"``: layer → a copy of its Krylov warm-start vectors, for the layers
+            that have them; ``"previous_max_logit"``: layer → its largest logit at the last logging step.
+        """
         return {
             "attention_krylov_vectors": {
                 layer: state.vectors.detach().clone()
@@ -102,6 +144,12 @@ class AttentionFamily(CaptureFamily):
         }
 
     def load_state_dict(self, entries: StateEntries) -> None:
+        """Read back what :meth:`state_dict` gave; an unusable entry is dropped into ``entries.dropped``.
+
+        Args:
+            entries: the session's checkpoint state; warm-start vectors must be finite 3-D tensors with unit
+                columns, logits finite numbers.
+        """
         self.plan.krylov_states = {
             layer: KrylovState(vectors)
             for layer, vectors in entries.unit_vectors("attention_krylov_vectors", ndim=3).items()

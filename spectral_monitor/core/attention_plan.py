@@ -62,6 +62,20 @@ class AttentionPlan:
     Attributes:
         krylov_states: each layer's warm-start vectors for the Krylov path, kept across logging steps and in
             the session's checkpoint.
+
+    Examples:
+        Uniform attention (q = 0) over 4 keys, both heads of one sequence:
+
+        >>> import torch
+        >>> q = torch.zeros(1, 2, 4, 8)
+        >>> captured = CapturedAttention("blocks.0.attn", q, q, None, causal=False, scale=8**-0.5,
+        ...                              key_mask=None, query_mask=None)
+        >>> plan = AttentionPlan(MonitorOptions(), Reports(strict=True))
+        >>> (layer,) = plan.measure([captured], room=2**28, diversity=True, draw=False)
+        >>> layer.metrics["entropy"].tolist(), layer.metrics["rank_one_residual"].tolist()
+        ([[1.0, 1.0]], [[0.0, 0.0]])
+        >>> tuple(layer.spectra.shape), layer.budget.sampled
+        ((1, 2, 4), False)
     """
 
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
@@ -87,11 +101,23 @@ class AttentionPlan:
         then measured from a cold start (its warm-start vectors are those of every head) and not drawn.
 
         A layer is measured densely a chunk of matrices at a time (:meth:`CapturedAttention.chunks`), as many
-        as fit ``room`` with their working memory (:func:`dense_working_nbytes`); where not even one fits, or
+        as fit ``room`` with their working memory
+        (:func:`~spectral_monitor.probes.attention_records.dense_working_nbytes`); where not even one fits, or
         from ``BLOCKWISE_MIN_TOKENS`` tokens, blockwise from q and k within ``room``, and it is left out of
         the figures and head diversity. Every chunk's tensors are released before the next is formed.
         Whole layers on the exact path with one shape, causality and masking are measured in one call when
         they fit together: there the elements are independent, and one call costs less than one a layer.
+
+        Args:
+            layers: the captured attention of the layers to measure.
+            room: the bytes of working memory the measurement may use (the budget less what the capture
+                holds).
+            diversity: whether head diversity is due, so the spectra are wanted.
+            draw: whether the figures are drawn this step.
+            logs_done: the logging steps before this one, which rotate the heads a cost budget measures.
+
+        Returns:
+            One :class:`LayerAttention` per layer, in order, its ``budget`` set.
         """
         budgets = [self._layer_budget(captured, logs_done) for captured in layers]
         layers = [
@@ -348,9 +374,22 @@ class _DenseCall:
 
 @dataclass
 class LayerAttention:
-    """A layer's attention as measured: metrics (S, H); spectra (S, H, k) for head diversity and figures,
-    None where the layer was measured blockwise or its spectra did not fit the memory budget; the heads and
-    sequences measured (``budget``: where fewer than all, the metrics' H and S are those it names)."""
+    """A layer's attention as measured.
+
+    Attributes:
+        metrics: each metric's (S, H) values, by name (with ``nonfinite``, a bool (S, H)).
+        spectra: (S, H, k) float64 singular values for head diversity and the figures; None where the layer
+            was measured blockwise, the spectra were not wanted or did not fit the memory budget.
+        drawn: what the figures draw of the layer's head, where drawn and drawable.
+        budget: the heads and sequences measured; where fewer than all, the metrics' H and S are those it
+            names.
+
+    Examples:
+        >>> import torch
+        >>> layer = LayerAttention({"entropy": torch.ones(2, 4)})
+        >>> layer.spectra is None, layer.drawn is None
+        (True, True)
+    """
 
     metrics: dict[str, Tensor]
     spectra: Tensor | None = None
@@ -379,7 +418,25 @@ def _drawn_attention(sample: AttentionSample, singular_values: Tensor) -> _Drawn
 
 
 def drawn_head(layer: str, attention: LayerAttention, per_head: dict[str, Tensor]) -> DrawnHead | None:
-    """What the figures draw of a layer; None where it was not drawn (``_drawn_attention``)."""
+    """What the figures draw of a layer; None where it was not drawn.
+
+    A layer is not drawn when the figures were not due, it was measured blockwise or under a head sample,
+    or its drawn head has no real query, no attendable key or a non-finite spectrum.
+
+    Args:
+        layer: the layer's qualified name.
+        attention: the layer as measured.
+        per_head: each metric's per-head (H,) values; those of :data:`HEATMAP_METRICS` go into the layer ×
+            head images.
+
+    Returns:
+        The drawn head's block means and singular values with the layer's per-head heatmap values, or None.
+
+    Examples:
+        >>> import torch
+        >>> drawn_head("blocks.0.attn", LayerAttention({"entropy": torch.ones(2, 4)}), {}) is None
+        True
+    """
     if attention.drawn is None:
         return None
     return DrawnHead(
@@ -391,7 +448,16 @@ def drawn_head(layer: str, attention: LayerAttention, per_head: dict[str, Tensor
 
 
 def attention_images() -> AttentionImages:
-    """The run's attention figure cache, drawing the ``HEATMAP_METRICS`` images and head ``_FIGURE_HEAD``."""
+    """The run's attention figure cache, drawing the :data:`HEATMAP_METRICS` images and head 0 of the first
+    sampled sequence.
+
+    Returns:
+        A new, empty cache.
+
+    Examples:
+        >>> type(attention_images()).__name__
+        'AttentionImages'
+    """
     return AttentionImages(HEATMAP_METRICS, _HEATMAP_TITLES, _FIGURE_HEAD)
 
 

@@ -22,7 +22,25 @@ __all__ = ["CompiledForwards"]
 
 class CompiledForwards:
     """Tells the session whether to measure by a probe forward, and finds a forward that ran compiled.
-    ``writes``: whether this process logs the switch (the writing rank only)."""
+
+    ``by_probe_forward`` is False at the start of a run unless the model holds ``torch.compile`` wrappers;
+    once a watched forward is seen running compiled it is True for the rest of the run. The switch is logged
+    once, at INFO, by the process whose ``writes`` is True (the writing rank only).
+
+    Attributes:
+        by_probe_forward: whether the run's logging steps are measured by a probe forward rather than by
+            hooks armed during the training forward.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model, forwards = nn.Linear(2, 2), CompiledForwards()
+        >>> forwards.start(model, writes=False)
+        >>> forwards.watch(model)
+        >>> _ = model(torch.ones(1, 2))  # eager: no compiled graph ran
+        >>> forwards.unwatch(writes=False), forwards.by_probe_forward
+        (False, False)
+    """
 
     def __init__(self) -> None:
         self.by_probe_forward = False
@@ -30,18 +48,37 @@ class CompiledForwards:
         self._detector: torch.utils.hooks.RemovableHandle | None = None
 
     def start(self, model: nn.Module, *, writes: bool) -> None:
-        """Begin a run on ``model``: measured by a probe forward from the start where it runs compiled."""
+        """Begin a run on ``model``: measured by a probe forward from the start where it runs compiled.
+
+        Args:
+            model: the trained model; it is compiled if any of its modules is a ``torch.compile`` wrapper.
+            writes: whether this process logs the switch to probe forwards.
+        """
         self.by_probe_forward = self._ran_compiled = False
         if compiled_module_names(model):
             self._use_probe_forward("runs as torch.compile graphs", writes)
 
     def watch(self, model: nn.Module) -> None:
-        """Watch the next forward of ``model`` (a logging step's, armed) for running compiled."""
+        """Watch the next forward of ``model`` (a logging step's, armed) for running compiled.
+
+        A forward pre-hook is installed on ``model`` until :meth:`unwatch`.
+
+        Args:
+            model: the trained model.
+        """
         self._detector = model.register_forward_pre_hook(self._notice)
 
     def unwatch(self, *, writes: bool) -> bool:
-        """Stop watching; whether the watched forward ran compiled, after which the run measures by probe
-        forwards (what the armed hooks recorded is nothing: they were traced into the graph)."""
+        """Stop watching; switch the run to probe forwards if the watched forward ran compiled.
+
+        Args:
+            writes: whether this process logs the switch to probe forwards.
+
+        Returns:
+            True only when the watched forward ran compiled and the run was not already measured by probe
+            forwards: the armed hooks recorded nothing (they were traced into the graph), so the step must
+            be measured by a probe forward.
+        """
         if self._detector is not None:
             self._detector.remove()
             self._detector = None

@@ -143,7 +143,7 @@ class CaptureOptions:
     Raises:
         ValueError: if a field is out of range (the message names it).
 
-    Example:
+    Examples:
         >>> CaptureOptions(include=["blocks.0*"], max_sequences=1).max_sequences
         1
     """
@@ -206,7 +206,7 @@ class OutputOptions:
     Raises:
         ValueError: if a field is out of range (the message names it).
 
-    Example:
+    Examples:
         >>> OutputOptions(per_head=True, figures_every_n_logs=0).per_head
         True
     """
@@ -270,7 +270,7 @@ class BudgetOptions:
     Raises:
         ValueError: if a field is out of range (the message names it).
 
-    Example:
+    Examples:
         >>> BudgetOptions(memory_budget_mb=64).memory_budget_mb
         64.0
     """
@@ -348,7 +348,7 @@ class MonitorOptions:
     Raises:
         ValueError: if an option is out of range (the message names it).
 
-    Example:
+    Examples:
         >>> options = MonitorOptions(every_n_steps=10, outputs=OutputOptions(per_head=True))
         >>> options.outputs.per_head, options.outputs.histograms, options.families
         (True, True, ('attention', 'tokens', 'weights'))
@@ -493,7 +493,7 @@ def grouped_keywords(keywords: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: if a keyword is not an option, or a group is given both whole and by its fields.
 
-    Example:
+    Examples:
         >>> grouped_keywords({"every_n_steps": 10, "max_sequences": 1, "per_head": True})
         {'every_n_steps': 10, 'capture': {'max_sequences': 1}, 'outputs': {'per_head': True}}
     """
@@ -550,7 +550,7 @@ def check_keywords(keywords: Mapping[str, Any], *, owner: str = "MonitorOptions"
     Raises:
         ValueError: naming the unknown keywords, the nearest option names and every option there is.
 
-    Example:
+    Examples:
         >>> try:
         ...     check_keywords({"every_n_step": 10}, owner="Monitor")
         ... except ValueError as error:

@@ -22,8 +22,21 @@ __all__ = ["StepWriter"]
 class StepWriter:
     """Writes each step's records to the run's sinks.
 
+    A sink's failure is reported (or raised, when strict) under the kind ``"writing to <sink type>"``, so a
+    full disk is one problem whichever output meets it; a figure that fails to draw under
+    ``"drawing figures"``. One sink's failure never keeps the others from their writes.
+
     Args:
-        reports: where a sink's failure goes (one kind per sink type, so a full disk is one problem).
+        reports: where failures go.
+
+    Examples:
+        >>> from spectral_monitor.sinks import LoggingSink
+        >>> import logging, sys
+        >>> logger = logging.getLogger("spectral_monitor.example.writing")
+        >>> logger.addHandler(logging.StreamHandler(sys.stdout))
+        >>> StepWriter(Reports(strict=True)).write_texts([LoggingSink(logger, logging.WARNING)],
+        ...                                              [("notes/run", "started")], step=0)
+        step 0 notes/run: started
     """
 
     def __init__(self, reports: Reports) -> None:
@@ -33,7 +46,16 @@ class StepWriter:
         self._layout_of_tags: tuple[frozenset[str], Layout] = (frozenset(), {})
 
     def write(self, sinks: Sequence[Sink], progress: LoggingStep) -> None:
-        """Every record of ``progress`` to every sink that keeps its kind, figures drawn on demand."""
+        """Every record of ``progress`` to every sink that keeps its kind, figures drawn on demand.
+
+        Every sink gets the measurements; a sink with the matching capability the distributions, the
+        dashboard layout of the step's tags (derived again only when the tags change), the alert text, the
+        figures (each drawn when a sink keeping figures reaches it) and the step's texts.
+
+        Args:
+            sinks: the run's sinks, written in order.
+            progress: what the step gathered.
+        """
         layout = self._layout(progress)
         reports = self._reports
         for sink in sinks:
@@ -61,7 +83,13 @@ class StepWriter:
         self.write_texts(sinks, progress.texts, progress.step)
 
     def write_texts(self, sinks: Sequence[Sink], texts: Sequence[tuple[str, str]], step: int) -> None:
-        """``(tag, markdown)`` texts filed under ``step`` to every sink that keeps text."""
+        """``(tag, markdown)`` texts filed under ``step`` to every sink that keeps text.
+
+        Args:
+            sinks: the run's sinks; those without ``Capability.TEXT`` are skipped.
+            texts: ``(tag, markdown)`` pairs, written in order.
+            step: the step they are filed under.
+        """
         for sink in sinks:
             if Capability.TEXT not in sink.capabilities:
                 continue
