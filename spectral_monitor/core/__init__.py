@@ -4,6 +4,11 @@
 Nothing under this package imports Lightning or another training framework; the adapters
 (:mod:`spectral_monitor.lightning`, :mod:`spectral_monitor.integrations`) turn a training loop's events into
 :class:`MonitorSession` calls.
+
+Examples:
+    >>> options = MonitorOptions(preset="light", every_n_steps=10)
+    >>> options.families, options.outputs.histograms
+    (('attention', 'weights'), False)
 """
 
 from spectral_monitor.core.options import (

@@ -75,6 +75,12 @@ class AttentionFamily(CaptureFamily):
         plan: what is measured and within which memory, with the Krylov warm starts per layer.
 
     Examples:
+        Before a run nothing is captured and nothing is kept:
+
+        >>> family = AttentionFamily(MonitorOptions(), Reports(strict=False))
+        >>> family.captures, family.state_dict()
+        (False, {'attention_krylov_vectors': {}, 'previous_max_logit': {}})
+
         The session drives it; by hand, one logging step reads:
 
         ```python

@@ -2,9 +2,10 @@
 
 Hooks installed around a forward that runs as ``torch.compile`` graphs record nothing (and adding them makes
 Dynamo recompile), so a compiled model is never armed during its training forward: its logging steps are
-measured by a probe forward of the same modules with compilation off
-(:func:`spectral_monitor.probes.wrappers.probe_forward`). A model given compiled is known at the start of the
-run; one given uncompiled and compiled later is found by a forward pre-hook on a logging step.
+measured by a probe forward of the same modules with compilation off, on the step's batch, in eval mode under
+``no_grad`` with every random stream restored (:func:`spectral_monitor.probes.wrappers.probe_forward`), at
+the session's ``end_forward``. A model given compiled is known at the start of the run; one given uncompiled
+and compiled later is found by a forward pre-hook on a logging step.
 """
 
 from __future__ import annotations

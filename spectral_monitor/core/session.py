@@ -6,30 +6,10 @@ probes (``spectral_monitor.probes``) around the training forward, turns what the
 ``spectral_monitor.metrics``, evaluates the alerts (``spectral_monitor.alerts``) and hands the records to
 the sinks (``spectral_monitor.sinks``) it was given. Between logging steps nothing is installed on the model.
 
-Per step s (the step axis is the caller's: the step under which the training framework files its own
-scalars of the same batch; the cadences count the optimizer steps taken before the batch, which is s where
-the framework files a batch's scalars before its update (Lightning) and s - 1 where it files them after
-(Hugging Face's ``global_step``): ``start(step_offset=1)``):
-
-- :meth:`MonitorSession.begin_step` before the forward: the opt-in second-order probes run on their own
-  cadence; on a logging step the weights are measured (the parameters this step's forward uses), then the
-  attention, residual-stream and output-logit captures are armed;
-- the training forward runs untouched while the probes copy the first ``max_sequences`` sequences;
-- :meth:`MonitorSession.end_forward` before the backward: the captures are disarmed, so the backward (and any
-  activation recomputation) runs unobserved (``start(disarm_after_forward=True)`` does it when the model's
-  forward returns, for a framework with no hook between forward and backward);
-- :meth:`MonitorSession.end_step`: metrics from the recordings under ``no_grad``, alerts, records written,
-  recordings dropped; returns the ``stop_on`` rules that ask training to stop.
-
-Every rank measures, so a probe whose measurement takes part in a collective is entered by all ranks (the
-collectives, and the rules that keep ranks in step, are in ``spectral_monitor.distributed``); the writing
-rank (global rank 0) alone writes, warns and calls ``on_alert``. Under FSDP the weights are gathered whole
-for their measurement.
-
-A compiled model (``torch.compile``, given compiled or found running compiled at the first logging step) is
-never armed during the training forward: at :meth:`MonitorSession.end_forward` of a logging step the
-captures are armed around a probe forward of the same model with compilation off, on the step's batch, in
-eval mode under ``no_grad`` with every random stream restored (``spectral_monitor.probes.wrappers``).
+What the caller does on each step is :class:`MonitorSession`'s to say. Every rank measures, so a probe whose
+measurement takes part in a collective is entered by all ranks (``spectral_monitor.distributed``); the
+writing rank (global rank 0) alone writes, warns and calls ``on_alert``. A compiled model is never armed
+during the training forward: a probe forward measures it (:mod:`spectral_monitor.core.compiled`).
 
 What each kind of measurement does is its probe family's (:mod:`spectral_monitor.core.families`): the
 session keeps a list of them and calls the same hooks on each as a step goes by; the attention's memory
@@ -109,7 +89,7 @@ class MonitorSession:
     Raises:
         ValueError: a ``stop_on`` rule that cannot fire with the families on.
 
-    Example:
+    Examples:
         >>> from spectral_monitor.core import MonitorOptions, MonitorSession
         >>> session = MonitorSession(MonitorOptions(families=["weights"], preflight=False))
         >>> model = torch.nn.Linear(4, 4)
@@ -203,6 +183,14 @@ class MonitorSession:
         step the weights are measured and the captures armed, the token mask read from ``batch`` by the
         ``token_mask`` option. Call it on every rank.
 
+        Args:
+            step: the caller's step (non-decreasing; repeated for the micro-batches of one optimizer step).
+            batch: the step's batch, for the token mask and a compiled model's probe forward.
+            optimizer: the training optimizer, or None.
+
+        Returns:
+            Whether ``step`` is a logging step (False for a repeated step).
+
         Raises:
             RuntimeError: called before :meth:`start`.
         """
@@ -262,8 +250,12 @@ class MonitorSession:
 
     def end_step(self) -> list[str]:
         """After the step: metrics from the recordings under ``no_grad``, alerts evaluated, records written,
-        recordings dropped. Returns the ``stop_on`` rules that fired on any rank (``request_stop`` has been
-        called); empty off a logging step. Call it on every rank (stopping is decided in a collective)."""
+        recordings dropped. Call it on every rank (stopping is decided in a collective).
+
+        Returns:
+            The ``stop_on`` rules that fired on any rank (``request_stop`` has been called); empty off a
+            logging step.
+        """
         self.end_forward()  # no backward ran (manual optimisation, or no loss)
         progress, self._in_progress = self._in_progress, None
         if progress is None:
@@ -280,7 +272,17 @@ class MonitorSession:
     def failures_of(self, what: str) -> Iterator[None]:
         """Runs an integration's own part of a step (installing a hook, starting a run): a failure drops the
         step in progress and is raised when ``strict``, else reported once, like the session's own, and
-        listed in the end-of-run report."""
+        listed in the end-of-run report.
+
+        Args:
+            what: what the guarded code does, as the report names it.
+
+        Yields:
+            Nothing: the guarded code runs in the ``with`` block.
+
+        Raises:
+            Exception: the guarded code's failure, re-raised when ``strict``.
+        """
         with self._reports.failures_of(what):
             try:
                 yield
@@ -308,7 +310,11 @@ class MonitorSession:
         self._sinks = []
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to measure, judge and write as this one would have gone on doing."""
+        """What a resumed run needs to measure, judge and write as this one would have gone on doing.
+
+        Returns:
+            The logging steps done, the alert engine's state and each family's entries, by top-level key.
+        """
         state: dict[str, Any] = {
             "last_logged_step": self._last_logged_step,
             "logging_steps_done": self._logging_steps_done,
@@ -324,6 +330,9 @@ class MonitorSession:
         Each entry is checked before it is used (:mod:`spectral_monitor.checkpoint_entries`): one of the wrong
         type, shape or dtype, or holding NaN or inf, is dropped and that part starts cold, with one warning
         naming every entry dropped. A checkpoint never stops the resume, and never raises an alert.
+
+        Args:
+            state_dict: a :meth:`state_dict` of this or an earlier session.
         """
         entries = StateEntries(state_dict)
         self._last_logged_step = entries.integer("last_logged_step", -1, smallest=-1)
