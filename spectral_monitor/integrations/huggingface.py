@@ -94,6 +94,20 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
     Raises:
         ValueError: if an option is unknown or out of range (the message names it and what is allowed), or
             ``log_dir`` is not a path.
+
+    Examples:
+        >>> monitor = SpectralMonitorCallback(every_n_steps=10, families=["attention"])
+        >>> monitor.options.every_n_steps, monitor.options.families
+        (10, ('attention',))
+
+        In a Trainer whose ``logging_steps`` the monitor follows:
+
+        ```python
+        args = TrainingArguments("out", logging_steps=10, report_to=["tensorboard"])
+        monitor = SpectralMonitorCallback(every_n_steps=10)
+        trainer = Trainer(model, args, train_dataset=data, callbacks=[monitor])
+        trainer.train()
+        ```
     """
 
     def __init__(
@@ -121,6 +135,19 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
+        """Starts the session on ``model``; world process zero writes to the run directory.
+
+        A run that starts past step 0 (a resumed one) restores the monitor's state from the checkpoint's
+        ``STATE_FILE_NAME`` (module docstring); a failure to start is reported, and each step then skipped.
+
+        Args:
+            args: The Trainer's arguments: where the run directory and the checkpoints are.
+            state: The Trainer's state: ``global_step`` is the first step, ``is_world_process_zero`` who
+                writes.
+            control: The Trainer's control flags, unused.
+            model: The model being trained, whose attention and weights are measured.
+            **kwargs: The Trainer's other event arguments, unused.
+        """
         self._stop_requested = False
         writes = state.is_world_process_zero
         # A session that did not start fails each step's start, which is then skipped.
@@ -151,6 +178,17 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
+        """Arms the step: a one-shot forward pre-hook on ``model`` calls ``begin_step`` on the step's first
+        training forward, with that forward's inputs as the batch.
+
+        Args:
+            args: The Trainer's arguments, unused.
+            state: The Trainer's state: the step is ``global_step + 1``.
+            control: The Trainer's control flags, unused.
+            model: The model whose next training forward (in training mode, gradients enabled) is measured.
+            optimizer: The optimizer, for the edge of stability of the curvature probe; None: none.
+            **kwargs: The Trainer's other event arguments, unused.
+        """
         self._remove_arming_hook()
         step = state.global_step + _HF_STEP_OFFSET
         with self._session.failures_of("installing the monitor's forward pre-hook"):
@@ -165,6 +203,18 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> transformers.TrainerControl:
+        """Ends the step: ``end_step`` (metrics, alerts, records written), after the optimizer step.
+
+        Args:
+            args: The Trainer's arguments, unused.
+            state: The Trainer's state, unused.
+            control: The Trainer's control flags; ``should_training_stop`` is set when a ``stop_on`` rule
+                fired.
+            **kwargs: The Trainer's other event arguments, unused.
+
+        Returns:
+            ``control``.
+        """
         self._remove_arming_hook()  # a step whose forward did not go through the model
         self._session.end_step()
         if self._stop_requested:
@@ -178,6 +228,15 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
+        """Writes the session's :meth:`state_dict` into the checkpoint folder the Trainer has just written, as
+        ``STATE_FILE_NAME``, on the processes that save (``args.should_save``).
+
+        Args:
+            args: The Trainer's arguments: ``output_dir`` and ``should_save``.
+            state: The Trainer's state: the checkpoint is ``checkpoint-<global_step>``.
+            control: The Trainer's control flags, unused.
+            **kwargs: The Trainer's other event arguments, unused.
+        """
         if not args.should_save:
             return
         with self._session.failures_of("saving the monitor's state into the checkpoint"):
@@ -185,12 +244,20 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
             torch.save(self._session.state_dict(), os.path.join(folder, STATE_FILE_NAME))
 
     def state_dict(self) -> dict[str, Any]:
-        """The monitor's state (warm iterative vectors, alert streams, cadence counters), as saved into each
-        checkpoint folder."""
+        """The monitor's state, as saved into each checkpoint folder.
+
+        Returns:
+            The session's state (warm iterative vectors, alert streams, cadence counters), ``torch.save``-able
+            with ``weights_only`` loading.
+        """
         return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, before training starts or resumes."""
+        """Restores :meth:`state_dict`'s output, before training starts or resumes.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned.
+        """
         self._session.load_state_dict(state_dict)
 
     def on_train_end(
@@ -200,6 +267,14 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
+        """Closes the session: sinks closed; one warning listing what failed or could not be written.
+
+        Args:
+            args: The Trainer's arguments, unused.
+            state: The Trainer's state, unused.
+            control: The Trainer's control flags, unused.
+            **kwargs: The Trainer's other event arguments, unused.
+        """
         self._remove_arming_hook()
         self._session.close()
 
@@ -253,9 +328,32 @@ def _checkpoint_folder(output_dir: str, step: int) -> str:
 
 
 def model_output_loss(model: nn.Module, batch: Any) -> Tensor:
-    """The second-order probes' default loss in a Trainer: ``model(**batch).loss`` for a batch that is a
-    mapping of the model's keyword arguments (the Trainer's ``num_items_in_batch`` left out, so the loss is
-    the batch's mean whatever the gradient accumulation)."""
+    """The second-order probes' default loss in a Trainer: ``model(**batch).loss``.
+
+    The Trainer's ``num_items_in_batch`` is left out of the keywords, so the loss is the batch's mean whatever
+    the gradient accumulation.
+
+    Args:
+        model: The model; its output is a mapping or has a ``loss`` attribute (a ``ModelOutput``).
+        batch: A mapping of the model's keyword arguments, labels included.
+
+    Returns:
+        The 0-d loss tensor, in the autograd graph.
+
+    Raises:
+        ValueError: ``batch`` is not a mapping, or the output holds no 0-d tensor ``loss`` (the message says
+            to pass ``ProbeDataOptions(loss_fn=...)``).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Regression(nn.Module):
+        ...     def forward(self, inputs, labels):
+        ...         return {"loss": (inputs.sum(-1) - labels).square().mean()}
+        >>> batch = {"inputs": torch.ones(2, 3), "labels": torch.tensor([3.0, 1.0]), "num_items_in_batch": 2}
+        >>> model_output_loss(Regression(), batch)
+        tensor(2.)
+    """
     if not isinstance(batch, Mapping):
         raise ValueError(
             f"the second-order probes' default loss is model(**batch).loss, but the batch is a "
@@ -284,6 +382,19 @@ def tensorboard_run_directory(args: transformers.TrainingArguments, log_dir: str
        ``TensorBoardCallback`` (a default callback, whose ``on_train_begin`` runs before the user's) has just
        made its writer there (``runs/<Mon DD_HH-MM-SS>_<host>``);
     5. a new ``args.output_dir/runs/<Mon DD_HH-MM-SS>_<host>``, the name ``TensorBoardCallback`` would use.
+
+    Args:
+        args: The Trainer's arguments: ``logging_dir`` (4.x), ``report_to`` and ``output_dir`` are read.
+        log_dir: The callback's own ``log_dir``; None: found from ``args``.
+
+    Returns:
+        The directory path; it need not exist yet.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> args = SimpleNamespace(logging_dir="out/logs", report_to=["tensorboard"], output_dir="out")
+        >>> tensorboard_run_directory(args), tensorboard_run_directory(args, "monitor")
+        ('out/logs', 'monitor')
     """
     if log_dir is not None:
         return log_dir

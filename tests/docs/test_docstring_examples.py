@@ -50,6 +50,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.demo.model",
     "spectral_monitor.distributed",
     "spectral_monitor.eventfiles",
+    "spectral_monitor.integrations.huggingface",
     "spectral_monitor.integrations.loop",
     "spectral_monitor.judging",
     "spectral_monitor.lazy_exports",
