@@ -20,7 +20,7 @@ from spectral_monitor.catalog import CATALOG, histogram_metrics
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.core.attention_budget import LayerBudget
 from spectral_monitor.core.attention_plan import AttentionPlan, attention_images, drawn_head
-from spectral_monitor.core.families import (
+from spectral_monitor.core.family_protocol import (
     CaptureFamily,
     LoggingStep,
     Run,
@@ -292,7 +292,8 @@ def head_sample_standard_error(values: Tensor, num_heads: int) -> float:
 
 def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
     """The largest over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
-    None where no sequence has a value (as :func:`~spectral_monitor.core.families.mean_over_sequences`)."""
+    None where no sequence has a value
+    (as :func:`~spectral_monitor.core.family_protocol.mean_over_sequences`)."""
     counted = ~values.isnan() | nonfinite
     if not bool(counted.any()):
         return None

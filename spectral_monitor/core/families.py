@@ -1,42 +1,45 @@
-"""The probe families a session drives, each behind one protocol, :class:`ProbeFamily`.
+"""The built-in probe families a session drives, each behind one protocol,
+:class:`~spectral_monitor.core.family_protocol.ProbeFamily`.
 
 A family is everything the monitor does for one kind of measurement: the probe it installs on the model, when
 it measures (its own cadence), how what it recorded becomes records, and the state a resumed run needs. The
 session (:class:`~spectral_monitor.core.session.MonitorSession`) knows none of that: it keeps a list of
 families and calls the same hooks on each, in order, as a step goes by. Every hook's default does nothing,
 so a family implements the hooks it takes part in; a family whose measurement is off for a run stays inert.
+The protocol, what a run and a step hand a family, and the helpers families share are in
+:mod:`spectral_monitor.core.family_protocol`, and are importable from here too. The attention family is in
+:mod:`spectral_monitor.core.attention_family`.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from matplotlib.figure import Figure
-from torch import Tensor, nn
+from torch import nn
 
 from spectral_monitor.checkpoint_entries import StateEntries
+from spectral_monitor.core.family_protocol import (
+    CaptureFamily,
+    LoggingStep,
+    ProbeFamily,
+    Run,
+    any_match,
+    layer_selected,
+    mean_over_sequences,
+    report_skipped,
+    warn_of_unmatched_patterns,
+)
 from spectral_monitor.core.options import MonitorOptions
 from spectral_monitor.core.reports import Reports
 from spectral_monitor.core.schedule import Cadence
-from spectral_monitor.core.second_order import OPT_IN_FAMILIES, LossFn, SecondOrderProbes
+from spectral_monitor.core.second_order import OPT_IN_FAMILIES, SecondOrderProbes
 from spectral_monitor.distributed import full_parameters
 from spectral_monitor.metrics import output_logit_metrics, token_metrics
-from spectral_monitor.probes import (
-    ResidualCapture,
-    ResidualRecording,
-    ResidualSample,
-    SkippedCapture,
-    WeightProbe,
-)
+from spectral_monitor.probes import ResidualCapture, ResidualRecording, ResidualSample, WeightProbe
 from spectral_monitor.probes.output_logits import OutputLogitCapture, OutputLogitSample
-from spectral_monitor.probes.wrappers import unwrapped_named_modules
-from spectral_monitor.records import Distribution, Measurement
+from spectral_monitor.records import Measurement
 from spectral_monitor.sinks import Capability
 from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
@@ -59,112 +62,27 @@ __all__ = [
 ]
 
 _WEIGHT_NORMS = ("spectral_norm", "frobenius_norm")
-_EXAMPLE_NAMES = 8
-
-
-@dataclass
-class LoggingStep:
-    """What one step has gathered so far for the alerts and the sinks; dropped once written.
-
-    ``logs_done`` counts the logging steps before this one (the cadences in logging steps read it);
-    ``figures_due`` is the figure cadence, ``draw_figures`` that and a sink that keeps figures.
-    """
-
-    step: int
-    logs_done: int = 0
-    figures_due: bool = False
-    draw_figures: bool = False
-    batch: Any = None  # the step's batch, for a probe forward
-    token_mask: Tensor | None = None  # its real tokens, by the token_mask option
-    probed: bool = False  # whether the probe forward ran
-    measurements: list[Measurement] = field(default_factory=list)
-    read_only: list[Measurement] = field(default_factory=list)  # judged by the alerts, not written
-    distributions: list[Distribution] = field(default_factory=list)
-    figures: list[tuple[str, Callable[[], Figure | np.ndarray]]] = field(default_factory=list)
-    texts: list[tuple[str, str]] = field(default_factory=list)  # (tag, markdown)
-    alert_text: str | None = None
-
-
-@dataclass
-class Run:
-    """What a family is told of the run it measures, at :meth:`ProbeFamily.start`.
-
-    Attributes:
-        model: the module whose forward the training step calls.
-        training_root: the outermost module trained (a DDP or FSDP wrapper of ``model``, or ``model``).
-        kept: whether some sink of the run keeps an output of the given capability.
-        default_loss: the loss the second-order probes use when the options give none.
-        step_offset: how far the caller's steps run ahead of the optimizer steps the cadences count.
-        texts: ``(tag, markdown)`` a family files at the start of the run, written when every family started.
-    """
-
-    model: nn.Module
-    training_root: nn.Module
-    kept: Callable[[Capability], bool]
-    default_loss: LossFn | None = None
-    step_offset: int = 0
-    texts: list[tuple[str, str]] = field(default_factory=list)
-
-
-class ProbeFamily:
-    """One family of probes, as the session drives it on every rank.
-
-    Per run, :meth:`start` and :meth:`close`. Per step, :meth:`before_step` (the family's own cadence, on
-    every step). On a logging step, in order: :meth:`before_forward`; :meth:`arm` around the training forward
-    (or a probe forward of a compiled model) and :meth:`disarm` after it, keeping what was recorded;
-    :meth:`measure` at the step's end, under ``no_grad``. :meth:`discard` drops a step that was abandoned.
-    :meth:`state_dict` gives the family's entries of the session's checkpoint state, by their top-level key,
-    and :meth:`load_state_dict` reads them back.
-
-    Args:
-        options: the run's options.
-        reports: where the family's failures and problems go (once per kind; raised in strict mode).
-    """
-
-    def __init__(self, options: MonitorOptions, reports: Reports) -> None:
-        self.options = options
-        self.reports = reports
-
-    @property
-    def captures(self) -> bool:
-        """Whether :meth:`arm` installs something on the model for this run."""
-        return False
-
-    def start(self, run: Run) -> None:
-        """Begin a run on ``run.model``: find what to measure."""
-
-    def before_step(self, progress: LoggingStep, batch: Any, optimizer: torch.optim.Optimizer | None) -> None:
-        """Measure on the family's own cadence, before the forward of every step, into ``progress``."""
-
-    def before_forward(self, progress: LoggingStep) -> None:
-        """On a logging step, measure what must be read before the forward changes it, into ``progress``."""
-
-    def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
-        """Install the capture (``every_module``: the probe forward of a compiled model)."""
-
-    def disarm(self) -> None:
-        """Remove the capture, keeping what it recorded for :meth:`measure`."""
-
-    def discard(self) -> None:
-        """Remove the capture if armed and drop whatever was recorded."""
-
-    def measure(self, progress: LoggingStep) -> None:
-        """Turn what was recorded this logging step into records in ``progress``."""
-
-    def close(self) -> None:
-        """End the run; what a checkpoint or the next run needs stays."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The family's entries of the session's checkpoint state, by top-level key."""
-        return {}
-
-    def load_state_dict(self, entries: StateEntries) -> None:
-        """Read the family's entries back, each checked (a bad one is dropped into ``entries.dropped``)."""
 
 
 class PreflightFamily(ProbeFamily):
     """The architecture preflight (the ``preflight`` option): the model as built checked once a run, before
-    training, each warning raised and the findings filed as the run's ``preflight`` text."""
+    training, each warning raised and the findings filed as the run's ``preflight`` text.
+
+    The preflight's context length is ``preflight_context_length``, else the model's ``hparams.seq_len``
+    where it is an int of at least 2, else its logit-scale check is skipped.
+
+    Args:
+        options: the run's options.
+        reports: where its warnings and failures go.
+
+    Examples:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+        >>> run = Run(model, training_root=model, kept=lambda capability: False)
+        >>> PreflightFamily(MonitorOptions(), Reports(strict=False)).start(run)
+        >>> [tag for tag, _ in run.texts]
+        ['preflight']
+    """
 
     def start(self, run: Run) -> None:
         if not self.options.preflight:
@@ -187,60 +105,28 @@ class PreflightFamily(ProbeFamily):
             run.texts.append(("preflight", preflight_markdown(findings)))
 
 
-class CaptureFamily(ProbeFamily):
-    """A family that records during the forward, through a capture armed around it, and measures what it
-    recorded at the logging step's end. A subclass makes its capture in :meth:`start`, names it
-    (``capture_name``, ``metrics_name``: how its failures are reported), and turns a recording into records
-    in :meth:`_measure`; :meth:`_recorded` looks at a recording as the capture is disarmed."""
-
-    capture_name = ""
-    metrics_name = ""
-
-    def __init__(self, options: MonitorOptions, reports: Reports) -> None:
-        super().__init__(options, reports)
-        self._capture: Any = None
-        self._recording: Any = None
-
-    @property
-    def captures(self) -> bool:
-        return self._capture is not None
-
-    def arm(self, token_mask: Tensor | None, *, every_module: bool) -> None:
-        if self._capture is not None:
-            with self.reports.failures_of(f"arming the {self.capture_name} capture"):
-                self._capture.arm(token_mask, every_module=every_module)
-
-    def disarm(self) -> None:
-        if self._capture is not None and self._capture.is_armed:
-            with self.reports.failures_of(f"disarming the {self.capture_name} capture"):
-                self._recording = self._capture.disarm()
-                self._recorded(self._recording)
-
-    def discard(self) -> None:
-        if self._capture is not None and self._capture.is_armed:
-            self._capture.disarm()
-        self._recording = None
-
-    def measure(self, progress: LoggingStep) -> None:
-        recording, self._recording = self._recording, None
-        if recording is not None:
-            with self.reports.failures_of(f"computing the {self.metrics_name}"):
-                self._measure(progress, recording)
-
-    def close(self) -> None:
-        self._capture = self._recording = None
-
-    def _recorded(self, recording: Any) -> None:
-        """What the capture held when disarmed, before it is measured."""
-
-    def _measure(self, progress: LoggingStep, recording: Any) -> None:
-        """``recording`` turned into records in ``progress``."""
-        raise NotImplementedError
-
-
 class TokenFamily(CaptureFamily):
     """The residual stream: each transformer block's output captured during the forward, its token metrics
-    measured at the step's end, blocks of one shape in one call."""
+    measured at the step's end, blocks of one shape in one call.
+
+    Each metric is written per block as its mean over the sampled sequences (``tokens/<metric>/<block>``);
+    a block whose output holds NaN or inf is a problem (raised when strict) and its metrics are NaN.
+
+    Args:
+        options: the run's options; the family captures only with ``"tokens"`` among its families.
+        reports: where its failures and problems go.
+
+    Examples:
+        ```python
+        family = TokenFamily(MonitorOptions(families=["tokens"]), Reports(strict=False))
+        family.start(Run(model, training_root=model, kept=lambda capability: False))
+        family.arm(token_mask=None, every_module=False)
+        model(batch)  # each block's output copied for the first max_sequences sequences
+        family.disarm()
+        progress = LoggingStep(step=10)
+        family.measure(progress)  # tokens/cosine_similarity/<block>, ...
+        ```
+    """
 
     capture_name = "residual-stream"
     metrics_name = "token metrics"
@@ -288,7 +174,27 @@ class TokenFamily(CaptureFamily):
 
 
 class OutputLogitFamily(CaptureFamily):
-    """The LM head's logits (the ``output_logits`` option): the largest and the log-partition function."""
+    """The LM head's logits (the ``output_logits`` option): the largest and the log-partition function.
+
+    ``outputs/max_logit/model`` is the largest logit over the sampled sequences' real tokens,
+    ``outputs/log_partition/model`` the mean over those tokens of the log-sum-exp over the vocabulary;
+    nothing is written when no sampled token is real.
+
+    Args:
+        options: the run's options; the family captures only when ``outputs.output_logits`` is not False.
+        reports: where its failures go.
+
+    Examples:
+        ```python
+        options = MonitorOptions(outputs=OutputOptions(output_logits="lm_head"))
+        family = OutputLogitFamily(options, Reports(strict=False))
+        family.start(Run(model, training_root=model, kept=lambda capability: False))
+        family.arm(token_mask=None, every_module=False)
+        model(batch)
+        family.disarm()
+        family.measure(progress)  # outputs/max_logit/model, outputs/log_partition/model
+        ```
+    """
 
     capture_name = "output-logit"
     metrics_name = "output-logit metrics"
@@ -336,7 +242,26 @@ class _ParkedState:
 
 class WeightFamily(ProbeFamily):
     """The weights' norms and spectra, measured before the forward of a logging step (the parameters it
-    uses), with the weight spectra on their own cadence; warm vectors kept in the checkpoint."""
+    uses), with the weight spectra on their own cadence; warm vectors kept in the checkpoint.
+
+    Every rank measures (gathering FSDP shards is a collective). A non-finite spectral or Frobenius norm is a
+    problem (raised when strict). Histograms are added when ``histograms`` is on and a sink keeps them, with
+    the full spectrum on figure steps; the weight spectra and their figures on every
+    ``weight_spectra_every_n_logs``-th logging step. The warm vectors are kept past :meth:`close`, and a
+    checkpoint loaded before :meth:`start` is applied there, under the key ``"weight_probe"``.
+
+    Args:
+        options: the run's options; the family measures only with ``"weights"`` among its families.
+        reports: where its failures and problems go.
+
+    Examples:
+        ```python
+        family = WeightFamily(MonitorOptions(families=["weights"]), Reports(strict=True))
+        family.start(Run(model, training_root=model, kept=lambda capability: False))
+        progress = LoggingStep(step=0)
+        family.before_forward(progress)  # weights/spectral_norm/<layer>, weights/frobenius_norm/<layer>, ...
+        ```
+    """
 
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
         super().__init__(options, reports)
@@ -424,7 +349,28 @@ class WeightFamily(ProbeFamily):
 
 class SecondOrderFamily(ProbeFamily):
     """The opt-in curvature, Jacobian and NTK probes, on their own cadence, on a probe batch
-    (:class:`~spectral_monitor.core.second_order.SecondOrderProbes`)."""
+    (:class:`~spectral_monitor.core.second_order.SecondOrderProbes`).
+
+    They measure in :meth:`before_step`, on every step their cadence falls, logging step or not; a
+    non-finite measurement is a problem (raised when strict). Their state (the probe batch, the warm vectors,
+    the stretched cadence) is kept past :meth:`close` but for the last step, and a checkpoint loaded before
+    :meth:`start` is applied there, under the key ``"second_order"``.
+
+    Args:
+        options: the run's options; the family measures only when an opt-in probe's options are given.
+        reports: where its failures and problems go.
+
+    Examples:
+        >>> SecondOrderFamily(MonitorOptions(), Reports(strict=False)).state_dict()
+        {'second_order': None}
+
+        ```python
+        options = MonitorOptions(curvature=CurvatureOptions(every_n_steps=100))
+        family = SecondOrderFamily(options, Reports(strict=False))
+        family.start(Run(model, training_root=model, kept=lambda capability: False, default_loss=loss))
+        family.before_step(LoggingStep(step), batch, optimizer)  # curvature/sharpness/<space>, ... when due
+        ```
+    """
 
     def __init__(self, options: MonitorOptions, reports: Reports) -> None:
         super().__init__(options, reports)
@@ -477,51 +423,6 @@ class SecondOrderFamily(ProbeFamily):
 
     def load_state_dict(self, entries: StateEntries) -> None:
         self._parked.load_state_dict(entries, self._probes)
-
-
-def layer_selected(options: MonitorOptions, layer: str) -> bool:
-    """Whether the module named ``layer`` is measured by ``include``/``exclude``: ``WeightProbe``'s rule."""
-    if options.capture.include is not None and not any_match([layer], options.capture.include):
-        return False
-    return options.capture.exclude is None or not any_match([layer], options.capture.exclude)
-
-
-def warn_of_unmatched_patterns(options: MonitorOptions, reports: Reports, model: nn.Module) -> None:
-    """Once, where an ``include`` or ``exclude`` pattern matches no module of ``model``, with examples of
-    its module names."""
-    names = [name for name, _ in unwrapped_named_modules(model) if name]
-    patterns = [*(options.capture.include or ()), *(options.capture.exclude or ())]
-    unmatched = [pattern for pattern in patterns if not any_match(names, [pattern])]
-    if unmatched:
-        examples = names[:: max(1, len(names) // _EXAMPLE_NAMES)][:_EXAMPLE_NAMES]
-        reports.once(
-            "unmatched patterns",
-            f"include/exclude patterns {unmatched} match no module of {type(model).__name__}; "
-            f"its module names look like {examples}",
-        )
-
-
-def any_match(names: Sequence[str], patterns: Sequence[str]) -> bool:
-    """Whether some name matches some shell-style pattern."""
-    return any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in patterns)
-
-
-def report_skipped(reports: Reports, what: str, skipped: list[SkippedCapture]) -> None:
-    """Once per distinct reason, with the layers it applied to the first time."""
-    layers_by_reason: dict[str, list[str]] = {}
-    for entry in skipped:
-        layers_by_reason.setdefault(entry.reason, []).append(entry.layer)
-    for reason, layers in layers_by_reason.items():
-        reports.once(reason, f"not all of the {what} was captured ({', '.join(layers)}): {reason}")
-
-
-def mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
-    """The mean over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
-    None where no sequence has a value: not measurable (all padding, one token) or not defined, not broken."""
-    counted = ~values.isnan() | nonfinite
-    if not bool(counted.any()):
-        return None
-    return torch.where(counted, values, torch.zeros_like(values)).sum(dim=0) / counted.sum(dim=0)
 
 
 def _output_logit_measurements(step: int, sample: OutputLogitSample) -> list[Measurement]:

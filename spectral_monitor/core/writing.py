@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from spectral_monitor.core.alerting import ALERT_TEXT_TAG
-from spectral_monitor.core.families import LoggingStep
+from spectral_monitor.core.family_protocol import LoggingStep
 from spectral_monitor.core.reports import Reports
 from spectral_monitor.sinks import Capability, Layout, Sink, diagnosis_layout
 

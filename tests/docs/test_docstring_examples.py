@@ -38,6 +38,8 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.core.compiled",
     "spectral_monitor.core.curvature_budget",
     "spectral_monitor.core.curvature_records",
+    "spectral_monitor.core.families",
+    "spectral_monitor.core.family_protocol",
     "spectral_monitor.core.options",
     "spectral_monitor.core.probe_checkpoint",
     "spectral_monitor.core.reports",
