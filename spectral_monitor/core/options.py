@@ -258,8 +258,8 @@ class BudgetOptions:
             (``benchmarks/README.md``). False leaves them (and the effective-rank figure) out.
         attention_cost_ratio: most each layer's attention measurement may cost, as a multiple of that
             layer's training work on the sampled sequences (its attention and a standard block's linear
-            layers, forward and backward), by a cost model measured on a CPU
-            (:mod:`spectral_monitor.core.attention_budget`). Over it a logging step measures fewer heads (all
+            layers, forward and backward), by the cost model of
+            :mod:`spectral_monitor.core.attention_budget`. Over it a logging step measures fewer heads (all
             the sampled sequences of each), a different set each step so that every head is measured within
             ⌈H/k⌉ logging steps; at least one head of one sequence; and where even one matrix is over it
             on the Krylov path, without the rank sums. The layer's ``heads_measured`` is then written, the
