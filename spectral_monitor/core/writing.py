@@ -24,7 +24,7 @@ class StepWriter:
 
     A sink's failure is reported (or raised, when strict) under the kind ``"writing to <sink type>"``, so a
     full disk is one problem whichever output meets it; a figure that fails to draw under
-    ``"drawing figures"``. One sink's failure never keeps the others from their writes.
+    ``"drawing figures"``. Unless strict, one sink's failure never keeps the others from their writes.
 
     Args:
         reports: where failures go.
