@@ -4,27 +4,21 @@ Everything here takes a module and a *loss closure* (no Lightning). The closure 
 inside :func:`~spectral_monitor.probes._autodiff.probing`; its gradient's graph is built once per event
 and kept, so every Hessian-vector product of every Lanczos iteration (and of the trace and density) is
 one backward through that cached graph, batched over a block of vectors when the block is wider than one.
-``docs/curvature.md`` has the measurements behind the defaults: ``torch.func`` reverse-over-reverse,
-single-vector Lanczos (on the CPU a batched pass over b vectors costs about b single products), and a stop
-on an eigenvalue error bound whose gap is certified from the random start.
+The defaults are reverse-over-reverse products, single-vector Lanczos, and a stop on an eigenvalue error
+bound whose gap is certified from the random start (``docs/curvature.md`` describes the certificate).
 
 The Hessian is an operator of :mod:`spectral_monitor.linalg`, so the engine's block Lanczos (top-k largest
 algebraic eigenvalues, per-event product budget, warm start from the last event's Ritz vectors),
-Hutch++ and stochastic Lanczos quadrature all apply to it unchanged.
-
-Edge of stability (Cohen et al. 2021, 2022): gradient descent with step η cannot stay where λ_max(H) >
-2/η; with heavy-ball momentum β the edge is (2 + 2β)/η; Adam's is reached by the *preconditioned*
-sharpness λ_max(P^-1/2 H P^-1/2), P = (1 − β₁ᵗ)·diag(√(v/(1 − β₂ᵗ)) + ε), at (2 + 2β₁)/((1 − β₁)η).
-:func:`edge_of_stability` reads η, β, t and P from a ``torch.optim`` optimizer's own state (SGD, Adam,
-AdamW, RMSprop).
+Hutch++ and stochastic Lanczos quadrature all apply to it unchanged. The parameters it acts on are a
+:class:`~spectral_monitor.probes.parameter_space.ParameterSpace`; the optimizer's threshold, to which the
+sharpness is compared, comes from :mod:`spectral_monitor.probes.edge_of_stability`. Both are re-exported
+here.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -44,6 +38,8 @@ from spectral_monitor.linalg import (
 from spectral_monitor.linalg.lanczos import fresh_generator
 from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
+from spectral_monitor.probes.edge_of_stability import PRECONDITIONED, EdgeOfStability, edge_of_stability
+from spectral_monitor.probes.parameter_space import BLOCK_PRESETS, ParameterSpace
 
 __all__ = [
     "BLOCK_PRESETS",
@@ -59,147 +55,6 @@ __all__ = [
     "measure_curvature",
 ]
 
-_PACKED_PART = re.compile(r"^(?P<pattern>.*)\[(?P<part>[qkv])\]$")
-_PACKED_INDEX = {"q": 0, "k": 1, "v": 2}
-
-BLOCK_PRESETS: dict[str, tuple[str, ...]] = {
-    "query": (
-        "*in_proj_weight[q]",
-        "*in_proj_bias[q]",
-        "*qkv.weight[q]",
-        "*qkv.bias[q]",
-        "*q_proj.*",
-        "*attention.self.query.*",
-    ),
-    "key": (
-        "*in_proj_weight[k]",
-        "*in_proj_bias[k]",
-        "*qkv.weight[k]",
-        "*qkv.bias[k]",
-        "*k_proj.*",
-        "*attention.self.key.*",
-    ),
-    "value": (
-        "*in_proj_weight[v]",
-        "*in_proj_bias[v]",
-        "*qkv.weight[v]",
-        "*qkv.bias[v]",
-        "*v_proj.*",
-        "*attention.self.value.*",
-    ),
-    "attention_output": (
-        "*self_attn.out_proj.*",
-        "*attention.output.weight",
-        "*attention.output.bias",
-        "*o_proj.*",
-        "*attn.c_proj.*",
-        "*attention.output.dense.*",
-    ),
-    "mlp": ("*linear1.*", "*linear2.*", "*mlp.*", "*mlp.c_fc.*", "*intermediate.dense.*", "*output.dense.*"),
-    "embeddings": ("*embedding*", "*embed*", "*wte.*", "*wpe.*"),
-    "norms": ("*norm*", "*ln_*", "*LayerNorm*"),
-}
-"""Parameter-name patterns of the blocks a Hessian can be restricted to (``fnmatch``; ``[q]``, ``[k]``,
-``[v]`` select the first, second or third of the rows of a packed projection such as
-``nn.MultiheadAttention.in_proj_weight``): PyTorch's own transformer layers, the demo model, and Hugging Face
-BERT/GPT-2/Llama naming. A preset that matches nothing in a model is an error when asked for."""
-
-
-@dataclass(frozen=True)
-class _Coordinates:
-    name: str
-    parameter: nn.Parameter
-    rows: slice | None  # a packed part (a third of the rows), or the whole parameter
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.parameter[self.rows].shape if self.rows is not None else self.parameter.shape
-
-
-class ParameterSpace:
-    """The flat coordinate vector of chosen parameters (or packed parts of them) a Hessian acts on.
-
-    ``ParameterSpace.of(module)``: every parameter that requires grad. ``ParameterSpace.of(module,
-    patterns)``: those whose qualified names match one of the ``fnmatch`` patterns; a pattern ending in
-    ``[q]``, ``[k]`` or ``[v]`` takes that third of the rows of a packed query/key/value projection.
-    """
-
-    def __init__(self, coordinates: Sequence[_Coordinates]) -> None:
-        if not coordinates:
-            raise ValueError("a ParameterSpace needs at least one parameter")
-        self.coordinates = tuple(coordinates)
-        self.parameters = list({id(c.parameter): c.parameter for c in coordinates}.values())
-        self.sizes = [c.shape.numel() for c in self.coordinates]
-        self.size = sum(self.sizes)
-        first = self.parameters[0]
-        self.dtype, self.device = first.dtype, first.device
-
-    @classmethod
-    def of(cls, module: nn.Module, patterns: Sequence[str] | None = None) -> ParameterSpace:
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        if patterns is None:
-            return cls([_Coordinates(name, p, None) for name, p in named])
-        chosen: dict[tuple[str, int | None], _Coordinates] = {}
-        for pattern in patterns:
-            packed = _PACKED_PART.match(pattern)
-            glob = packed["pattern"] if packed else pattern
-            for name, parameter in named:
-                if not fnmatch.fnmatchcase(name, glob):
-                    continue
-                if packed is None:
-                    chosen.setdefault((name, None), _Coordinates(name, parameter, None))
-                    continue
-                third, remainder = divmod(parameter.shape[0], 3)
-                if remainder:
-                    raise ValueError(
-                        f"pattern {pattern!r}: {name} has {parameter.shape[0]} rows, not 3 parts"
-                    )
-                index = _PACKED_INDEX[packed["part"]]
-                chosen.setdefault(
-                    (name, index), _Coordinates(name, parameter, slice(index * third, (index + 1) * third))
-                )
-        whole = {name for name, index in chosen if index is None}
-        kept = [c for (name, index), c in chosen.items() if index is None or name not in whole]
-        if not kept:
-            raise ValueError(f"patterns {list(patterns)} match no parameter that requires grad")
-        return cls(kept)
-
-    def names(self) -> list[str]:
-        return [
-            c.name if c.rows is None else f"{c.name}[{c.rows.start}:{c.rows.stop}]" for c in self.coordinates
-        ]
-
-    def flatten(self, per_parameter: Sequence[Tensor]) -> Tensor:
-        """(k, size) from tensors shaped (k, *parameter.shape), one per entry of ``self.parameters``."""
-        by_id = {id(p): t for p, t in zip(self.parameters, per_parameter, strict=True)}
-        parts = []
-        for c in self.coordinates:
-            tensor = by_id[id(c.parameter)]
-            if c.rows is not None:
-                tensor = tensor[:, c.rows]
-            parts.append(tensor.reshape(tensor.shape[0], -1))
-        return torch.cat(parts, dim=1)
-
-    def unflatten(self, flat: Tensor) -> list[Tensor]:
-        """Tensors shaped (k, *parameter.shape) from (k, size), zero outside the chosen coordinates."""
-        k = flat.shape[0]
-        full = {id(p): None for p in self.parameters}
-        pieces = flat.split(self.sizes, dim=1)
-        for c, piece in zip(self.coordinates, pieces, strict=True):
-            piece = piece.reshape(k, *c.shape).to(c.parameter.dtype)
-            if c.rows is None:
-                full[id(c.parameter)] = piece
-                continue
-            if full[id(c.parameter)] is None:
-                full[id(c.parameter)] = piece.new_zeros((k, *c.parameter.shape))
-            full[id(c.parameter)][:, c.rows] = piece
-        return [full[id(p)] for p in self.parameters]
-
-    def values(self) -> Tensor:
-        """The current parameter values as a (size,) vector (detached)."""
-        return self.flatten([p.detach()[None] for p in self.parameters])[0]
-
-
 HessianMethod = Literal["autograd", "func"]
 HESSIAN_METHODS = ("autograd", "func")
 
@@ -207,21 +62,41 @@ HESSIAN_METHODS = ("autograd", "func")
 class HessianOperator(BatchedOperator):
     """The Hessian of ``loss_fn()`` over ``space``, as a symmetric operator with a batch of one.
 
-    The forward and the gradient's graph are built once and kept, so each product is one backward through
-    the cached graph, batched over the block of vectors. ``method="autograd"`` (the default): the gradient
-    with ``create_graph`` once, then each product one ``torch.autograd.grad`` of it (a block by
-    ``is_grads_batched``); a single vector over whole parameters goes in and out by views, so a product
-    costs what the hand-written double backward does (``benchmarks/bench_hessian.py`` measures both).
-    ``"func"``: ``torch.func.vjp`` of ``torch.func.grad``, products batched by ``vmap``; the autograd path
-    is taken instead when ``torch.func`` cannot transform the forward (``method`` then says
-    ``"autograd"``). ``gradient`` holds the gradient over ``space``, detached. Drop the operator to
-    free the graph.
+    The forward and the gradient's graph are built once, here, and kept, so each product is one backward
+    through the cached graph, batched over the block of vectors. ``method="autograd"`` (the default): the
+    gradient with ``create_graph`` once, then each product one ``torch.autograd.grad`` of it (a block by
+    ``is_grads_batched``); a single vector over whole parameters goes in and out by views, with nothing
+    around the one backward. ``"func"``: ``torch.func.vjp`` of ``torch.func.grad``, products batched by
+    ``vmap``; the autograd path is taken instead when ``torch.func`` cannot transform the forward
+    (``method`` then says ``"autograd"``). Drop the operator to free the graph.
 
-    ``average_over_ranks``: under ``torch.distributed`` (DDP) the gradient and every block of products are
-    averaged over the ranks (:func:`~spectral_monitor.distributed.mean_over_ranks_`, one all-reduce per
-    block), so with each rank's loss on its own shard this is the Hessian of the mean loss over the global
-    batch; every rank must then apply it the same number of times, so the solvers' stop decisions are
-    agreed across ranks (:meth:`agreed`). Without a process group it changes nothing.
+    Args:
+        loss_fn: Takes no arguments and returns a scalar tensor computed with the parameters of ``space``;
+            called once.
+        space: The coordinates the Hessian acts on.
+        method: ``"autograd"`` or ``"func"``.
+        module: The module ``loss_fn`` uses, whose parameters ``"func"`` swaps; needed for ``"func"`` only.
+        average_over_ranks: Under ``torch.distributed`` (DDP) average the gradient and every block of
+            products over the ranks (:func:`~spectral_monitor.distributed.mean_over_ranks_`, one all-reduce
+            per block), so with each rank's loss on its own shard this is the Hessian of the mean loss over
+            the global batch; every rank must then apply it the same number of times, so the solvers' stop
+            decisions are agreed across ranks (:meth:`agreed`). Without a process group it changes nothing.
+
+    Attributes:
+        gradient: The gradient over ``space``, (size,), detached.
+        products: Hessian-vector products applied so far.
+
+    Raises:
+        ValueError: If ``method`` is unknown, ``"func"`` comes without ``module`` or with parameters that are
+            not ``module``'s, or ``loss_fn`` returns something other than a scalar tensor.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 1, bias=False)
+        >>> hessian = HessianOperator(lambda: 3 * layer.weight.square().sum(), ParameterSpace.of(layer))
+        >>> hessian.matmat(torch.ones(1, 2, 1)).flatten().tolist(), hessian.products
+        ([6.0, 6.0], 1)
     """
 
     def __init__(
@@ -270,6 +145,14 @@ class HessianOperator(BatchedOperator):
         self._live = [i for i, g in enumerate(self._gradients) if g.requires_grad]
 
     def matmat(self, x: Tensor) -> Tensor:
+        """H X for a block of k vectors: k products, added to ``products``.
+
+        Args:
+            x: (1, size, k).
+
+        Returns:
+            (1, size, k) in ``x``'s dtype, detached (averaged over the ranks with ``average_over_ranks``).
+        """
         vectors = x[0].transpose(0, 1)  # (k, n)
         if self.method == "func" and vectors.shape[0] == 1:  # vmap over one vector only adds overhead
             cotangents = self.space.unflatten(vectors)
@@ -290,6 +173,15 @@ class HessianOperator(BatchedOperator):
         return self._averaged(products.detach()).transpose(0, 1)[None].to(x.dtype)
 
     def agreed(self, flags: Tensor) -> Tensor:
+        """The solvers' stop decisions, made the same on every rank when averaging over ranks.
+
+        Args:
+            flags: Boolean decisions of this rank.
+
+        Returns:
+            ``flags`` true on every rank (:func:`~spectral_monitor.distributed.on_every_rank`) with
+            ``average_over_ranks``, else ``flags`` itself.
+        """
         return on_every_rank(flags) if self.average_over_ranks else flags
 
     def _single_product(self, vector: Tensor) -> Tensor:
@@ -358,7 +250,24 @@ def _check_scalar(loss: object) -> None:
 
 
 class DiagonallyScaled(BatchedOperator):
-    """D M D for a symmetric M and a positive diagonal D = diag(``scaling``), e.g. P^-1/2 H P^-1/2."""
+    """D M D for a symmetric M and a positive diagonal D = diag(``scaling``), e.g. P^-1/2 H P^-1/2.
+
+    Args:
+        op: M, symmetric.
+        scaling: The diagonal of D, (size,).
+
+    Attributes:
+        base: M.
+        scaling: D's diagonal as (1, size, 1), on M's device.
+
+    Examples:
+        >>> import torch
+        >>> from spectral_monitor.linalg.operators import DenseOperator
+        >>> identity = DenseOperator(torch.eye(2)[None], symmetric=True)
+        >>> scaled = DiagonallyScaled(identity, torch.tensor([1.0, 2.0]))
+        >>> scaled.matmat(torch.ones(1, 2, 1)).flatten().tolist()
+        [1.0, 4.0]
+    """
 
     def __init__(self, op: BatchedOperator, scaling: Tensor) -> None:
         super().__init__(op.batch, op.rows, op.cols, op.dtype, op.device, symmetric=True)
@@ -366,10 +275,26 @@ class DiagonallyScaled(BatchedOperator):
         self.scaling = scaling.to(device=op.device)[None, :, None]
 
     def matmat(self, x: Tensor) -> Tensor:
+        """D M D X.
+
+        Args:
+            x: (batch, size, k).
+
+        Returns:
+            (batch, size, k).
+        """
         scaling = self.scaling.to(x.dtype)
         return scaling * self.base.matmat(scaling * x)
 
     def agreed(self, flags: Tensor) -> Tensor:
+        """The stop decisions as M agrees them.
+
+        Args:
+            flags: Boolean decisions of this rank.
+
+        Returns:
+            ``M.agreed(flags)``.
+        """
         return self.base.agreed(flags)
 
 
@@ -390,9 +315,8 @@ def hessian_eigenvalues(
     eigenvalue and the space has resolved the Ritz value past the wanted ones (``criterion="eigenvalue"``,
     ``relative_to="each"`` of :func:`~spectral_monitor.linalg.lanczos_eigsh`, whose docstring says what the
     bound assumes), or when the next block would exceed ``max_products`` (``converged`` is then False).
-    Width 1 by default: on the CPU a batched pass over b vectors costs about b single products and
-    single-vector Lanczos reaches 1e-3 in the fewest products; a width of at least the multiplicity is
-    needed to resolve exactly repeated eigenvalues.
+    Width 1 by default, single-vector Lanczos; a wider block batches its products into one backward pass, and
+    a width of at least the multiplicity is needed to resolve exactly repeated eigenvalues.
 
     Warm vectors ``init`` (n, r), the last event's Ritz vectors, are mixed into the random start
     (``init_mode="mix"``): every start vector is a random direction plus a warm one, so the Krylov space
@@ -400,6 +324,33 @@ def hessian_eigenvalues(
     one the warm vectors have turned away from included. The warm answer is accepted by the same test as a
     cold one, so a stale vector inside a cluster (an eigenvector of λ₂ after an eigenvalue crossing) costs
     products, not accuracy.
+
+    Args:
+        op: A symmetric operator with a batch of one (a :class:`HessianOperator`, or a scaled one).
+        k: How many eigenpairs.
+        which: ``"largest"`` or ``"smallest"`` (algebraic).
+        max_products: The products the run may spend, at least ``k``.
+        tol: The eigenvalue error bound, relative to each eigenvalue, at which the run stops.
+        block_size: The block width (capped at the operator's size).
+        init: Warm vectors (n, r), or None: a cold start.
+        generator: The random start's generator (advanced).
+
+    Returns:
+        ``values`` (1, k) and ``vectors`` (1, n, k), with the convergence information in ``info``.
+
+    Raises:
+        ValueError: If ``max_products`` is below ``k`` or ``block_size`` is not a positive int.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(3, 1, bias=False)
+        >>> curvatures = torch.tensor([1.0, 2.0, 3.0])
+        >>> loss_fn = lambda: (curvatures * layer.weight.square()).sum()  # H = diag(2, 4, 6)
+        >>> hessian = HessianOperator(loss_fn, ParameterSpace.of(layer))
+        >>> result = hessian_eigenvalues(hessian, 2, generator=torch.Generator().manual_seed(0))
+        >>> [round(value, 4) for value in result.values[0].tolist()], bool(result.info.converged.all())
+        ([6.0, 4.0], True)
     """
     if max_products < k:
         raise ValueError(f"max_products must be >= k={k}, got {max_products}")
@@ -423,98 +374,21 @@ def hessian_eigenvalues(
 
 
 @dataclass
-class EdgeOfStability:
-    """The threshold the sharpness is compared with, and the preconditioner that defines it.
-
-    ``kind``: ``"sgd"``, ``"momentum"``, ``"nesterov"``, ``"rmsprop"`` or ``"adam"``; ``threshold``: 2/η,
-    (2 + 2β)/((1 − d)η), (2 + 2β)/((1 + 2β)η), 2/η or (2 + 2β)/η for RMSprop with momentum β, and
-    (2 + 2β₁)/((1 − β₁)η); ``preconditioner``: for Adam and RMSprop the diagonal P over the space (size,),
-    else None (the sharpness is then λ_max(H) itself). ``docs/curvature.md`` derives each one.
-    """
-
-    kind: str
-    learning_rate: float
-    threshold: float
-    preconditioner: Tensor | None = None
-
-
-PRECONDITIONED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
-"""Optimizers whose sharpness is the preconditioned one, λ_max(P^-1/2 H P^-1/2)."""
-
-
-def edge_of_stability(optimizer: torch.optim.Optimizer, space: ParameterSpace) -> EdgeOfStability | None:
-    """The edge of stability of ``optimizer`` over ``space``, from its hyper-parameters and state.
-
-    Gradient descent on a quadratic with curvature λ is stable while λ < threshold; for a preconditioned
-    method the threshold applies to the preconditioned Hessian P^-1/2 H P^-1/2 (Cohen et al. 2022,
-    "Adaptive gradient methods at the edge of stability", arXiv:2207.14484):
-
-    - SGD: 2/η. With heavy-ball momentum β and dampening d (``torch.optim.SGD``: b ← βb + (1 − d)g,
-      θ ← θ − ηb): (2 + 2β)/((1 − d)η). Nesterov (θ ← θ − η(g + βb), d = 0): (2 + 2β)/((1 + 2β)η).
-    - Adam/AdamW: P_t = (1 − β₁ᵗ)·(diag(√(v_t/(1 − β₂ᵗ))) + ε), threshold (2 + 2β₁)/((1 − β₁)η), with t each
-      parameter's own ``step`` and v_t its ``exp_avg_sq`` (``max_exp_avg_sq`` with AMSGrad).
-    - RMSprop: P = diag(√v) + ε (√(v − ḡ²) + ε centred), threshold 2/η, (2 + 2β)/η with momentum β.
-
-    ``None`` when it is not defined: another optimizer; parameter groups with different hyper-parameters
-    over the space; a preconditioned method before its first step (no v yet).
-    """
-    groups = [g for g in optimizer.param_groups if any(id(p) in _ids(space) for p in g["params"])]
-    if not groups or not all(_same_hyperparameters(groups[0], g) for g in groups[1:]):
-        return None
-    group = groups[0]
-    lr = float(group["lr"])
-    if lr <= 0:
-        return None
-    if isinstance(optimizer, torch.optim.SGD):
-        beta = float(group.get("momentum", 0.0))
-        if beta == 0:
-            return EdgeOfStability("sgd", lr, 2 / lr)
-        if group.get("nesterov", False):
-            return EdgeOfStability("nesterov", lr, (2 + 2 * beta) / ((1 + 2 * beta) * lr))
-        dampening = float(group.get("dampening", 0.0))
-        return EdgeOfStability("momentum", lr, (2 + 2 * beta) / ((1 - dampening) * lr))
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        beta1, beta2 = (float(b) for b in group["betas"])
-        eps = float(group["eps"])
-        key = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
-        diagonals = []
-        for p in space.parameters:
-            state = optimizer.state.get(p, {})
-            if key not in state or "step" not in state or float(state["step"]) < 1:
-                return None
-            steps = float(state["step"])
-            v_hat = state[key].detach() / (1 - beta2**steps)
-            diagonals.append(((1 - beta1**steps) * (v_hat.sqrt() + eps))[None])
-        preconditioner = space.flatten(diagonals)[0]
-        return EdgeOfStability("adam", lr, (2 + 2 * beta1) / ((1 - beta1) * lr), preconditioner)
-    if isinstance(optimizer, torch.optim.RMSprop):
-        eps, beta = float(group["eps"]), float(group.get("momentum", 0.0))
-        diagonals = []
-        for p in space.parameters:
-            state = optimizer.state.get(p, {})
-            if "square_avg" not in state:
-                return None
-            second_moment = state["square_avg"].detach()
-            if group.get("centered", False):
-                second_moment = second_moment - state["grad_avg"].detach().square()
-            diagonals.append((second_moment.clamp_min(0).sqrt() + eps)[None])
-        preconditioner = space.flatten(diagonals)[0]
-        return EdgeOfStability("rmsprop", lr, (2 + 2 * beta) / lr, preconditioner)
-    return None
-
-
-def _ids(space: ParameterSpace) -> set[int]:
-    return {id(p) for p in space.parameters}
-
-
-def _same_hyperparameters(first: Mapping, other: Mapping) -> bool:
-    keys = ("lr", "momentum", "dampening", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad")
-    return all(first.get(key) == other.get(key) for key in keys)
-
-
-@dataclass
 class CurvatureWarmStart:
-    """Ritz vectors of the last event, per quantity, to warm-start the next one (the engine guards them)."""
+    """Ritz vectors of the last event, per quantity, to warm-start the next one.
+
+    Vectors of another space's size are not used (the start is then cold); the Lanczos engine accepts a warm
+    answer by the same test as a cold one.
+
+    Attributes:
+        top: (size, top_k), the top eigenvectors of H, or None.
+        bottom: (size, 1), the eigenvector of the most negative eigenvalue, or None.
+        preconditioned: (size, 1), the top eigenvector of P^-1/2 H P^-1/2, or None.
+
+    Examples:
+        >>> CurvatureWarmStart().top is None
+        True
+    """
 
     top: Tensor | None = None
     bottom: Tensor | None = None
@@ -525,14 +399,29 @@ class CurvatureWarmStart:
 class CurvatureEstimate:
     """What one curvature event measured over one parameter space.
 
-    ``eigenvalues`` (k,) descending, the top-k largest algebraic of H; ``sharpness``: λ_max(H), or for
-    Adam λ_max(P^-1/2 H P^-1/2) (NaN before Adam's first step: no v̂ yet);
-    ``edge``: the optimizer's threshold (None without an optimizer);
-    ``min_eigenvalue``: the most negative (smallest algebraic) eigenvalue if asked; ``trace``: Hutch++;
-    ``density``: quadrature nodes and weights of the spectral density; ``gradient_alignment``: |cos| of the
-    top eigenvector with the gradient; ``products``: Hessian-vector products spent; ``converged``: every
-    Lanczos run passed its test within its budget (:func:`hessian_eigenvalues`); the values are returned
-    either way; ``warm``: vectors for the next event.
+    Attributes:
+        eigenvalues: (k,) descending, the top-k largest algebraic eigenvalues of H.
+        sharpness: λ_max(H), or for Adam, AdamW and RMSprop λ_max(P^-1/2 H P^-1/2) (NaN before their first
+            step: no v̂ yet).
+        edge: The optimizer's threshold (None without an optimizer, or where it is not defined).
+        min_eigenvalue: The most negative (smallest algebraic) eigenvalue, if asked for; else None.
+        trace: The Hutch++ estimate of tr H, if asked for; else None.
+        density: Quadrature nodes and weights of the spectral density, if asked for; else None.
+        gradient_alignment: |cos| of the top eigenvector with the gradient, in [0, 1].
+        products: Hessian-vector products spent.
+        converged: Every Lanczos run passed its test within its budget (:func:`hessian_eigenvalues`); the
+            values are returned either way.
+        warm: Vectors for the next event.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 1, bias=False)
+        >>> estimate = measure_curvature(
+        ...     layer, lambda: layer.weight.square().sum(), generator=torch.Generator().manual_seed(0)
+        ... )
+        >>> [round(value, 4) for value in estimate.eigenvalues.tolist()], estimate.edge, estimate.trace
+        ([2.0], None, None)
     """
 
     eigenvalues: Tensor
@@ -569,19 +458,55 @@ def measure_curvature(
 ) -> CurvatureEstimate:
     """Hessian curvature of ``loss_fn()`` over ``space`` (default: every trainable parameter of ``module``).
 
-    ``loss_fn`` takes no arguments and returns a scalar computed with ``module``; it runs once, in
-    ``probing(module, mode)``: nothing of the module, its ``.grad`` or the RNG streams changes.
-    ``method``: how Hessian-vector products are formed (:class:`HessianOperator`).
-    ``max_products`` bounds each Lanczos run (top-k, most negative, preconditioned top-1), which stops
-    when each eigenvalue's error bound is within ``tol`` of itself (:func:`hessian_eigenvalues`, block width
-    ``block_size``);
-    ``trace_products`` > 0 (at least 6) adds the Hutch++ trace, ``density_probes`` > 1 the quadrature of
-    the spectral density (``density_steps`` Lanczos steps per probe). ``optimizer``: its edge of stability
-    (:func:`edge_of_stability`) is measured, and for Adam the preconditioned sharpness.
-    ``average_over_ranks``: under DDP, every rank calls this with the loss of its own batch and gets the
-    curvature of the mean loss over all ranks' batches (:class:`HessianOperator`); a ``generator`` given
-    must be seeded alike on every rank (without one, rank 0's fresh seed is shared).
-    A sharded (FSDP) module is refused (:func:`check_unsharded`).
+    ``loss_fn`` runs once, in ``probing(module, mode)``: nothing of the module, its ``.grad`` or the RNG
+    streams changes. Each Lanczos run (top-k, most negative, preconditioned top-1) stops when each
+    eigenvalue's error bound is within ``tol`` of itself, or at ``max_products``
+    (:func:`hessian_eigenvalues`).
+
+    Args:
+        module: The module ``loss_fn`` computes with; a sharded (FSDP) one is refused
+            (:func:`check_unsharded`).
+        loss_fn: Takes no arguments and returns a scalar tensor computed with ``module``.
+        space: The coordinates of the Hessian (None: every parameter of ``module`` that requires grad).
+        top_k: How many of the largest algebraic eigenvalues, at least 1 (capped at the space's size).
+        min_eigenvalue: Also the most negative (smallest algebraic) eigenvalue.
+        trace_products: Products for the Hutch++ trace (at least 6); 0: no trace.
+        density_probes: Probes of the stochastic Lanczos quadrature of the spectral density (at least 2);
+            0: no density.
+        density_steps: Lanczos steps per density probe.
+        optimizer: Its edge of stability (:func:`edge_of_stability`) is measured, and for Adam, AdamW and
+            RMSprop the preconditioned sharpness; only read. None: neither.
+        max_products: The products each Lanczos run may spend.
+        tol: The eigenvalue error bound, relative to each eigenvalue, at which a run stops.
+        block_size: The Lanczos block width.
+        warm: The last event's vectors (``CurvatureEstimate.warm``); None: a cold start.
+        mode: The module's mode during the probe: ``"eval"`` or ``"train"``.
+        method: How Hessian-vector products are formed (:class:`HessianOperator`).
+        generator: The random starts' generator (advanced); None: a fresh one.
+        average_over_ranks: Under DDP, every rank calls this with the loss of its own batch and gets the
+            curvature of the mean loss over all ranks' batches (:class:`HessianOperator`); a ``generator``
+            given must be seeded alike on every rank (without one, rank 0's fresh seed is shared).
+
+    Returns:
+        What the event measured, with the vectors to warm-start the next one.
+
+    Raises:
+        ValueError: If ``top_k`` is not a positive int, the module is sharded, or the Hessian cannot be
+            formed (:class:`HessianOperator`).
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> layer = nn.Linear(3, 1, bias=False)
+        >>> curvatures = torch.tensor([1.0, 2.0, 3.0])
+        >>> estimate = measure_curvature(
+        ...     layer,
+        ...     lambda: (curvatures * layer.weight.square()).sum(),
+        ...     min_eigenvalue=True,
+        ...     generator=torch.Generator().manual_seed(0),
+        ... )
+        >>> round(estimate.sharpness, 4), round(estimate.min_eigenvalue, 4), estimate.converged
+        (6.0, 2.0, True)
     """
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
@@ -670,11 +595,22 @@ def measure_curvature(
 
 
 def check_unsharded(module: nn.Module, probe: str) -> None:
-    """A ValueError naming DDP as the alternative if ``module`` has sharded (FSDP) parameters.
+    """Refuses a module with sharded (FSDP, FSDP2 or DTensor) parameters, naming DDP as the alternative.
 
     The curvature, Jacobian and NTK probes differentiate the loss twice or push a data-dependent number of
     products through the forward; FSDP would all-gather shards inside each, on each rank its own number of
     times, and the double backward through sharded parameters is not built.
+
+    Args:
+        module: The module the probe would run on.
+        probe: The probe's name, for the message (``"the curvature probe"``).
+
+    Raises:
+        ValueError: If ``module`` has sharded parameters.
+
+    Examples:
+        >>> from torch import nn
+        >>> check_unsharded(nn.Linear(2, 2), "the curvature probe")
     """
     sharded = sharded_parameters(module)
     if sharded:
