@@ -2,6 +2,11 @@
 ``lightning.pytorch`` over the framework-free :mod:`spectral_monitor.core`; the default loss of the
 second-order probes (:mod:`~spectral_monitor.lightning.losses`); the namespace shim
 (:mod:`~spectral_monitor.lightning.namespaces`). The only package of the library that imports Lightning.
+
+Examples:
+    >>> from spectral_monitor import SpectralMonitor as top_level
+    >>> top_level is SpectralMonitor
+    True
 """
 
 from spectral_monitor.lightning.callback import SpectralMonitor

@@ -111,6 +111,15 @@ class SpectralMonitor(*CALLBACK_BASES):
     Raises:
         ValueError: if an option is unknown or out of range (the message names it and what is allowed).
         MisconfigurationException: at ``setup`` if the Trainer has no logger.
+
+    Examples:
+        The options read as the callback's own attributes, as validated:
+
+        >>> monitor = SpectralMonitor(every_n_steps=10, per_head=True)
+        >>> monitor.every_n_steps, monitor.per_head, monitor.options.outputs.per_head
+        (10, True, True)
+        >>> all(isinstance(monitor, base) for base in CALLBACK_BASES)
+        True
     """
 
     def __init__(self, options: MonitorOptions | None = None, **keywords: Any) -> None:
@@ -130,6 +139,8 @@ class SpectralMonitor(*CALLBACK_BASES):
     @property
     @override
     def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint: the class name and the options that decide what
+        the state holds (cadence, families, capture patterns), so two monitors of one Trainer keep apart."""
         return self._generate_state_key(
             every_n_steps=self.options.every_n_steps,
             families=list(self.options.families),
@@ -139,6 +150,17 @@ class SpectralMonitor(*CALLBACK_BASES):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``: a sink per logger on global rank 0, with one warning naming the outputs that the
+        loggers cannot keep (a logger other than ``TensorBoardLogger`` keeps scalars only).
+
+        Args:
+            trainer: The Trainer, whose loggers become the sinks.
+            pl_module: The LightningModule, unused here (measured from ``on_fit_start``).
+            stage: The Trainer's stage; anything but ``"fit"`` is ignored.
+
+        Raises:
+            MisconfigurationException: The Trainer has no logger (``logger=False``).
+        """
         if stage != "fit":
             return
         if not trainer.loggers:
@@ -158,6 +180,14 @@ class SpectralMonitor(*CALLBACK_BASES):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Starts the session on ``pl_module``: its layers found, its training step the default loss of the
+        second-order probes; global rank 0 writes.
+
+        Args:
+            trainer: The Trainer: its strategy's model (the outermost wrapper, for FSDP gathering), its
+                ``global_step`` and ``should_stop``.
+            pl_module: The LightningModule, whose attention, residual stream and weights are measured.
+        """
         # Here rather than in `setup`: `configure_model` has built every layer and the strategy has moved it.
         self._session.start(
             pl_module,
@@ -173,28 +203,69 @@ class SpectralMonitor(*CALLBACK_BASES):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """``begin_step`` on the logging step of the batch: weights measured and captures armed when the
+        cadence says so, the second-order probes on their own cadence.
+
+        Args:
+            trainer: The Trainer: the step axis (module docstring) and its first optimizer.
+            pl_module: The LightningModule, unused here.
+            batch: The batch, the probe batch of the second-order probes.
+            batch_idx: Its index in the epoch, unused (the step axis counts across epochs).
+        """
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._session.begin_step(step, batch, optimizer=optimizer)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """``end_forward``: the captures stop, so the backward (and any recomputation) runs unobserved.
+
+        Args:
+            trainer: The Trainer, unused.
+            pl_module: The LightningModule, unused.
+            loss: The training loss, unused.
+        """
         self._session.end_forward()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """``end_step``: metrics, alerts and records written; a ``stop_on`` rule that fired on any rank sets
+        ``trainer.should_stop``.
+
+        Args:
+            trainer: The Trainer, unused (stopping goes through the callback given at ``on_fit_start``).
+            pl_module: The LightningModule, unused.
+            outputs: What ``training_step`` returned, unused.
+            batch: The batch, unused.
+            batch_idx: Its index in the epoch, unused.
+        """
         self._session.end_step()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        """``abandon``: the step in progress is dropped (captures disarmed, recordings discarded, nothing
+        written), so a failed run leaves no hook on the model.
+
+        Args:
+            trainer: The Trainer, unused.
+            pl_module: The LightningModule, unused.
+            exception: What interrupted the run, unused (Lightning raises it again).
+        """
         self._session.abandon()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For ``fit``: ``close`` (sinks closed; one warning listing what failed or could not be written).
+
+        Args:
+            trainer: The Trainer, unused.
+            pl_module: The LightningModule, unused.
+            stage: The Trainer's stage; anything but ``"fit"`` is ignored.
+        """
         if stage != "fit":
             return
         self._session.close()
@@ -202,10 +273,20 @@ class SpectralMonitor(*CALLBACK_BASES):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The monitor's state, saved with each checkpoint under :attr:`state_key`.
+
+        Returns:
+            The session's state (warm iterative vectors, alert streams, cadence counters).
+        """
         return self._session.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output when a fit resumes from a checkpoint.
+
+        Args:
+            state_dict: What :meth:`state_dict` returned.
+        """
         self._session.load_state_dict(state_dict)
 
 
