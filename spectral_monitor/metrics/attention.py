@@ -9,9 +9,6 @@ factorising it. The members that need no spectrum come from one pass over the ma
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
-
 import torch
 from torch import Tensor
 
@@ -27,6 +24,12 @@ from spectral_monitor.metrics._common import (
     working_dtype_of,
 )
 from spectral_monitor.metrics.attention_krylov import KrylovState, krylov_spectral_metrics
+from spectral_monitor.metrics.attention_passes import (
+    Scratch,
+    anchored_dobrushin,
+    exact_dobrushin,
+    one_pass_members,
+)
 from spectral_monitor.metrics.masks import is_causal_pattern
 
 EXACT_MAX_SIZE = 384
@@ -39,22 +42,12 @@ every round it has and still reads the effective rank low, so there the exact pa
 the correct one (benchmarks/README.md). Above it the cost of factorising grows as n³ per head."""
 DOBRUSHIN_EXACT_MAX_ROWS = 32
 """Above this many rows (and off the "exact" path) the Dobrushin coefficient is the anchored estimate
-(:func:`anchored_dobrushin`): a lower bound that is at least half the true value. The exact value compares
-every pair of rows, O(n³) per matrix; the estimate is O(n²), and the faster of the two from this size up
-(benchmarks/README.md)."""
-DOBRUSHIN_ANCHORS = 8
-"""Rows the Dobrushin estimate measures every row's distance from: those farthest from the mean row. More
-anchors bring the estimate closer to the true value at one pass over A each; docs/numerics.md gives the
-accuracy of this choice on softmax attention."""
+(:func:`~spectral_monitor.metrics.attention_passes.anchored_dobrushin`): a lower bound that is at least
+half the true value. The exact value compares every pair of rows, O(n³) per matrix; the estimate is O(n²),
+and the faster of the two from this size up (benchmarks/README.md)."""
 ONE_PASS_CHUNK_BYTES = 2**20
 """Bytes of A in one block of the passes for the entropy, norms and Dobrushin distances: a block and its
 temporary stay in a core's L2 cache (benchmarks/README.md)."""
-CENTRED_BY_DIFFERENCE_MIN = 0.04
-"""The rank-one residual comes from ‖A‖_F² − n‖ā‖² where that is at least this fraction of ‖A‖_F² (the
-residual at least 0.2): the float32 rounding of the two sums, ~1e-7 of ‖A‖_F² each, then moves the residual
-by a few parts in a million of itself, and more the smaller it is. Below, a second pass forms the centred
-rows (softmax attention of Gaussian queries and keys has a residual near 0.8; collapsing attention goes
-below)."""
 
 METRIC_NAMES = (
     "entropy",
@@ -87,21 +80,15 @@ def attention_metrics(
     generator: torch.Generator | None = None,
     return_spectra: bool = False,
 ) -> dict[str, Tensor]:
-    """Spectral and entropy metrics of attention matrices ``attn`` (..., n, m), rows summing to 1.
+    """Spectral and entropy metrics of attention matrices, rows summing to 1, batched over leading dims.
 
-    ``key_mask`` (..., m) and ``query_mask`` (..., n) are bool, True = attendable key / real query (the
-    opposite of PyTorch's ``key_padding_mask``); metrics are those of the submatrix of valid queries × valid
-    keys. ``causal``: row i attends keys j ≤ i (normalised entropy uses i + 1 keys; ``eigen_gap`` is NaN
-    because a triangular A's eigenvalues are its diagonal). ``attendable``: bool broadcastable to
-    (..., n, m), True where query i may attend key j
-    (:func:`spectral_monitor.metrics.masks.attendable_pattern` reads it from an attention mask): row i's
-    keys are its attendable valid keys, and a pattern that is lower-triangular over the valid queries is
-    causal whatever ``causal`` says. Every value has shape
+    Metrics are those of the submatrix of valid queries × valid keys. Every value has shape
     ``attn.shape[:-2]``:
 
     - ``entropy``: mean over queries of −Σⱼ Aᵢⱼ log Aᵢⱼ / log(keys of row i); rows with < 2 keys left out;
     - ``sigma1``, ``sigma2``, ``spectral_gap`` = 1 − σ₂/σ₁, ``stable_rank`` = ‖A‖_F²/σ₁²;
-    - ``eigen_gap`` = 1 − |λ₂| (NaN when causal or non-square);
+    - ``eigen_gap`` = 1 − |λ₂| (NaN when causal or non-square: a triangular A's eigenvalues are its
+      diagonal);
     - ``rank_one_residual`` = ‖A − 1āᵀ‖_F/‖A‖_F with ā the mean row;
     - ``effective_rank`` (Roy & Vetterli), ``effective_rank_ratio`` = it / min(valid rows, valid keys),
       ``threshold_rank`` (smallest k keeping 99% of ‖A‖_F²; on the Krylov path only where the top two
@@ -117,13 +104,50 @@ def attention_metrics(
     Where no valid query has attention on a valid key (a fully padded sequence) there is nothing to measure:
     every metric is NaN and ``nonfinite`` False ("not measurable", not broken).
 
-    ``method``: "exact", "krylov", or "auto" (:func:`uses_exact_path`). ``include_rank_sums=False``
-    skips the effective and threshold ranks (NaN), the only members that need the whole spectrum.
-    ``state`` warm-starts the Krylov path; ``generator`` draws its probes (a private fixed-seed one by
-    default, so the global RNG is never touched). ``return_spectra``: on the exact path, also
-    ``singular_values`` (..., min(n, m)), the descending singular values the spectral members were computed
-    from (NaN where ``nonfinite``), so that no caller factorises the same matrices again; absent on the Krylov
-    path.
+    Args:
+        attn: (..., n, m) floating attention probabilities, queries × keys; not modified.
+        key_mask: (..., m) bool, True = attendable key (the opposite of PyTorch's ``key_padding_mask``);
+            None = every key.
+        query_mask: (..., n) bool, True = real query; None = every query.
+        causal: Row i attends keys j ≤ i: normalised entropy uses i + 1 keys, and ``eigen_gap`` is NaN.
+        attendable: Bool broadcastable to (..., n, m), True where query i may attend key j
+            (:func:`spectral_monitor.metrics.masks.attendable_pattern` reads it from an attention mask): row
+            i's keys are its attendable valid keys, and a pattern that is lower-triangular over the valid
+            queries is causal whatever ``causal`` says. None = every valid key.
+        method: "exact" (``svdvals``/``eigvals``), "krylov", or "auto" (:func:`uses_exact_path`).
+        include_rank_sums: False skips the effective and threshold ranks (NaN), the only members that need
+            the whole spectrum.
+        state: Warm-starts the Krylov path from the previous call's top singular vectors, and is updated.
+        generator: Draws the Krylov path's probes; None = a private fixed-seed one, so the global RNG is
+            never touched.
+        return_spectra: On the exact path, also return ``singular_values``.
+
+    Returns:
+        The metrics above by name, in ``attn``'s dtype where floating point (float64 input is measured in
+        float64, other dtypes in float32), and ``nonfinite`` bool. With ``return_spectra`` on the exact path,
+        also ``singular_values`` (..., min(n, m)), the descending singular values the spectral members were
+        computed from (NaN where ``nonfinite``), so that no caller factorises the same matrices again; absent
+        on the Krylov path.
+
+    Raises:
+        ValueError: ``attn`` holds no matrix; also (from the checks it calls) ``attn`` is not a floating
+            tensor of at least 2 dims, a mask or ``attendable`` has the wrong dtype or shape, or ``method`` is
+            unknown.
+
+    Examples:
+        Uniform attention is rank one; the identity, where each query attends only itself, is full rank:
+
+        >>> import torch
+        >>> uniform = attention_metrics(torch.full((4, 4), 0.25))
+        >>> [round(float(uniform[name]), 4) for name in ("entropy", "sigma1", "spectral_gap", "dobrushin")]
+        [1.0, 1.0, 1.0, 0.0]
+        >>> identity = attention_metrics(torch.eye(4))
+        >>> [round(float(identity[name]), 4) for name in ("entropy", "effective_rank", "rank_one_residual")]
+        [0.0, 4.0, 0.866]
+        >>> batch = torch.stack([torch.eye(4), torch.full((4, 4), 0.25)])
+        >>> both = attention_metrics(batch, return_spectra=True)
+        >>> tuple(both["singular_values"].shape), both["eigen_gap"].round(decimals=4).tolist()
+        ((2, 4), [0.0, 1.0])
     """
     attn = check_matrices(attn, "attn")
     if attn.numel() == 0:
@@ -194,9 +218,27 @@ def attention_metrics(
 
 
 def uses_exact_path(n: int, m: int, method: str, causal: bool = False) -> bool:
-    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method`` (``causal``:
-    the attention is causal, so no eigen gap is measured). There its batch elements are independent of each
-    other and of any ``state``: batches may be concatenated freely."""
+    """Whether :func:`attention_metrics` factorises (n, m) matrices exactly under ``method``.
+
+    There its batch elements are independent of each other and of any ``state``: batches may be
+    concatenated freely. Under "auto" the limit is ``EXACT_MAX_SIZE`` on the smaller side, or
+    ``EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP`` where no eigen gap is measured (causal or rectangular attention).
+
+    Args:
+        n: Queries (rows of A).
+        m: Keys (columns of A).
+        method: "exact", "krylov" or "auto".
+        causal: The attention is causal, so no eigen gap is measured.
+
+    Returns:
+        True for the exact path, False for the Krylov one.
+
+    Examples:
+        >>> uses_exact_path(512, 512, "auto"), uses_exact_path(512, 512, "auto", causal=True)
+        (False, True)
+        >>> uses_exact_path(8, 8, "krylov")
+        False
+    """
     if method != "auto":
         return method == "exact"
     largest = EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP if causal or n != m else EXACT_MAX_SIZE
@@ -210,10 +252,36 @@ def finished_metrics(
     nonfinite: Tensor,
     batch_shape: torch.Size,
 ) -> dict[str, Tensor]:
-    """The one-pass and spectral members (B,) joined into the catalogue's set, shaped ``batch_shape``.
+    """The one-pass and spectral members joined into the catalogue's set, shaped ``batch_shape``.
 
     Shared by every way of computing the members (dense probabilities, blocked products from q and k), so the
-    derived metrics have one definition.
+    derived metrics (``spectral_gap``, ``stable_rank``, ``effective_rank_ratio``) have one definition.
+
+    Args:
+        metrics: (B,) members by name, at least ``frobenius``, ``sigma1``, ``sigma2`` and
+            ``effective_rank``. Consumed: ``frobenius`` is popped, and every tensor is made NaN in place
+            where not measurable or non-finite.
+        valid_rows: (B,) the number of valid queries, floating.
+        valid_keys: (B,) the number of valid keys, floating.
+        nonfinite: (B,) bool, True where the input held a NaN or inf.
+        batch_shape: The leading dims B is the flattening of.
+
+    Returns:
+        The members but ``frobenius``, the derived metrics and ``nonfinite``, each of shape ``batch_shape``;
+        NaN where ``nonfinite`` or where nothing is measurable (no valid row, no valid key, or A = 0).
+
+    Examples:
+        >>> import torch
+        >>> members = {
+        ...     "frobenius": torch.tensor([1.0, 0.0]),
+        ...     "sigma1": torch.tensor([0.8, 0.0]),
+        ...     "sigma2": torch.tensor([0.4, 0.0]),
+        ...     "effective_rank": torch.tensor([1.5, 1.0]),
+        ... }
+        >>> two = torch.tensor([2.0, 2.0])
+        >>> finished = finished_metrics(members, two, two, torch.tensor([False, False]), torch.Size([2]))
+        >>> finished["spectral_gap"], finished["effective_rank_ratio"]  # the second one is zero: NaN
+        (tensor([0.5000,    nan]), tensor([0.7500,    nan]))
     """
     frobenius = metrics.pop("frobenius")
     # No valid query with attention on a valid key: nothing to measure (NaN), which is not a failure.
@@ -233,7 +301,27 @@ def finished_metrics(
 def flat_pattern(
     attendable: Tensor, batch_shape: torch.Size, num_queries: int, num_keys: int, device: torch.device
 ) -> Tensor:
-    """An attendable pattern broadcast to ``batch_shape + (n, m)`` and flattened to (B, n, m)."""
+    """An attendable pattern broadcast to ``batch_shape + (n, m)`` and flattened to (B, n, m).
+
+    Args:
+        attendable: Bool, True where query i may attend key j, broadcastable to ``batch_shape + (n, m)``.
+        batch_shape: The leading dims of the attention.
+        num_queries: n.
+        num_keys: m.
+        device: Where the pattern goes.
+
+    Returns:
+        (B, n, m) bool, a broadcast view where no copy is needed.
+
+    Raises:
+        ValueError: ``attendable`` is not a bool tensor, or does not broadcast.
+
+    Examples:
+        >>> import torch
+        >>> causal = torch.ones(3, 3, dtype=torch.bool).tril()
+        >>> tuple(flat_pattern(causal, torch.Size([2, 2]), 3, 3, torch.device("cpu")).shape)
+        (4, 3, 3)
+    """
     if not isinstance(attendable, Tensor) or attendable.dtype != torch.bool:
         raise ValueError(
             "attendable must be a bool tensor (True = the query may attend the key), got "
@@ -277,171 +365,6 @@ def _cache_sized_blocks(matrices: Tensor) -> list[tuple[slice, int, int]]:
     ]
 
 
-class Scratch:
-    """One buffer for the temporaries of successive blocks, grown to the largest block.
-
-    Temporaries made afresh for each block are fresh allocations whose page faults cost more than the
-    arithmetic (benchmarks/README.md); reused, the buffer and its block stay in cache.
-    """
-
-    def __init__(self) -> None:
-        self._buffer: Tensor | None = None
-
-    def like(self, block: Tensor) -> Tensor:
-        """A contiguous tensor of ``block``'s shape, dtype and device, overwriting earlier ones."""
-        size = block.numel()
-        buffer = self._buffer
-        if (
-            buffer is None
-            or buffer.numel() < size
-            or (buffer.dtype, buffer.device) != (block.dtype, block.device)
-        ):
-            buffer = self._buffer = torch.empty(size, dtype=block.dtype, device=block.device)
-        return buffer[:size].view(block.shape)
-
-
-def one_pass_members(
-    blocks: Callable[[], Iterator[tuple[slice, int, int, Tensor]]],
-    keys: Tensor,
-    queries: Tensor,
-    causal: bool,
-    work: torch.dtype,
-    scratch: Scratch,
-    keys_per_row: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Entropy, ‖A‖_F, rank-one residual and self-attention of a batch of attention matrices (B, n, m) seen
-    in blocks, for the dense path and for blocks recomputed from q and k alike; also ``"mean_row"`` (B, m),
-    the mean of the valid rows, which the Dobrushin estimate starts from.
-
-    ``blocks()`` yields ``(elements, start, stop, A[elements, start:stop])`` covering every row of every
-    element once, in dtype ``work``; it is called a second time only where the centred norm ‖A − 1āᵀ‖_F
-    needs the centred rows themselves (``CENTRED_BY_DIFFERENCE_MIN``). Sums across blocks accumulate in
-    float64, so the hundreds of partial sums of a long matrix add no more rounding than one pass over the
-    whole matrix would; every temporary is ``scratch``'s. ``keys_per_row`` (B, n): the keys each row may
-    attend, for the entropy's normalisation (:func:`normalised_entropy`).
-    """
-    (batch, n), m = queries.shape, keys.shape[1]
-    device = queries.device
-    row_entropy = torch.empty((batch, n), dtype=work, device=device)
-    squared_norm = torch.zeros(batch, dtype=torch.float64, device=device)
-    column_sums = torch.zeros((batch, m), dtype=torch.float64, device=device)
-    trace = torch.zeros(batch, dtype=torch.float64, device=device)
-    for elements, start, stop, block in blocks():
-        # −Σ a log a with 0 log 0 = 0: log(a + tiny) is finite at a = 0 and equals log a wherever a is not
-        # denormal; faster than ``xlogy`` on CPU.
-        logs = torch.add(block, torch.finfo(block.dtype).tiny, out=scratch.like(block)).log_()
-        row_entropy[elements, start:stop] = -logs.mul_(block).sum(dim=2)
-        squared_norm[elements] += _squared_norms(block).double()
-        # Not as a product with ones: on some CPUs its rounding moves a residual of 0.2 by 1e-5 of itself
-        # through ‖A‖_F² − n‖ā‖², where ``sum`` stays ten times closer (benchmarks/README.md).
-        column_sums[elements] += block.sum(dim=1).double()
-        if n == m:
-            trace[elements] += block.diagonal(offset=start, dim1=1, dim2=2).sum(dim=1).double()
-
-    valid_rows = queries.sum(dim=1)
-    mean_row = column_sums / valid_rows.clamp_min(1)[:, None]
-    # ‖A − 1āᵀ‖_F² = ‖A‖_F² − n‖ā‖² over the n valid rows (padded rows are zero), which needs no second
-    # pass; where the difference is small against ‖A‖_F² it is mostly rounding, and a second pass over the
-    # elements concerned forms the centred rows themselves.
-    centred_squared_norm = squared_norm - valid_rows * mean_row.square().sum(dim=1)
-    cancelled = centred_squared_norm < CENTRED_BY_DIFFERENCE_MIN * squared_norm
-    if bool(cancelled.any()):
-        exact = torch.zeros_like(squared_norm)
-        mean_row = mean_row.to(work)
-        every_query = bool(queries.all())
-        for elements, start, stop, block in blocks():
-            if not bool(cancelled[elements].any()):
-                continue
-            centred = scratch.like(block)
-            if every_query:
-                torch.sub(block, mean_row[elements, None, :], out=centred)
-            else:  # padded queries' rows are zero and stay so
-                torch.addcmul(
-                    block,
-                    queries[elements, start:stop, None].to(work),
-                    mean_row[elements, None, :],
-                    value=-1,
-                    out=centred,
-                )
-            exact[elements] += _squared_norms(centred).double()
-        centred_squared_norm = torch.where(cancelled, exact, centred_squared_norm)
-
-    frobenius = squared_norm.sqrt().to(work)
-    return (
-        {"mean_row": mean_row.to(work)}
-        | sink_masses(column_sums, keys, valid_rows, work)
-        | {
-            "entropy": normalised_entropy(row_entropy, keys, queries, causal, keys_per_row),
-            "rank_one_residual": rank_one_residual(centred_squared_norm.sqrt().to(work), frobenius),
-            "self_attention": (trace / valid_rows.clamp_min(1)).to(work)
-            if n == m
-            else torch.full((batch,), float("nan"), dtype=work, device=device),
-            "frobenius": frobenius,
-        }
-    )
-
-
-def sink_masses(
-    column_sums: Tensor, keys: Tensor, valid_rows: Tensor, work: torch.dtype
-) -> dict[str, Tensor]:
-    """``sink_mass`` and ``sink_mass_first`` (B,) from the column sums of A over the valid queries (B, m),
-    the valid keys (B, m) and the number of valid queries (B,): the largest column mean among the valid keys,
-    and the column mean of the first valid key. Elements with no valid key or query are made NaN by
-    :func:`finished_metrics`."""
-    column_means = column_sums / valid_rows.clamp_min(1)[:, None]
-    largest = torch.where(keys, column_means, torch.full_like(column_means, -math.inf)).amax(dim=1)
-    first_key = keys.to(torch.int8).argmax(dim=1)  # 0 where no key is valid; then nothing is measured
-    first = column_means.gather(1, first_key[:, None])[:, 0]
-    return {"sink_mass": largest.to(work), "sink_mass_first": first.to(work)}
-
-
-def _squared_norms(block: Tensor) -> Tensor:
-    """‖Xₑ‖_F² of each matrix of ``block`` (E, r, m), as a dot product per row summed over the rows.
-
-    Not as one dot product of the flattened matrix, nor as ``vector_norm``: long single accumulations can
-    lose float32 accuracy where short row dots do not, at no extra cost (benchmarks/README.md).
-    """
-    return torch.linalg.vecdot(block, block).sum(dim=1)
-
-
-def normalised_entropy(
-    row_entropy: Tensor, keys: Tensor, queries: Tensor, causal: bool, keys_per_row: Tensor | None = None
-) -> Tensor:
-    """Mean over counted queries of Hᵢ / log(keys of row i): (B,) from the rows' entropies (B, n).
-
-    A row counts when its query is valid and it has at least two keys: ``keys_per_row`` (B, n) where given,
-    else the valid keys (j ≤ i among them when ``causal``); NaN where no row counts.
-    """
-    work = row_entropy.dtype
-    n = row_entropy.shape[1]
-    valid_keys = keys.to(work)
-    if keys_per_row is not None:
-        keys_per_row = keys_per_row.to(work)
-    elif causal:
-        # Row i sees keys 0..i: the running count, clamped at the last key (rows past m see all of them).
-        running = valid_keys.cumsum(dim=1)
-        rows = torch.arange(n, device=keys.device).clamp_max(keys.shape[1] - 1)
-        keys_per_row = running[:, rows]
-    else:
-        keys_per_row = valid_keys.sum(dim=1, keepdim=True).expand(-1, n)
-    counted = queries & (keys_per_row >= 2)
-    normalised = row_entropy / torch.where(counted, keys_per_row, torch.full_like(keys_per_row, math.e)).log()
-    rows_counted = counted.sum(dim=1)
-    return torch.where(
-        rows_counted > 0,
-        (normalised * counted).sum(dim=1) / rows_counted.clamp_min(1),
-        torch.full_like(row_entropy[:, 0], float("nan")),
-    )
-
-
-def rank_one_residual(centred_norm: Tensor, frobenius: Tensor) -> Tensor:
-    """‖A − 1āᵀ‖_F / ‖A‖_F from its two norms; NaN for the zero matrix."""
-    tiny = torch.finfo(frobenius.dtype).tiny
-    return torch.where(
-        frobenius > 0, centred_norm / frobenius.clamp_min(tiny), torch.full_like(frobenius, float("nan"))
-    )
-
-
 def _dobrushin(
     matrices: Tensor, queries: Tensor, blocks: list[tuple[slice, int, int]], mean_row: Tensor, *, exact: bool
 ) -> Tensor:
@@ -468,37 +391,6 @@ def _dobrushin(
         return matrices.gather(1, index[:, :, None].expand(-1, -1, matrices.shape[2]))
 
     return anchored_dobrushin(distances_to, rows_at, queries, mean_row)
-
-
-def exact_dobrushin(matrices: Tensor, queries: Tensor) -> Tensor:
-    """½ max over all valid row pairs of ‖Aᵢ − Aⱼ‖₁ (B,), from every pairwise distance (0 without valid
-    rows): one batched ``cdist`` of (B, n, n) distances."""
-    distances = torch.cdist(matrices, matrices, p=1)
-    valid_pairs = queries[:, :, None] & queries[:, None, :]
-    return torch.where(valid_pairs, distances, torch.zeros_like(distances)).amax(dim=(1, 2)) / 2
-
-
-def anchored_dobrushin(
-    distances_to: Callable[[Tensor], Tensor],
-    rows_at: Callable[[Tensor], Tensor],
-    queries: Tensor,
-    mean_row: Tensor,
-) -> Tensor:
-    """The anchored estimate L of τ = ½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁: (B,), with τ/2 ≤ L ≤ τ.
-
-    L is half the largest distance from an anchor to a valid row, the anchors being the
-    ``DOBRUSHIN_ANCHORS`` valid rows farthest from the mean row ā: rows far from the centre of the point
-    set are where its diameter ends. L ≤ τ because it is a distance between two rows; L ≥ τ/2 because for
-    any row r and the pair (i, j) that gives τ, 2τ = ‖Aᵢ − Aⱼ‖₁ ≤ ‖Aᵢ − r‖₁ + ‖r − Aⱼ‖₁ ≤ 2 maxₖ ‖Aₖ − r‖₁.
-    ``distances_to(rows)`` maps rows (B, K, m) to every row's L1 distance from each of them (B, n, K);
-    ``rows_at(index)`` maps row indices (B, K) to those rows (B, K, m). Two passes over A in all.
-    """
-    from_mean = distances_to(mean_row[:, None, :])[:, :, 0]
-    from_mean = torch.where(queries, from_mean, torch.full_like(from_mean, -math.inf))
-    anchors = from_mean.topk(min(DOBRUSHIN_ANCHORS, queries.shape[1]), dim=1).indices
-    pairs = queries[:, :, None] & queries.gather(1, anchors)[:, None, :]
-    distances = distances_to(rows_at(anchors))
-    return torch.where(pairs, distances, torch.zeros_like(distances)).amax(dim=(1, 2)) / 2
 
 
 def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: bool) -> dict[str, Tensor]:

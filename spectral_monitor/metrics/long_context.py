@@ -31,15 +31,17 @@ from spectral_monitor.linalg import BatchedOperator
 from spectral_monitor.metrics._common import check_method, flat_mask, working_dtype_of
 from spectral_monitor.metrics.attention import (
     DOBRUSHIN_EXACT_MAX_ROWS,
-    Scratch,
-    anchored_dobrushin,
     attention_metrics,
-    exact_dobrushin,
     finished_metrics,
-    one_pass_members,
     uses_exact_path,
 )
 from spectral_monitor.metrics.attention_krylov import KrylovState, krylov_spectral_metrics
+from spectral_monitor.metrics.attention_passes import (
+    Scratch,
+    anchored_dobrushin,
+    exact_dobrushin,
+    one_pass_members,
+)
 from spectral_monitor.metrics.logits import max_over_real_queries
 
 DEFAULT_MAX_BYTES = 256 * 2**20

@@ -40,7 +40,13 @@ from helpers.reference_metrics import (
 
 from spectral_monitor.linalg.operators import DenseOperator, Passenger
 from spectral_monitor.metrics import attention as attention_module
-from spectral_monitor.metrics import attention_krylov, attention_metrics, token_metrics, weight_metrics
+from spectral_monitor.metrics import (
+    attention_krylov,
+    attention_metrics,
+    attention_passes,
+    token_metrics,
+    weight_metrics,
+)
 from spectral_monitor.metrics._common import all_singular_values
 
 CASES = attention_cases()
@@ -201,7 +207,7 @@ def test_the_dobrushin_estimate_may_miss_the_farthest_pair_but_never_by_more_tha
     # The farthest pair is c = e₀, d = e₁ (τ = 1), near the mean row, which the many rows a = (e₀ + e₁)/2
     # hold in place; the 8 rows oₖ = 0.6 eₖ + 0.2 (e₀ + e₁) are farther from it (1.2 against 1.0), so they
     # are the anchors, and the farthest row from any of them is 1.6 away: L = 0.8.
-    keys = 2 + attention_module.DOBRUSHIN_ANCHORS
+    keys = 2 + attention_passes.DOBRUSHIN_ANCHORS
     c, d, a = np.eye(keys)[0], np.eye(keys)[1], (np.eye(keys)[0] + np.eye(keys)[1]) / 2
     outliers = [0.6 * np.eye(keys)[k] + 0.4 * a for k in range(2, keys)]
     attn = as_tensor(np.array([c, d, *outliers] + [a] * attention_module.DOBRUSHIN_EXACT_MAX_ROWS))
@@ -641,7 +647,7 @@ def test_the_rank_one_residual_is_float32_accurate_either_side_of_where_a_second
     case = AttentionCase(f"mixed_{mix}", (1 - mix) / n + mix * softmax_attention(seed=3, shape=(2, n, n)))
     expected = case.reference()["rank_one_residual"]
     actual = measure(case, torch.float32, method="krylov", include_rank_sums=False)["rank_one_residual"]
-    assert (expected**2 >= attention_module.CENTRED_BY_DIFFERENCE_MIN).tolist() == by_difference
+    assert (expected**2 >= attention_passes.CENTRED_BY_DIFFERENCE_MIN).tolist() == by_difference
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
@@ -653,7 +659,7 @@ def test_the_sums_behind_the_rank_one_residual_stay_float32_accurate_on_long_row
     centred = case.attn - case.attn.mean(axis=1, keepdims=True)
     expected = np.linalg.norm(centred, axis=(1, 2)) / np.linalg.norm(case.attn, axis=(1, 2))
     actual = measure(case, torch.float32, method="krylov", include_rank_sums=False)["rank_one_residual"]
-    assert (expected**2 >= attention_module.CENTRED_BY_DIFFERENCE_MIN).all()
+    assert (expected**2 >= attention_passes.CENTRED_BY_DIFFERENCE_MIN).all()
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
@@ -669,7 +675,7 @@ def test_padded_queries_leave_the_rank_one_residual_exact_by_either_way(mix: flo
     case = AttentionCase(f"padded_mixed_{mix}", attn, query_mask=query_mask)
     expected = case.reference()["rank_one_residual"]
     actual = measure(case, torch.float32, method="krylov", include_rank_sums=False)["rank_one_residual"]
-    assert (expected**2 >= attention_module.CENTRED_BY_DIFFERENCE_MIN).all() == (mix > 0.1)
+    assert (expected**2 >= attention_passes.CENTRED_BY_DIFFERENCE_MIN).all() == (mix > 0.1)
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=0)
 
 
