@@ -26,6 +26,9 @@ wrapper), and each rank's probe batch is its own shard (the batch its dataloader
 Under FSDP (or any sharded parameters) the three families are refused when training starts, naming DDP as
 the alternative (:func:`~spectral_monitor.probes.curvature.check_unsharded`).
 
+The options (:class:`CurvatureOptions`, :class:`JacobianOptions`, :class:`NTKOptions`,
+:class:`ProbeDataOptions`) live in :mod:`spectral_monitor.core.second_order_options` and are re-exported here.
+
 A checkpoint holds what a resumed run needs to go on measuring as the uninterrupted run would have: the
 probe batches, the curvature and Jacobian warm vectors, the probes' generator and step counter
 (:meth:`SecondOrderProbes.state_dict`, under ``"second_order"`` in the monitor's state). The curvature
@@ -38,7 +41,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -61,30 +64,21 @@ from spectral_monitor.core.probe_checkpoint import (
     vectors_of,
 )
 from spectral_monitor.core.schedule import Cadence
-from spectral_monitor.distributed import any_rank, global_rank
-from spectral_monitor.probes._autodiff import PROBE_MODES, ProbeMode, probing
-from spectral_monitor.probes.curvature import (
-    BLOCK_PRESETS,
-    HESSIAN_METHODS,
-    CurvatureWarmStart,
-    HessianMethod,
-    ParameterSpace,
-    check_unsharded,
-    measure_curvature,
+from spectral_monitor.core.second_order_options import (
+    WHOLE_MODEL,
+    CurvatureOptions,
+    JacobianOptions,
+    NTKOptions,
+    ProbeDataOptions,
 )
+from spectral_monitor.distributed import any_rank, global_rank
+from spectral_monitor.probes._autodiff import probing
+from spectral_monitor.probes.curvature import CurvatureWarmStart, check_unsharded, measure_curvature
 from spectral_monitor.probes.jacobian import END_TO_END, block_jacobian_norms
-from spectral_monitor.probes.ntk import MAX_EXAMPLES, empirical_ntk
+from spectral_monitor.probes.ntk import empirical_ntk
+from spectral_monitor.probes.parameter_space import ParameterSpace
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks.figures import spectral_density_figure
-from spectral_monitor.validation import (
-    check_bool,
-    check_callable,
-    check_choice,
-    check_int,
-    check_mapping,
-    check_names,
-    check_number,
-)
 
 __all__ = [
     "OPT_IN_FAMILIES",
@@ -99,212 +93,8 @@ __all__ = [
 OPT_IN_FAMILIES = ("curvature", "jacobian", "ntk")
 """Families measured only when asked for: each costs several forward/backward passes per event."""
 
-Schedule = Literal["linear", "log"]
-ProbeBatch = Literal["fixed", "current", "averaged"]
 LossFn = Callable[[nn.Module, Any], Tensor]
-WHOLE_MODEL = "model"
-
-
-def _check_cadence(every_n_steps: object, schedule: object) -> None:
-    check_int("every_n_steps", every_n_steps, smallest=1)
-    check_choice("schedule", schedule, ("linear", "log"))
-
-
-@dataclass
-class CurvatureOptions:
-    """The loss-Hessian probe (family ``"curvature"``).
-
-    Args:
-        every_n_steps: measure at step 0 and when (step + 1) % every_n_steps == 0.
-        schedule: ``"linear"``, or ``"log"``: also at steps 1, 3, 7, ... below ``every_n_steps``.
-        top_k: largest algebraic eigenvalues written (``hessian_eigenvalue_1..k``).
-        min_eigenvalue: also the most negative eigenvalue (``hessian_min_eigenvalue``).
-        trace_products: Hessian-vector products for the Hutch++ trace (``hessian_trace``, ``_se``); 0: none.
-        density_probes: probes of the stochastic Lanczos quadrature drawn as a spectral-density figure;
-            0: none.
-        density_steps: Lanczos steps per density probe.
-        blocks: restrict the Hessian to parameter blocks as well: names of ``BLOCK_PRESETS`` (``query``,
-            ``key``, ``value``, ``attention_output``, ``mlp``, ``embeddings``, ``norms``) or a mapping of
-            block name to ``fnmatch`` patterns over parameter names. Each block is its own layer.
-        whole_model: measure the Hessian over every trainable parameter (layer ``"model"``).
-        max_products: Hessian-vector products each Lanczos run may spend per event.
-        tol: eigenvalue error bound, relative to each eigenvalue itself, at which Lanczos stops (with the
-            cluster past it resolved and the gap certified from the random start: ``docs/curvature.md``).
-            Every event also writes ``converged`` (1 or 0) and ``hessian_products``; the alerts never read
-            a layer's values at an event that did not converge.
-        method: how Hessian-vector products are formed: ``"autograd"`` (a double backward through the
-            gradient's kept graph) or ``"func"`` (``torch.func``).
-        checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
-            resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
-            (``"model"`` and each block) ``top_k`` vectors, one more with ``min_eigenvalue``, one more under
-            Adam, AdamW or RMSprop (the preconditioned sharpness), each as many float32 numbers (float64 for
-            float64 parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds
-            800 MB to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
-            probe batch is checkpointed either way.
-        max_overhead_percent: stretch the cadence so that each event's time, spread over the steps to the
-            next one, is at most this percentage of the training steps' time: the next event waits for the
-            first step of the cadence at least 100 · event seconds / (max_overhead_percent · median step
-            seconds) steps on, written as ``curvature/every_n_steps/model``. None: ``every_n_steps`` alone.
-        max_memory_ratio: before the first event, estimate the probe's peak memory and a training step's
-            (:mod:`spectral_monitor.core.curvature_budget`, from the parameter, optimizer-state and
-            activation counts); when the probe's exceeds this many times the step's (and 256 MiB), the probe
-            is off for the run, with a message naming the estimate and the options that lower it (strict
-            mode raises it). None: never refused.
-    """
-
-    every_n_steps: int = 100
-    schedule: Schedule = "linear"
-    top_k: int = 1
-    min_eigenvalue: bool = False
-    trace_products: int = 0
-    density_probes: int = 0
-    density_steps: int = 30
-    blocks: list[str] | dict[str, list[str]] | None = None
-    whole_model: bool = True
-    max_products: int = 128
-    tol: float = 1e-3
-    method: HessianMethod = "autograd"
-    checkpoint_warm_vectors: bool = True
-    max_overhead_percent: float | None = None
-    max_memory_ratio: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_cadence(self.every_n_steps, self.schedule)
-        check_int("top_k", self.top_k, smallest=1)
-        check_bool("min_eigenvalue", self.min_eigenvalue)
-        if isinstance(self.trace_products, bool) or self.trace_products != 0:
-            check_int("trace_products (0: off)", self.trace_products, smallest=6)
-        if isinstance(self.density_probes, bool) or self.density_probes != 0:
-            check_int("density_probes (0: off)", self.density_probes, smallest=2)
-        check_int("density_steps", self.density_steps, smallest=1)
-        if isinstance(self.blocks, Mapping):
-            for block, patterns in check_mapping("blocks", self.blocks).items():
-                check_names(f"blocks[{block!r}]", patterns, non_empty=True)
-        elif self.blocks is not None:
-            check_names("blocks", self.blocks, allowed=sorted(BLOCK_PRESETS), non_empty=True)
-        check_bool("whole_model", self.whole_model)
-        if not self.whole_model and not self.blocks:
-            raise ValueError("whole_model=False needs blocks to measure")
-        check_int("max_products", self.max_products, smallest=max(2, self.top_k))
-        check_number("tol", self.tol, above=0.0, below=1.0)
-        check_choice("method", self.method, HESSIAN_METHODS)
-        check_bool("checkpoint_warm_vectors", self.checkpoint_warm_vectors)
-        if self.max_overhead_percent is not None:
-            check_number("max_overhead_percent", self.max_overhead_percent, above=0.0, unit="percentage")
-        if self.max_memory_ratio is not None:
-            check_number("max_memory_ratio", self.max_memory_ratio, above=0.0, unit="ratio")
-
-    def spaces(
-        self, module: nn.Module, warn: Callable[[str], None] = warnings.warn
-    ) -> dict[str, ParameterSpace]:
-        """The parameter space of each layer measured: ``"model"`` and each block. A block that cannot be
-        formed on ``module`` (its patterns match no trainable parameter) costs that block only: one warning
-        (through ``warn``) names it, and the others are measured."""
-        spaces = {WHOLE_MODEL: ParameterSpace.of(module)} if self.whole_model else {}
-        blocks = self.blocks or {}
-        patterns = (
-            blocks if isinstance(blocks, Mapping) else {name: list(BLOCK_PRESETS[name]) for name in blocks}
-        )
-        for name, block_patterns in patterns.items():
-            try:
-                spaces[name] = ParameterSpace.of(module, block_patterns)
-            except ValueError as error:
-                warn(
-                    f"SpectralMonitor: curvature block {name!r} is not measured on {type(module).__name__}: "
-                    f"{error}; the other layers of the curvature family are."
-                )
-        return spaces
-
-
-@dataclass
-class JacobianOptions:
-    """The block-Jacobian probe (family ``"jacobian"``).
-
-    Args:
-        every_n_steps: as in :class:`CurvatureOptions`.
-        schedule: as in :class:`CurvatureOptions`.
-        block_patterns: ``fnmatch`` patterns naming the blocks (default: found automatically).
-        sequence: which sequence of the probe batch the Jacobians are of.
-        residual_branch: also ‖J − I‖₂ (``residual_branch_norm``).
-        end_to_end: also the norm from the first block's input to the last block's output.
-        max_iters: Lanczos iterations (of two products each way) per norm.
-        tol: relative Ritz residual of the Gram operator at which Lanczos stops (with the gap to σ₂
-            certified from the random start); each block writes ``converged`` (1 or 0), and the alerts
-            never read a block's norms at an event that did not converge.
-    """
-
-    every_n_steps: int = 100
-    schedule: Schedule = "linear"
-    block_patterns: list[str] | None = None
-    sequence: int = 0
-    residual_branch: bool = True
-    end_to_end: bool = True
-    max_iters: int = 40
-    tol: float = 1e-3
-
-    def __post_init__(self) -> None:
-        _check_cadence(self.every_n_steps, self.schedule)
-        if self.block_patterns is not None:
-            check_names("block_patterns", self.block_patterns)
-        check_int("sequence", self.sequence, smallest=0)
-        check_bool("residual_branch", self.residual_branch)
-        check_bool("end_to_end", self.end_to_end)
-        check_int("max_iters", self.max_iters, smallest=1)
-        check_number("tol", self.tol, above=0.0, below=1.0)
-
-
-@dataclass
-class NTKOptions:
-    """The empirical-NTK probe (family ``"ntk"``).
-
-    Args:
-        every_n_steps: as in :class:`CurvatureOptions`.
-        schedule: as in :class:`CurvatureOptions`.
-        examples: examples of the probe batch in the kernel (at most 64).
-        max_megabytes: most memory the per-example gradients may take; beyond it the kernel is built a
-            column at a time.
-        outputs_fn: ``outputs_fn(module, batch) -> (N,)`` per-example outputs; default: the loss of
-            ``training_step`` on each example of the batch alone.
-    """
-
-    every_n_steps: int = 100
-    schedule: Schedule = "linear"
-    examples: int = 16
-    max_megabytes: float = 256.0
-    outputs_fn: Callable[[nn.Module, Any], Tensor] | None = None
-
-    def __post_init__(self) -> None:
-        _check_cadence(self.every_n_steps, self.schedule)
-        check_int("examples", self.examples, smallest=1, largest=MAX_EXAMPLES)
-        check_number("max_megabytes", self.max_megabytes, above=0.0, unit="positive number of megabytes")
-        check_callable("outputs_fn", self.outputs_fn)
-
-
-@dataclass
-class ProbeDataOptions:
-    """What the curvature, Jacobian and NTK probes compute their loss on.
-
-    Args:
-        probe_batch: ``"fixed"``: a copy of the batch of the first event, kept for the whole run (the
-            curves then follow the model, not the data); ``"current"``: the batch of each event;
-            ``"averaged"``: the mean loss over copies of the first ``probe_batches`` batches of the run.
-        probe_batches: batches averaged with ``"averaged"``.
-        loss_fn: ``loss_fn(module, batch) -> scalar`` instead of ``training_step`` (needed with manual
-            optimisation).
-        mode: the module's mode during probes: ``"eval"`` (deterministic; no dropout) or ``"train"``
-            (dropout from a forked RNG stream; batch-norm statistics restored afterwards).
-    """
-
-    probe_batch: ProbeBatch = "fixed"
-    probe_batches: int = 4
-    loss_fn: Callable[[nn.Module, Any], Tensor] | None = None
-    mode: ProbeMode = "eval"
-
-    def __post_init__(self) -> None:
-        check_choice("probe_batch", self.probe_batch, ("fixed", "current", "averaged"))
-        check_int("probe_batches", self.probe_batches, smallest=1)
-        check_callable("loss_fn", self.loss_fn)
-        check_choice("mode", self.mode, PROBE_MODES)
+"""``loss(module, batch)`` -> the scalar loss the probes differentiate."""
 
 
 def _copy(batch: Any) -> Any:
@@ -329,7 +119,17 @@ def _on_device(batch: Any, device: torch.device) -> Any:
 
 @dataclass
 class ProbeEvent:
-    """What the opt-in probes measured at one step: records, and figures drawn only for sinks keeping them."""
+    """What the opt-in probes measured at one step: records, and figures drawn only for sinks keeping them.
+
+    Attributes:
+        measurements: The records of the families measured, with their overheads.
+        figures: ``(tag, draw)``: ``draw()`` makes the figure (a Hessian spectral density) when a sink keeps
+            figures.
+
+    Examples:
+        >>> ProbeEvent().measurements
+        []
+    """
 
     measurements: list[Measurement] = field(default_factory=list)
     figures: list[tuple[str, Callable[[], Figure]]] = field(default_factory=list)
@@ -339,12 +139,44 @@ class SecondOrderProbes:
     """Runs the opt-in probes on their own cadences; keeps the probe batch and the warm-start vectors, and
     hands them to the monitor's checkpoint state (:meth:`state_dict`).
 
-    ``model``: the outermost module trained (with Lightning ``trainer.strategy.model``); a sharded one is
-    refused here with a ValueError naming DDP (the probes themselves run on the module given to
-    :meth:`measure_due`). ``default_loss(module, batch)``: the loss when ``ProbeDataOptions.loss_fn`` is not
-    given (None: ``loss_fn`` is required). ``warn``: how a one-time warning reaches the user.
-    ``step_offset``: how far the steps given to :meth:`measure_due` run ahead of the optimizer steps taken
-    before their batch, which the cadences count (``MonitorSession.start``'s).
+    Args:
+        model: The outermost module trained (with Lightning ``trainer.strategy.model``); the probes
+            themselves run on the module given to :meth:`measure_due`.
+        families: The families asked for; those of ``OPT_IN_FAMILIES`` among them are run.
+        curvature: The curvature probe's options.
+        jacobian: The Jacobian probe's options.
+        ntk: The NTK probe's options.
+        data: What the probes compute their loss on.
+        failures_of: ``failures_of(what)`` -> a context manager around each family's measurement and the
+            checkpointing of the probe batch (the session's: a failure is reported once and skipped, or
+            re-raised in strict mode).
+        warn: How a one-time warning reaches the user.
+        default_loss: ``default_loss(module, batch)``, the loss when ``data.loss_fn`` is not given (None:
+            ``loss_fn`` is required).
+        step_offset: How far the steps given to :meth:`measure_due` run ahead of the optimizer steps taken
+            before their batch, which the cadences count (``MonitorSession.start``'s).
+
+    Raises:
+        ValueError: If ``model`` has sharded (FSDP) parameters (:func:`check_unsharded`, naming DDP).
+
+    Examples:
+        >>> import contextlib
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> probes = SecondOrderProbes(
+        ...     model,
+        ...     ["curvature"],
+        ...     CurvatureOptions(every_n_steps=1, max_products=4),
+        ...     JacobianOptions(),
+        ...     NTKOptions(),
+        ...     ProbeDataOptions(loss_fn=lambda module, batch: module(batch).square().mean()),
+        ...     failures_of=lambda what: contextlib.nullcontext(),
+        ... )
+        >>> event = probes.measure_due(model, torch.ones(4, 2), step=0, optimizer=None)
+        >>> sorted(record.metric for record in event.measurements)  # doctest: +NORMALIZE_WHITESPACE
+        ['converged', 'gradient_alignment', 'hessian_eigenvalue_1', 'hessian_products', 'overhead_ms',
+         'sharpness']
     """
 
     def __init__(
@@ -389,8 +221,21 @@ class SecondOrderProbes:
     def measure_due(
         self, module: nn.Module, batch: Any, step: int, optimizer: torch.optim.Optimizer | None
     ) -> ProbeEvent:
-        """Measure the families due at ``step`` on ``module`` (the probe batch taken from ``batch`` as
-        ``ProbeDataOptions`` says); ``optimizer`` sets the curvature's edge of stability (None: none)."""
+        """Measure the families due at ``step`` on ``module``.
+
+        A second call at the same step (a later micro-batch of an accumulated step) measures nothing. A
+        family that fails is handled by ``failures_of`` and costs that family only.
+
+        Args:
+            module: The module the probes differentiate (under DDP the unwrapped one).
+            batch: The step's training batch; the probe batch is taken from it as ``ProbeDataOptions`` says.
+            step: The global step.
+            optimizer: Sets the curvature's edge of stability; only read (None: none).
+
+        Returns:
+            The records (with each family's ``overhead_ms``, and ``overhead_percent`` once a step's time is
+            known) and the figures of this step; empty when nothing was due.
+        """
         now = time.perf_counter()
         if self._last_start is not None:
             self._step_seconds = now - self._last_start - self._last_probe_seconds
@@ -426,10 +271,15 @@ class SecondOrderProbes:
         return event
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to measure as this one would have gone on measuring: the probe batches,
-        the warm vectors (the curvature ones unless ``checkpoint_warm_vectors=False``), the generator, the
-        last step seen and the last training step's duration (for ``overhead_percent``), and with
-        ``max_overhead_percent`` the last curvature event's step and the interval after it."""
+        """What a resumed run needs to measure as this one would have gone on measuring.
+
+        Returns:
+            The probe batches, the warm vectors (the curvature ones unless ``checkpoint_warm_vectors=False``),
+            the generator's state, the global rank, the last step seen and the last training step's duration
+            (for ``overhead_percent``), and with ``max_overhead_percent`` the last curvature event's step and
+            the interval after it. A probe batch that cannot be checkpointed is left out, through
+            ``failures_of``.
+        """
         state: dict[str, Any] = {
             "last_step": self._last_step,
             "step_seconds": self._step_seconds,
@@ -460,6 +310,9 @@ class SecondOrderProbes:
         another rank takes its own probe batch at its first event rather than rank 0's shard. Curvature
         vectors are used only where the parameters are laid out (names and shapes) as when they were made.
 
+        Args:
+            state_dict: What :meth:`state_dict` returned, or its entries already read from a checkpoint.
+
         Returns:
             The entries dropped, each named with why (the session warns of them).
         """
@@ -487,8 +340,16 @@ class SecondOrderProbes:
 
     @staticmethod
     def usable_state(entries: StateEntries) -> dict[str, Any]:
-        """The entries of a checkpoint's state that :meth:`load_state_dict` can use, checked one by one
-        (types, shapes, finite values); the others are dropped, named in ``entries.dropped``."""
+        """The entries of a checkpoint's state that :meth:`load_state_dict` can use.
+
+        Args:
+            entries: The checkpoint's entries, checked one by one (types, shapes, finite values); the others
+                are dropped, named in ``entries.dropped``.
+
+        Returns:
+            The usable entries by key; ``probe_batches``, ``jacobian_warm``, ``curvature_warm`` and ``rank``
+            always (empty, or 0, where the checkpoint had none usable), the others where present.
+        """
         state: dict[str, Any] = {
             "probe_batches": entries.read("probe_batches", [], checked_list),
             "jacobian_warm": entries.unit_vectors("jacobian_warm", ndim=2),

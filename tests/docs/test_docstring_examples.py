@@ -44,6 +44,8 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.core.probe_checkpoint",
     "spectral_monitor.core.reports",
     "spectral_monitor.core.schedule",
+    "spectral_monitor.core.second_order",
+    "spectral_monitor.core.second_order_options",
     "spectral_monitor.core.session",
     "spectral_monitor.core.writing",
     "spectral_monitor.dashboard.plugin",
