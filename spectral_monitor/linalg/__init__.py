@@ -2,6 +2,23 @@
 
 Batched, warm-startable block Lanczos for extreme eigenpairs and singular triplets, stochastic Lanczos
 quadrature for spectral sums, Hutchinson and Hutch++ traces. Nothing here knows about modules or Lightning.
+
+Examples:
+    The same operator, a batch of one diagonal matrix, through each estimator:
+
+    >>> import torch
+    >>> matrix = torch.diag(torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))[None]
+    >>> op = DenseOperator(matrix, symmetric=True)
+    >>> lanczos_eigsh(op, k=2, generator=torch.Generator()).values.round(decimals=6)
+    tensor([[9., 4.]], dtype=torch.float64)
+    >>> top_singular(op, generator=torch.Generator()).values.round(decimals=6)
+    tensor([[9.]], dtype=torch.float64)
+    >>> hutchinson_trace(op).mean
+    tensor([14.], dtype=torch.float64)
+    >>> nuclear = {"nuclear": lambda x: x.clamp_min(0).sqrt()}
+    >>> sums = spectral_sums(lanczos_quadrature(op, num_probes=2), nuclear)
+    >>> round(sums["nuclear"].mean.item(), 6)
+    6.0
 """
 
 from spectral_monitor.linalg.lanczos import (

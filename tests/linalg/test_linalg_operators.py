@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectral_monitor.linalg import lanczos_eigsh, operators
+from spectral_monitor.linalg import dense_kernels, lanczos_eigsh, operators
 from spectral_monitor.linalg.operators import DenseOperator, GramOperator, StackedOperator
 
 
@@ -18,10 +18,10 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
     is short), one row, all rows, whole matrices; rectangular, restricted to scattered elements, and with a
     block riding along, whose products with A come back row by row."""
     matrices = torch.randn(5, 10, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    monkeypatch.setattr(operators, "GRAM_SWEEP_GROUP", group)
-    monkeypatch.setattr(operators, "GRAM_SWEEP_BYTES", rows_per_block * group * 7 * 8)
-    monkeypatch.setattr(operators, "GRAM_SWEEP_MIN_ROWS", 1)
-    block = torch.randn(5, 7, operators.GRAM_SWEEP_MAX_COLUMNS, dtype=torch.float64)
+    monkeypatch.setattr(dense_kernels, "GRAM_SWEEP_GROUP", group)
+    monkeypatch.setattr(dense_kernels, "GRAM_SWEEP_BYTES", rows_per_block * group * 7 * 8)
+    monkeypatch.setattr(dense_kernels, "GRAM_SWEEP_MIN_ROWS", 1)
+    block = torch.randn(5, 7, dense_kernels.GRAM_SWEEP_MAX_COLUMNS, dtype=torch.float64)
     expected = matrices.transpose(1, 2) @ matrices @ block
     dense = DenseOperator(matrices)
     torch.testing.assert_close(dense.gram_matmat(block), expected, rtol=1e-12, atol=1e-12)
@@ -30,7 +30,7 @@ def test_a_dense_gram_sweep_is_the_product_with_the_gram_matrix(
         dense.restrict(kept).gram_matmat(block[kept]), expected[kept], rtol=1e-12, atol=1e-12
     )
     riding = torch.randn(5, 7, 3, dtype=torch.float64)
-    gram, ridden = operators._gram_sweep(matrices, block, riding)
+    gram, ridden = dense_kernels.gram_sweep(matrices, block, riding)
     torch.testing.assert_close(gram, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ridden, matrices @ riding, rtol=1e-12, atol=1e-12)
 
