@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spectral_monitor.alerts.rules import AlertThreshold
+from spectral_monitor.alerts.thresholds import AlertThreshold
 from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.judging import (
     MEDIAN_WINDOW,
@@ -78,13 +78,36 @@ about one per four pixel columns of a plot's axes."""
 
 
 class ReportError(ValueError):
-    """The log directory cannot be reported on (missing, no event files, no monitor scalars)."""
+    """The log directory cannot be reported on (missing, no event files, no monitor scalars).
+
+    A ``ValueError``: the command line prints its message and exits with an error.
+
+    Examples:
+        >>> find_runs(Path("no/such/logdir"))
+        Traceback (most recent call last):
+        ...
+        spectral_monitor.report.ReportError: LOGDIR no/such/logdir does not exist
+    """
 
 
 @dataclass
 class RunScalars:
-    """The per-layer scalars of one run: (family/metric) -> layer -> (steps, values); alerts text by step;
-    where its event files were cut (one line each)."""
+    """The per-layer scalars of one run, as :meth:`load` reads them from its event files.
+
+    Attributes:
+        path: The run's directory.
+        series: ``family/metric`` → layer → (steps, values): int64 steps in the order written, float64
+            values (NaN where a NaN was logged). Per-head tags are left out; head aggregates
+            (``entropy_min``) are metrics of their own.
+        alert_tables: (step, Markdown table) of each open-alerts table the run logged, in the order read.
+        cuts: Where the event files were damaged or could not be read, one line each.
+
+    Examples:
+        >>> import numpy as np
+        >>> fired = (np.array([0, 10, 20]), np.array([0.0, 2.0, 2.0]))
+        >>> RunScalars(Path("run"), series={"alerts/fired": {"rank_collapse": fired}}).alert_steps()
+        {'rank_collapse': [(10, 2)]}
+    """
 
     path: Path
     series: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
@@ -94,7 +117,17 @@ class RunScalars:
     @classmethod
     def load(cls, path: Path) -> RunScalars:
         """The run whose event files are in the directory ``path``, read in TensorBoard's order (by file
-        name) and past any damage (:mod:`spectral_monitor.eventfiles`), each cut listed in ``cuts``."""
+        name) and past any damage (:mod:`spectral_monitor.eventfiles`), each cut listed in ``cuts``.
+
+        Only the monitor's per-layer scalars (``family/metric/layer`` of a catalogued family) and its
+        open-alerts tables are kept; a file that cannot be opened is skipped and named in ``cuts``.
+
+        Args:
+            path: A directory holding ``*tfevents*`` files (those of subdirectories are not read).
+
+        Returns:
+            The run's scalars.
+        """
         from spectral_monitor.eventfiles import read_event_file  # protobuf: imported where used
 
         run = cls(path)
@@ -138,7 +171,12 @@ class RunScalars:
         return run
 
     def alert_steps(self) -> dict[str, list[tuple[int, int]]]:
-        """Each rule's (step, alerts fired at that step), from the increments of ``alerts/fired/<rule>``."""
+        """When each rule fired, from the increments of its cumulative counter ``alerts/fired/<rule>``.
+
+        Returns:
+            Rule name → (step, alerts fired at that step) for each step its counter rose; an empty list for
+            a rule that never fired.
+        """
         fired = {}
         for rule, (steps, counts) in self.series.get("alerts/fired", {}).items():
             increments = np.diff(counts, prepend=0.0)
@@ -150,6 +188,21 @@ class RunScalars:
 
 @dataclass(frozen=True)
 class TableRow:
+    """One line of the per-layer table: a key metric of a layer over the run.
+
+    Attributes:
+        layer: The layer (module name).
+        metric: The ``family/metric``, one of :data:`KEY_METRICS`.
+        latest: The last value logged (NaN if it was NaN).
+        minimum: The smallest finite value; NaN when none was finite.
+        first: The first value logged.
+        latest_step: The step of ``latest``.
+
+    Examples:
+        >>> TableRow("blocks.0", "tokens/token_residual", 0.5, 0.4, 0.9, 100).trend
+        -0.4
+    """
+
     layer: str
     metric: str
     latest: float
@@ -169,8 +222,29 @@ def _is_monitor_scalar(tag: str, parts: list[str]) -> bool:
 
 
 def find_runs(logdir: Path) -> list[Path]:
-    """The directories under ``logdir`` (itself included) that hold TensorBoard event files, symbolic links
-    to directories followed (a link back into the tree is read once)."""
+    """The directories under ``logdir`` (itself included) that hold TensorBoard event files.
+
+    Symbolic links to directories are followed; a directory reached twice (a link back into the tree) is
+    read once.
+
+    Args:
+        logdir: The log directory.
+
+    Returns:
+        Each directory holding an ``events.out.tfevents*`` file, sorted.
+
+    Raises:
+        ReportError: ``logdir`` does not exist, is not a directory, or holds no event file.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as logdir:
+        ...     run = Path(logdir, "version_0")
+        ...     run.mkdir()
+        ...     _ = Path(run, "events.out.tfevents.0").write_bytes(b"")
+        ...     [found.name for found in find_runs(Path(logdir))]
+        ['version_0']
+    """
     logdir = Path(logdir)
     if not logdir.exists():
         raise ReportError(f"LOGDIR {logdir} does not exist")
@@ -194,7 +268,23 @@ def find_runs(logdir: Path) -> list[Path]:
 
 
 def layer_table(run: RunScalars) -> list[TableRow]:
-    """Latest, min and first value of each key metric of each layer, in layer then metric order."""
+    """Latest, min and first value of each key metric (:data:`KEY_METRICS`) of each layer.
+
+    Args:
+        run: The run's scalars.
+
+    Returns:
+        One row per (layer, key metric) the run logged, in natural layer order (``blocks.2`` before
+        ``blocks.10``), then in :data:`KEY_METRICS` order.
+
+    Examples:
+        >>> import numpy as np
+        >>> readings = (np.array([0, 10]), np.array([0.9, float("nan")]))
+        >>> series = {"tokens/token_residual": {"blocks.0": readings}}
+        >>> row = layer_table(RunScalars(Path("run"), series=series))[0]
+        >>> row.first, row.minimum, row.latest_step
+        (0.9, 0.9, 10)
+    """
     rows = []
     for metric in KEY_METRICS:
         for layer, (steps, values) in run.series.get(metric, {}).items():
@@ -213,14 +303,53 @@ def layer_table(run: RunScalars) -> list[TableRow]:
 
 
 def verdicts(run: RunScalars) -> list[Verdict]:
-    """A verdict per diagnosis of :data:`~spectral_monitor.catalog.DIAGNOSES` (see
-    :func:`spectral_monitor.judging.judge`)."""
+    """A verdict per diagnosis of :data:`~spectral_monitor.catalog.DIAGNOSES`, each layer's latest reading
+    judged against the default rules' thresholds (:func:`spectral_monitor.judging.judge`).
+
+    Args:
+        run: The run's scalars.
+
+    Returns:
+        One :class:`~spectral_monitor.judging.Verdict` per diagnosis, in the catalogue's order; ``not
+        measured`` where the run logged none of the metrics it reads.
+
+    Examples:
+        >>> import numpy as np
+        >>> series = {"attention/rank_one_residual": {"blocks.0": (np.array([0, 10]), np.array([0.8, 0.01]))}}
+        >>> [(v.diagnosis.title, v.verdict) for v in verdicts(RunScalars(Path("run"), series=series))][0]
+        ('Rank collapse', 'collapsed')
+    """
     return judge(run.series)
 
 
 def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
-    """Read every run under ``logdir``, print its summary, write plots and ``report.md`` under ``out``
-    (default ``<logdir>/report``, one folder per run); returns the Markdown files written."""
+    """Read every run under ``logdir``, print its summary, and write its plots and ``report.md``.
+
+    Each run gets a folder under ``out`` named by its path relative to ``logdir`` (``out`` itself for
+    ``logdir``), created if needed; files already there are overwritten. A run without monitor scalars is
+    named and skipped.
+
+    Args:
+        logdir: The log directory, searched as :func:`find_runs` does.
+        out: Where the reports go; None for ``<logdir>/report``.
+
+    Returns:
+        The Markdown files written, one per run reported.
+
+    Raises:
+        ReportError: As :func:`find_runs` raises it, or no run holds monitor scalars.
+
+    Examples:
+        The ``spectral-monitor report`` command, from Python:
+
+        ```python
+        from pathlib import Path
+        from spectral_monitor.report import write_report
+
+        for summary in write_report(Path("lightning_logs"), out=Path("reports")):
+            print(summary)  # reports/version_0/report.md, next to reports/version_0/plots/*.png
+        ```
+    """
     logdir = Path(logdir)
     runs = find_runs(logdir)
     out = logdir / "report" if out is None else Path(out)
@@ -440,7 +569,7 @@ def _metric_by_layer(
 def _metric_figure() -> Figure:
     from matplotlib.figure import Figure
 
-    # Fixed margins rather than a layout engine: solving the constrained layout was half of each plot's time.
+    # Fixed margins rather than a layout engine, which would be solved again at every plot drawn.
     figure = Figure(figsize=(6.4, 3.6), dpi=_DPI)
     figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
     axes = figure.subplots()

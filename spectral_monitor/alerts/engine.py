@@ -4,7 +4,8 @@
 :class:`AlertEvent` of kind ``fired`` when a rule's condition has held for ``patience`` evaluations in a row,
 and of kind ``resolved`` when an open alert's condition no longer holds at its clear level. Between the two,
 an alert is open and nothing is reported again, however long it lasts. Its state (streaks, open alerts,
-baselines of relative conditions, history) is plain data for a checkpoint.
+baselines of relative conditions, history) is plain data for a checkpoint. The events themselves are
+defined in :mod:`spectral_monitor.alerts.events` and imported here too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spectral_monitor.alerts.events import FIRED, RESOLVED, AlertEvent, Reading
 from spectral_monitor.alerts.rules import MEDIAN_WINDOW, Rule
 from spectral_monitor.checkpoint_entries import StateEntries, checked_integer, checked_number
 from spectral_monitor.records import Measurement
@@ -23,95 +25,6 @@ __all__ = ["HISTORY_LIMIT", "AlertEngine", "AlertEvent", "Reading"]
 
 HISTORY_LIMIT = 1000
 """Events kept in the history (the most recent ones)."""
-
-FIRED = "fired"
-RESOLVED = "resolved"
-
-
-@dataclass(frozen=True)
-class Reading:
-    """What one condition of a rule read: ``metric`` gave ``value`` against ``level`` (``op``); a ratio for
-    ``relative_to`` ``first``/``median``, a difference for ``depth``."""
-
-    metric: str
-    op: str
-    value: float
-    level: float
-    relative_to: str = "value"
-
-    def text(self, kind: str = FIRED) -> str:
-        """``value op level`` as text: ``attention/entropy 1.000 >= 0.980``; resolved: the cleared side."""
-        if self.op == "nonfinite":
-            return f"{self.metric} = {self.value}"
-        unit = {"value": "", "first": "× first value ", "median": "× running median ",
-                "depth": "− first layer "}[self.relative_to]  # fmt: skip
-        op = self.op if kind == FIRED else {">=": "<", "<=": ">"}[self.op]
-        return f"{self.metric} {unit}{_number(self.value)} {op} {_number(self.level)}"
-
-
-@dataclass(frozen=True)
-class AlertEvent:
-    """An alert that fired, or one that resolved (``kind``).
-
-    ``value`` is what ``metric`` read (a ratio or difference for a relative condition): for a layer, the
-    value of the head nearest the threshold among those that met it (fired) or the median over heads
-    (resolved). ``level`` is the threshold (fired) or the clear level (resolved). ``metric`` is the first
-    condition of the rule that held (fired), or that had held when the alert fired (resolved); ``also``
-    holds the others, in the rule's order, so a rule of several conditions says which ones it was.
-    ``heads`` is "k/h" heads meeting the conditions (``None`` for a per-head alert or a metric without
-    heads). ``since``: the first step of the streak.
-    """
-
-    rule: str
-    kind: str
-    step: int
-    layer: str
-    head: int | None
-    severity: str
-    metric: str
-    op: str
-    value: float
-    level: float
-    relative_to: str
-    since: int
-    heads: str | None = None
-    remedy: str = ""
-    also: tuple[Reading, ...] = ()
-
-    @property
-    def where(self) -> str:
-        if self.head is not None:
-            return f"{self.layer} head {self.head}"
-        return self.layer if self.heads is None else f"{self.layer} ({self.heads} heads)"
-
-    @property
-    def readings(self) -> tuple[Reading, ...]:
-        """Every condition named by this event, the first one (``metric``) first."""
-        first = Reading(self.metric, self.op, self.value, self.level, self.relative_to)
-        return (first, *self.also)
-
-    @property
-    def comparison(self) -> str:
-        """``value op level`` of each condition named, as text: ``attention/entropy 1.000 >= 0.980``."""
-        return " and ".join(reading.text(self.kind) for reading in self.readings)
-
-    def message(self) -> str:
-        """One console line."""
-        if self.kind == RESOLVED:
-            return (
-                f"SpectralMonitor resolved {self.rule} at {self.where}, step {self.step} (open since step "
-                f"{self.since}): {self.comparison}"
-            )
-        text = f"SpectralMonitor {self.severity} {self.rule} at {self.where}, step {self.step}: "
-        text += self.comparison
-        if self.since != self.step:
-            text += f" since step {self.since}"
-        return f"{text}. Try: {self.remedy}" if self.remedy else text
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AlertEvent:
-        also = tuple(Reading(**reading) for reading in data.get("also", ()))
-        return cls(**{**data, "also": also})
 
 
 @dataclass
@@ -180,6 +93,31 @@ class AlertEngine:
     measured) is simply never evaluated. An iterative estimate that did not converge is never read: where a
     step's records hold ``family/converged/layer`` = 0 (the curvature and Jacobian probes write one per
     layer), that family's other records of that layer at that step are dropped before any rule sees them.
+
+    Args:
+        rules: The rules to evaluate, in the order their events are reported; names must be distinct.
+
+    Attributes:
+        rules: The rules, as a tuple.
+        fired: Rule name → how many times it has fired since the start of the run (resolutions aside).
+        history: The last :data:`HISTORY_LIMIT` events, oldest first.
+
+    Raises:
+        ValueError: Two rules share a name.
+
+    Examples:
+        >>> from spectral_monitor.alerts.rules import Condition, Rule
+        >>> from spectral_monitor.records import Measurement
+        >>> low = Rule("low", [Condition("attention/entropy", "<=", 0.05, clear=0.1)], patience=2)
+        >>> engine = AlertEngine([low])
+        >>> for step, value in [(0, 0.02), (10, 0.01), (20, 0.08), (30, 0.5)]:
+        ...     records = [Measurement(step, "attention", "entropy", "blocks.0", value)]
+        ...     for event in engine.evaluate(step, records):
+        ...         print(event.step, event.kind, event.since)
+        10 fired 0
+        30 resolved 0
+        >>> engine.open_counts(), engine.fired
+        ({'low': 0}, {'low': 1})
     """
 
     def __init__(self, rules: Sequence[Rule]) -> None:
@@ -189,7 +127,7 @@ class AlertEngine:
             raise ValueError(f"rules must have distinct names; {duplicates} appear more than once")
         self.rules = tuple(rules)
         # (rule name, family/metric) -> indices of the rule's conditions that read it: every logging step
-        # asks again for the same few hundred pairs (4 ms a step on the demo model, matched afresh).
+        # asks again for the same few hundred pairs, so each answer is kept.
         self._reading: dict[tuple[str, str], tuple[int, ...]] = {}
         self._relative_reads: dict[str, tuple[bool, bool]] = {}
         self._subjects: dict[tuple[str, str, int | None], _Subject] = {}
@@ -210,6 +148,11 @@ class AlertEngine:
         return sorted(latest.values(), key=lambda event: (event.step, event.rule, event.layer))
 
     def open_counts(self) -> dict[str, int]:
+        """How many alerts of each rule are open now (one per layer, or per head for ``scope="head"``).
+
+        Returns:
+            Rule name → number of open alerts, 0 for a rule with none; every rule of :attr:`rules`.
+        """
         counts = {rule.name: 0 for rule in self.rules}
         for (rule, _, _), subject in self._subjects.items():
             if subject.open and rule in counts:
@@ -217,7 +160,20 @@ class AlertEngine:
         return counts
 
     def evaluate(self, step: int, records: Iterable[Measurement]) -> list[AlertEvent]:
-        """Advance every rule by one evaluation on ``records`` (one logging step); the events it caused."""
+        """Advance every rule by one evaluation on ``records`` (one logging step).
+
+        Rules with ``start_step`` past ``step`` are skipped; a layer (or head) that reads none of a rule's
+        required conditions at this step leaves that rule's streak and open alert as they were. The first
+        values and running medians of relative conditions are updated, and the events appended to
+        :attr:`history`.
+
+        Args:
+            step: The training step the records were measured at.
+            records: Every record of the logging step, of any family.
+
+        Returns:
+            The events this evaluation caused, fired and resolved, rule by rule in :attr:`rules` order.
+        """
         records = _converged_only(list(records))
         relative = self._relative_values(records)
         lengths = _attention_lengths(records)
@@ -245,7 +201,15 @@ class AlertEngine:
         return events
 
     def conditions_reading(self, rule: Rule, family_metric: str) -> tuple[int, ...]:
-        """Indices of ``rule``'s conditions whose metric pattern matches ``family_metric``."""
+        """Which of ``rule``'s conditions read ``family_metric`` (the answer is kept for the next step).
+
+        Args:
+            rule: One of :attr:`rules`.
+            family_metric: A metric's full name, ``family/metric``.
+
+        Returns:
+            The indices into ``rule.conditions`` of the conditions whose metric pattern matches, ascending.
+        """
         key = (rule.name, family_metric)
         indices = self._reading.get(key)
         if indices is None:
@@ -254,8 +218,16 @@ class AlertEngine:
         return indices
 
     def counter_records(self, step: int, rules: Collection[str] | None = None) -> list[Measurement]:
-        """``alerts/open/<rule>`` and ``alerts/fired/<rule>`` (cumulative) at ``step`` of every rule, or of
-        the rules named in ``rules``."""
+        """The alert counters as records: ``alerts/open/<rule>`` and ``alerts/fired/<rule>`` (cumulative).
+
+        Args:
+            step: The step the records carry.
+            rules: The names of the rules to report; None for every rule.
+
+        Returns:
+            Two :class:`~spectral_monitor.records.Measurement` s per rule (open, then fired), the rule's name
+            as their ``layer``, in :attr:`rules` order.
+        """
         open_counts = self.open_counts()
         return [
             record
@@ -268,6 +240,12 @@ class AlertEngine:
         ]
 
     def state_dict(self) -> dict[str, Any]:
+        """The engine's state as plain data (lists, dicts, str, int, float, bool, None) for a checkpoint.
+
+        Returns:
+            ``subjects`` (each rule's streak and open alert per layer or head), ``first`` and ``recent``
+            (the baselines of relative conditions, by tag), ``fired`` and ``history``: copies, not views.
+        """
         return {
             "subjects": [[*key, asdict(subject)] for key, subject in self._subjects.items()],
             "first": dict(self._first),
@@ -278,7 +256,12 @@ class AlertEngine:
 
     def load_state_dict(self, state: Mapping[str, Any] | StateEntries) -> list[str]:
         """Restore :meth:`state_dict`'s output, entry by entry: an entry of the wrong type, or a non-finite
-        reading, is dropped and that part starts as in a new run.
+        reading, is dropped and that part starts as in a new run. Nothing raises on a bad entry.
+
+        Args:
+            state: What :meth:`state_dict` returned, or the same read through the
+                :class:`~spectral_monitor.checkpoint_entries.StateEntries` of a whole checkpoint (whose
+                ``dropped`` list is then appended to).
 
         Returns:
             The entries dropped, each named with why (the session warns of them).
@@ -560,7 +543,3 @@ def _remedy(template: str, length: float | None) -> str:
         return template.format_map(_Placeholders(n="n", log_n="log n"))
     n = round(length)
     return template.format_map(_Placeholders(n=n, log_n=f"{math.log(n):.2f}" if n > 1 else "0"))
-
-
-def _number(value: float) -> str:
-    return f"{value:.3g}" if abs(value) >= 1000 or (value != 0 and abs(value) < 0.001) else f"{value:.3f}"

@@ -5,8 +5,10 @@ It reads ``Measurement`` records by ``family/metric`` and knows nothing of how t
 alerts go; :class:`~spectral_monitor.alerts.engine.AlertEngine` evaluates rules on each logging step.
 
 Thresholds are in the normalised units of the metrics (entropy / log n, effective rank / n, ...)
-so a default holds at any sequence length. The defaults and the runs that calibrated them are listed in
-:func:`default_rules`.
+so a default holds at any sequence length. The defaults are listed in :func:`default_rules`, each with why it
+reads what it reads; the guide's alerts page gives the runs their levels were set on. What the catalogue and
+``spectral-monitor report`` read of them, :class:`AlertThreshold` and :func:`default_thresholds`, lives in
+:mod:`spectral_monitor.alerts.thresholds` and is imported here too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from spectral_monitor.alerts.thresholds import AlertThreshold, default_thresholds
 from spectral_monitor.validation import (
     check_bool,
     check_choice,
@@ -54,6 +57,7 @@ SCOPES = ("layer", "head")
 """``layer``: one alert per layer, when at least ``head_fraction`` of its heads meet the condition (records
 without heads count as one head). ``head``: one alert per head (per layer when the metric has no heads)."""
 SEVERITIES = ("info", "warning", "critical")
+"""How an alert is shown and counted, from least to most urgent."""
 ANY_HEAD_FRACTION = 0.01
 """A ``head_fraction`` at or below this asks for any one head (of up to 100)."""
 MEDIAN_WINDOW = 8
@@ -64,16 +68,28 @@ MEDIAN_WINDOW = 8
 class Condition:
     """One test on one metric: ``value <op> threshold``, cleared past ``clear``.
 
-    Args:
+    Attributes:
         metric: ``family/metric`` of the records read, an ``fnmatch`` pattern (``weights/*_norm``).
-        op: one of :data:`COMPARISONS`.
-        threshold: the level at which the condition starts to hold (unused by ``nonfinite``).
-        clear: the level the value must get back past for an open alert to close (hysteresis); on the
+        op: One of :data:`COMPARISONS`.
+        threshold: The level at which the condition starts to hold (unused by ``nonfinite``).
+        clear: The level the value must get back past for an open alert to close (hysteresis); on the
             healthy side of ``threshold`` or equal to it. ``None``: ``threshold``.
-        relative_to: one of :data:`RELATIVE_TO`; ``first`` and ``median`` make ``threshold`` a ratio,
+        relative_to: One of :data:`RELATIVE_TO`; ``first`` and ``median`` make ``threshold`` a ratio,
             ``depth`` a difference.
-        required: if False, a layer that does not report ``metric`` skips this condition instead of
+        required: If False, a layer that does not report ``metric`` skips this condition instead of
             not being evaluated (``eigen_gap`` is written for bidirectional attention only).
+
+    Raises:
+        ValueError: ``metric`` is not ``family/metric``, ``op`` or ``relative_to`` is unknown, a level is
+            not a finite number, ``required`` is not a bool, or ``clear`` is on the failing side of
+            ``threshold``.
+
+    Examples:
+        >>> condition = Condition("attention/entropy", "<=", 0.05, clear=0.1)
+        >>> condition.holds(0.04), condition.holds(0.08), condition.holds(0.08, clearing=True)
+        (True, False, True)
+        >>> condition.describe()
+        'attention/entropy <= 0.05'
     """
 
     metric: str
@@ -102,20 +118,44 @@ class Condition:
 
     @property
     def clear_level(self) -> float:
+        """The level an open alert must get back past to close: ``clear``, or ``threshold`` when None."""
         return self.threshold if self.clear is None else self.clear
 
     def matches(self, family_metric: str) -> bool:
+        """Whether the condition reads the metric ``family_metric``.
+
+        Args:
+            family_metric: A metric's full name, ``family/metric``.
+
+        Returns:
+            True if ``family_metric`` matches the ``metric`` pattern (``fnmatch``, case-sensitive).
+        """
         return _name_matches(family_metric, self.metric)
 
     def holds(self, value: float, *, clearing: bool = False) -> bool:
-        """Whether ``value`` (already relative, if the condition is) meets the condition; ``clearing``:
-        against the clear level, the test an open alert keeps passing until it closes."""
+        """Whether ``value`` meets the condition.
+
+        Args:
+            value: The reading, already relative (ratio or difference) where ``relative_to`` asks for it.
+            clearing: Test against the clear level instead of the threshold: the test an open alert keeps
+                passing until it closes.
+
+        Returns:
+            For ``nonfinite``, whether ``value`` is NaN or ±inf; otherwise ``value >= level`` or
+            ``value <= level`` (NaN never holds).
+        """
         if self.op == "nonfinite":
             return not math.isfinite(value)
         level = self.clear_level if clearing else self.threshold
         return value >= level if self.op == ">=" else value <= level
 
     def describe(self) -> str:
+        """The condition in words, as alerts and the rules' descriptions show it.
+
+        Returns:
+            ``"<metric> <op> <threshold>"`` with what the threshold is relative to, or
+            ``"<metric> is NaN or inf"``.
+        """
         if self.op == "nonfinite":
             return f"{self.metric} is NaN or inf"
         if self.relative_to == "depth":
@@ -130,28 +170,41 @@ class Condition:
 class Rule:
     """A named alert over metric streams.
 
-    Args:
-        name: the rule's name (``alerts/open/<name>`` in TensorBoard, ``stop_on`` entries).
-        conditions: what it tests, combined by ``combine``.
+    Attributes:
+        name: The rule's name (``alerts/open/<name>`` in TensorBoard, ``stop_on`` entries).
+        conditions: What it tests, combined by ``combine``; mappings are read as :class:`Condition`.
         combine: ``any`` (one condition suffices) or ``all``.
-        scope: one of :data:`SCOPES`.
-        head_fraction: with ``scope="layer"``, the fraction of a layer's heads that must meet the conditions
+        scope: One of :data:`SCOPES`.
+        head_fraction: With ``scope="layer"``, the fraction of a layer's heads that must meet the conditions
             (1.0: every head). Per-head records are used when written; without them (``per_head=False``)
             a layer-wide condition is tested on the ``<metric>_max`` (``<=``) or ``<metric>_min`` (``>=``)
             aggregate, which is exact for ``head_fraction=1`` and a single condition.
-        patience: consecutive evaluations a condition must hold before the alert fires.
-        start_step: evaluations at earlier steps are ignored (the untrained model at step 0 can look
+        patience: Consecutive evaluations a condition must hold before the alert fires.
+        start_step: Evaluations at earlier steps are ignored (the untrained model at step 0 can look
             collapsed without being broken).
-        severity: one of :data:`SEVERITIES`.
-        remedy: what to try, shown with the alert; ``{n}`` is replaced by the layer's attention length
+        severity: One of :data:`SEVERITIES`.
+        remedy: What to try, shown with the alert; ``{n}`` is replaced by the layer's attention length
             (effective_rank / effective_rank_ratio) when the records give it.
         layers: ``fnmatch`` patterns of the layers the rule applies to; ``None``: all.
-        read_heads: read per-head records where they exist; False: the layer's own records only (a whole
+        read_heads: Read per-head records where they exist; False: the layer's own records only (a whole
             weight's norm rather than its heads' rows).
-        exempt: conditions (on the values themselves, ``relative_to="value"``) that leave a head out of the
+        exempt: Conditions (on the values themselves, ``relative_to="value"``) that leave a head out of the
             judgement: a head meeting any of them neither meets the rule nor counts among the heads
             evaluated, and a layer whose every head is exempt is not judged (an open alert stays open).
             ``rank_collapse`` leaves out attention-sink heads this way.
+
+    Raises:
+        ValueError: A field is out of its range: an empty name or one holding ``/``, no condition (or none
+            ``required``), an unknown ``combine``, ``scope`` or ``severity``, ``head_fraction`` outside
+            (0, 1], ``patience`` < 1, ``start_step`` < 0, or an ``exempt`` condition that is not a plain
+            ``>=``/``<=`` on the value.
+
+    Examples:
+        >>> rule = Rule("qk_growth", [Condition("weights/qk_spectral_norm", ">=", 20, relative_to="first")])
+        >>> rule.describe()
+        'weights/qk_spectral_norm >= 20 × its first value (per layer, every head; 1 evaluation in a row)'
+        >>> rule.tuned({"patience": 3}).patience, rule.families, rule.applies_to("blocks.0")
+        (3, {'weights'}, True)
     """
 
     name: str
@@ -213,12 +266,26 @@ class Rule:
 
     @property
     def families(self) -> set[str]:
+        """The metric families its conditions read (``exempt`` conditions aside)."""
         return {condition.metric.split("/", 1)[0] for condition in self.conditions}
 
     def applies_to(self, layer: str) -> bool:
+        """Whether the rule judges the layer ``layer``.
+
+        Args:
+            layer: A layer's name, as the records give it (``blocks.0.attention``).
+
+        Returns:
+            True if ``layers`` is None or one of its patterns matches ``layer``.
+        """
         return self.layers is None or any(_name_matches(layer, pattern) for pattern in self.layers)
 
     def describe(self) -> str:
+        """The rule in words: its conditions, where they are judged, what is left out, and its patience.
+
+        Returns:
+            One line, as the metrics reference and ``spectral-monitor report`` show it.
+        """
         joined = f" {'or' if self.combine == 'any' else 'and'} ".join(c.describe() for c in self.conditions)
         if self.scope == "head":
             where = "per head"
@@ -229,8 +296,20 @@ class Rule:
         return f"{joined} ({where}; {self.patience} evaluation{'s' if self.patience > 1 else ''} in a row)"
 
     def tuned(self, changes: dict[str, Any]) -> Rule:
-        """A copy with ``changes``: fields of this class, or ``family/metric`` of a condition (or of an
-        ``exempt`` condition) -> its new threshold (its clear level moves with it, keeping its distance)."""
+        """A copy of the rule with ``changes`` made; the rule itself is frozen and left as it is.
+
+        Args:
+            changes: Field name (all but ``name``, ``conditions`` and ``exempt``) → its new value, or
+                ``family/metric`` of a condition (or of an ``exempt`` condition), exactly as the condition
+                writes it → its new threshold. The first condition with that metric is changed; its clear
+                level moves with its threshold, keeping their distance.
+
+        Returns:
+            The new :class:`Rule`, checked as any rule is.
+
+        Raises:
+            ValueError: A key is neither a field nor a condition's metric, or a threshold is not a number.
+        """
         fields = {f.name for f in dataclasses.fields(self)} - {"name", "conditions", "exempt"}
         conditions, exempt = list(self.conditions), list(self.exempt)
         plain = {}
@@ -258,8 +337,9 @@ class Rule:
 
 @dataclass
 class AlertConfig:
-    """Which rules run: the defaults, tuned, some disabled, plus the user's own (the ``alerts`` argument
-    of ``SpectralMonitor``). In YAML::
+    """Which rules run: the defaults, tuned, some disabled, plus the user's own.
+
+    The ``alerts`` argument of ``SpectralMonitor``; :func:`rules_from_config` turns it into rules. In YAML::
 
         alerts:
           disable: [token_collapse]
@@ -270,11 +350,20 @@ class AlertConfig:
               conditions: [{metric: weights/qk_spectral_norm, op: ">=", threshold: 20, relative_to: first}]
               patience: 2
 
-    Args:
-        defaults: start from :func:`default_rules` (False: only ``rules``).
-        disable: names of rules (``fnmatch`` patterns) not to run.
-        tune: rule name -> changes (see :meth:`Rule.tuned`).
-        rules: rules of your own; one named like a default replaces it.
+    Attributes:
+        defaults: Start from :func:`default_rules` (False: only ``rules``).
+        disable: Names of rules (``fnmatch`` patterns) not to run.
+        tune: Rule name → changes (see :meth:`Rule.tuned`); metric keys must name catalogued metrics.
+        rules: Rules of your own (mappings are read as :class:`Rule`); one named like a default replaces it.
+
+    Raises:
+        ValueError: A field has the wrong type, or a metric of ``tune`` or ``rules`` matches no metric the
+            monitor writes.
+
+    Examples:
+        >>> config = AlertConfig(disable=["token_collapse"], tune={"rank_collapse": {"patience": 5}})
+        >>> [rule.patience for rule in rules_from_config(config) if rule.name == "rank_collapse"]
+        [5]
     """
 
     defaults: bool = True
@@ -303,7 +392,24 @@ class AlertConfig:
 
 
 def rules_from_config(config: AlertConfig | None) -> list[Rule]:
-    """The rules ``config`` asks for (``None``: the defaults); ``ValueError`` names what does not exist."""
+    """The rules ``config`` asks for, in order: the defaults first, then the user's own rules.
+
+    A user's rule named like a default takes its place; ``tune`` is applied next, ``disable`` last.
+
+    Args:
+        config: What to run; None runs the defaults as they are.
+
+    Returns:
+        A new list of the rules to evaluate.
+
+    Raises:
+        ValueError: ``config`` is not an AlertConfig, ``tune`` names a rule that does not exist (or changes
+            it wrongly, see :meth:`Rule.tuned`), or a ``disable`` pattern matches no rule.
+
+    Examples:
+        >>> [rule.name for rule in rules_from_config(AlertConfig(disable=["*_collapse", "edge_*"]))]
+        ['uniform_attention', 'logit_growth', 'jacobian_explosion', 'weight_runaway', 'non_finite']
+    """
     config = AlertConfig() if config is None else config
     if not isinstance(config, AlertConfig):
         raise ValueError(f"alerts must be an AlertConfig or None, got {type(config).__name__}")
@@ -327,80 +433,19 @@ def rules_from_config(config: AlertConfig | None) -> list[Rule]:
 
 
 def default_rules() -> list[Rule]:
-    """The default rules; each says why it reads what it reads and which runs set its levels."""
-    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, LOGIT_GROWTH, TOKEN_COLLAPSE,
-            EDGE_OF_STABILITY, JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class AlertThreshold:
-    """One condition of a rule as the metrics reference and ``spectral-monitor report`` read it: the rule
-    ``rule`` fires at ``threshold`` and an open alert clears past ``clear``; ``relative_to`` says what is
-    compared (``first``/``median``: a ratio to the metric's first value / running median; ``depth``: the
-    difference from the first layer at that step). ``threshold`` is None for ``op="nonfinite"``.
-
-    Example:
-        >>> [t.describe() for t in default_thresholds("attention/rank_one_residual")]
-        ['`rank_collapse`: <= 0.05 (clears > 0.1)']
-    """
-
-    rule: str
-    op: str
-    threshold: float | None = None
-    clear: float | None = None
-    relative_to: str = "value"
-
-    @classmethod
-    def of(cls, rule: Rule, condition: Condition) -> AlertThreshold:
-        """The threshold ``condition`` of ``rule`` sets.
-
-        Args:
-            rule: the rule holding the condition.
-            condition: one of ``rule.conditions``.
-
-        Returns:
-            The condition's comparison, levels and reference, under the rule's name.
-        """
-        level = None if condition.op == "nonfinite" else condition.threshold
-        return cls(rule.name, condition.op, level, condition.clear, condition.relative_to)
-
-    def describe(self) -> str:
-        """The threshold in words, as the metrics reference page shows it.
-
-        Returns:
-            ``"`rule`: <op> <threshold>[ unit] (clears <opposite op> <clear>)"``, or ``"`rule`: NaN or inf"``.
-        """
-        if self.op == "nonfinite":
-            return f"`{self.rule}`: NaN or inf"
-        unit = {"value": "", "first": " × its first value", "median": " × its running median",
-                "depth": " above the first layer's"}[self.relative_to]  # fmt: skip
-        text = f"`{self.rule}`: {self.op} {self.threshold:g}{unit}"
-        return text if self.clear is None else f"{text} (clears {_OPPOSITE[self.op]} {self.clear:g})"
-
-
-_OPPOSITE = {">=": "<", "<=": ">"}
-
-
-def default_thresholds(metric: str) -> tuple[AlertThreshold, ...]:
-    """The thresholds the default rules put on ``metric``: the one definition the metrics catalogue, its
-    reference page and ``spectral-monitor report`` read.
-
-    Args:
-        metric: a ``family/metric`` name (``attention/entropy``).
+    """The default rules, as the module-level constants define them (each says why it reads what it reads).
 
     Returns:
-        One :class:`AlertThreshold` per condition of :func:`default_rules` matching ``metric``, in rule order.
+        A new list of :data:`RANK_COLLAPSE`, :data:`UNIFORM_ATTENTION`, :data:`ENTROPY_COLLAPSE`,
+        :data:`LOGIT_GROWTH`, :data:`TOKEN_COLLAPSE`, :data:`EDGE_OF_STABILITY`, :data:`JACOBIAN_EXPLOSION`,
+        :data:`WEIGHT_RUNAWAY` and :data:`NON_FINITE`, in that order.
 
-    Example:
-        >>> [t.rule for t in default_thresholds("attention/entropy")][:2]
-        ['uniform_attention', 'entropy_collapse']
+    Examples:
+        >>> [rule.name for rule in default_rules()][:3]
+        ['rank_collapse', 'uniform_attention', 'entropy_collapse']
     """
-    return tuple(
-        AlertThreshold.of(rule, condition)
-        for rule in default_rules()
-        for condition in rule.conditions
-        if condition.matches(metric)
-    )
+    return [RANK_COLLAPSE, UNIFORM_ATTENTION, ENTROPY_COLLAPSE, LOGIT_GROWTH, TOKEN_COLLAPSE,
+            EDGE_OF_STABILITY, JACOBIAN_EXPLOSION, WEIGHT_RUNAWAY, NON_FINITE]  # fmt: skip
 
 
 def _heads_phrase(fraction: float) -> str:
@@ -436,26 +481,20 @@ RANK_COLLAPSE = Rule(
     remedy=LONG_CONTEXT_REMEDY,
     exempt=[Condition("attention/sink_mass", ">=", SINK_MASS)],
 )
-"""Every head of a layer rank one: all queries attend the same way (Dong et al. 2021), attention-sink heads
-left out.
+"""Every head of a layer rank one: all queries attend the same way (Dong et al. 2021), attention-sink
+heads left out.
 
-Per layer, not per head: an attention-sink head or a fixed positional head is rank one by design in healthy
-models. A rank-one A = 1āᵀ gives every query the same mix ā of the values. When ā is spread over many keys
-(uniform over n keys: its largest entry 1/n) the head averages the context away: that is the collapse. When
-ā sits on one key the head copies that key's value into every position, the no-op an attention sink
-implements in trained LMs (Xiao et al. 2023; Gu et al. 2024): rank one, not collapsed. ``sink_mass`` is the
-largest column mean of A over the real queries, the largest entry of ā for a rank-one head, so a head with
-``sink_mass`` >= 0.5 (most of every query's mass on one key) is left out of the judgement: the layer is
-collapsed when every other head is rank one, and a layer of sink heads only is not judged. Under a causal
-mask query i attends keys ≤ i only, so a causal head near rank one has ā on the first few keys: with most of
-it on one key it is a first-token sink and left out. The uniform attention of long_context_collapse.yaml has
-``sink_mass`` ≈ 1/512 + noise, far below 0.5. Skips step 0 and needs 2 evaluations in a row: an untrained
-bidirectional model with small initial logits looks exactly like this (long_context_collapse.yaml and its
-healthy twin alike have flat rows at step 0 until the logits grow). Calibrated on
-configs/long_context_collapse.yaml (rank-one residual 0.024–0.044 in every head, effective rank / n
-0.003–0.004, steps 0–74), against configs/long_context_logn.yaml (rank-one residual >= 0.64, effective
-rank / n >= 0.18, steps 0–49) and configs/demo.yaml (causal: rank-one residual ≈ 0.77, effective rank / n
-≈ 0.33)."""
+Per layer, not per head: an attention-sink head or a fixed positional head is rank one by design. A
+rank-one A = 1āᵀ gives every query the same mix ā of the values. When ā is spread over many keys (uniform
+over n keys: its largest entry 1/n) the head averages the context away: that is the collapse. When ā sits
+on one key the head copies that key's value into every position, the no-op an attention sink implements
+(Xiao et al. 2023; Gu et al. 2024): rank one, not collapsed. ``sink_mass`` is the largest column mean of A
+over the real queries, the largest entry of ā for a rank-one head, so a head with ``sink_mass`` ≥
+:data:`SINK_MASS` is left out of the judgement: the layer is collapsed when every other head is rank one,
+and a layer of sink heads only is not judged. Under a causal mask query i attends keys ≤ i only, so a
+causal head near rank one has ā on the first few keys: with most of it on one key it is a first-token
+sink, left out. Skips step 0 and needs 2 evaluations in a row: an untrained bidirectional model with small
+initial logits has flat rows, exactly this picture, until its logits grow."""
 
 UNIFORM_ATTENTION = Rule(
     name="uniform_attention",
@@ -468,16 +507,13 @@ UNIFORM_ATTENTION = Rule(
     start_step=1,
     remedy=LONG_CONTEXT_REMEDY,
 )
-"""Every head of a bidirectional layer uniform: entropy / log n >= 0.98 and 1 − |λ₂| >= 0.95 (rank one).
+"""Every head of a bidirectional layer uniform: entropy / log n ≥ 0.98 and 1 − |λ₂| ≥ 0.95 (rank one).
 
 Bidirectional only: ``eigen_gap`` is written for bidirectional attention alone, so a causal layer is never
 judged. Causal uniform attention is a full-rank prefix mean (spectral gap ≈ 0.37 at n = 64, ≈ 0.3 at 512),
-not a collapse, and it is how the healthy configs/demo.yaml starts: entropy >= 0.99 in every head of every
-layer for its first 100 steps. An entropy-alone rule would fire on that healthy run. The gap is read as
-``eigen_gap`` rather than the spectral gap because both go to 1 on uniform bidirectional attention but
-only the eigen gap tells causal layers apart. Calibrated on configs/long_context_collapse.yaml (entropy
-1.000, eigen gap >= 0.98 in every head, steps 0–74) and its γ·log n twin (entropy <= 0.957, eigen gap
-<= 0.89, steps 0–49)."""
+not a collapse, and an untrained causal model starts near it: a rule on entropy alone would fire on healthy
+causal runs. The gap is read as ``eigen_gap`` rather than the spectral gap because both go to 1 on uniform
+bidirectional attention but only the eigen gap tells causal layers apart."""
 
 ENTROPY_COLLAPSE = Rule(
     name="entropy_collapse",
@@ -489,11 +525,9 @@ ENTROPY_COLLAPSE = Rule(
     remedy="QK-norm (normalise q and k before their dot product) or σReparam on W_Q, W_K (Zhai et al. 2023); "
     "a lower learning rate or a longer warm-up",
 )
-"""Every head of a layer puts almost all its mass on one key per query, or lost 70% of its entropy against
-its own running median: the entropy collapse that precedes loss spikes (Zhai et al. 2023). Per layer:
-single heads with near-zero entropy (previous-token heads, sinks) are normal. In the healthy
-configs/demo.yaml (300 steps, every 25) every head stays >= 0.59 and never falls below 0.60 × its running
-median."""
+"""Every head of a layer puts almost all its mass on one key per query (entropy / log n ≤ 0.05), or lost
+70% of its entropy against its own running median: the entropy collapse that precedes loss spikes (Zhai
+et al. 2023). Per layer: single heads with near-zero entropy (previous-token heads, sinks) are normal."""
 
 LOGIT_GROWTH = Rule(
     name="logit_growth",
@@ -514,13 +548,7 @@ vanishes (nothing pulls the logit back), and in bf16 a logit of 50 is stored to 
 the differences that rank keys. Softmax reads differences only; the level reads as a gap against the keys
 whose logits sit near 0 or below. Logits that large come from ‖W_Q‖‖W_K‖ growing without bound: the
 attention-logit growth behind the loss divergence of Dehghani et al. 2023 and Wortsman et al. 2023.
-Any head (QK-Clip acts per head too); patience 2 passes over a single outlier batch; clears below 30.
-
-Calibrated on configs/logit_growth.yaml (AdamW, no weight decay, lr warmed up to 0.1 over 500 steps, every
-10 steps): the largest logit reads 59 at step 79 and 73 at step 89, where the rule fires, 406 steps before
-the loss first rises 1 nat over its best (step 495; above it for good from step 521). Its QK-norm twin
-configs/logit_growth_qk_norm.yaml stays <= 19 over 600 steps and learns the task; the healthy
-configs/demo.yaml (300 steps, every 25) stays <= 17.4."""
+Any head (QK-Clip acts per head too); patience 2 passes over a single outlier batch; clears below 30."""
 
 TOKEN_COLLAPSE = Rule(
     name="token_collapse",
@@ -535,17 +563,12 @@ TOKEN_COLLAPSE = Rule(
     "Noci et al. 2022): check the rank_collapse alerts of earlier layers; pre-LN, residual branches "
     "scaled by 1/√depth, or γ·log n logit scaling",
 )
-"""The residual stream of a block has (nearly) one direction: mean pairwise cosine >= 0.95 or token
-residual <= 0.05 (Dong et al. 2021; Noci et al. 2022), or its tokens are collapsing with depth: the block's
-cosine 0.5 or more above the first block's at the same step (the trend across depth; ``relative_to="depth"``).
-In every run we measured (demo, both long-context configs) cosine stays <= 0.26 and the residual >= 0.85:
-the residual connection keeps tokens apart even when attention is rank one, so the absolute conditions fire
-only on a collapse deeper than attention's. Across depth the healthy configs/demo.yaml (300 steps, every 25)
-has its last block's cosine at most 0.012 above its first block's (cosine falls with depth there) and the
-long-context configs at most 0.06; a tiny 2-block demo model early in training (steps 0–60, every 5) reached
-0.31, the largest healthy gap measured, so 0.5 leaves a margin. Broken, AdamW at lr 0.3 (100× the demo's)
-on the tiny model: cosine 0.99–1.0 in both blocks from step 4 (the absolute condition fires at step 9; the
-gap stays ≈ 0, the collapse being everywhere at once)."""
+"""The residual stream of a block has (nearly) one direction: mean pairwise cosine ≥ 0.95 or token
+residual ≤ 0.05 (Dong et al. 2021; Noci et al. 2022), or its tokens are collapsing with depth: the block's
+cosine 0.5 or more above the first block's at the same step (``relative_to="depth"``). The residual
+connection keeps tokens apart even when attention is rank one, so the absolute conditions fire only on a
+collapse deeper than attention's; the depth condition reads the trend across blocks, whatever the level
+the first block sets."""
 
 EDGE_OF_STABILITY = Rule(
     name="edge_of_stability",
@@ -556,21 +579,14 @@ EDGE_OF_STABILITY = Rule(
     "(2+2β₁)/((1−β₁)η) for Adam), or warm up longer",
 )
 """Sharpness sustained at 1.5× the optimizer's edge of stability, 3 evaluations in a row, from step 10.
+
 Training at the edge (ratio ≈ 1) is the normal regime of full-batch GD and Adam (Cohen et al. 2021, 2022);
 staying well above it means the step size no longer fits the curvature and the loss is about to blow up.
-
-Calibrated on real runs (curvature on; tests/test_alerts_runs.py). Healthy: full-batch GD at η = 0.55 on the
-tanh regression of tests/test_curvature_callback.py sharpens from ratio 0.53 to the edge and stays there
-(≤ 1.04 over 400 steps, every 20); configs/demo.yaml with AdamW (every 25, 300 steps) reads 0.07–1.06.
-Broken: the same GD run with η raised 2.5× at step 100 reads 2.2–2.3 from the next evaluation (every 4
-steps) and fires at step 111 while the loss is still below its step-99 value; it explodes 9 steps later and
-goes NaN. GD started at η = 1.7–2.0 (ratio 1.6–1.9 at step 0) reads 4–10 by step 3 and overflows by
-step 23. ``start_step=10``: Adam's preconditioned sharpness is 1.5–4.1× its edge on steps 1–4 of a healthy
-tiny demo run measured every step (its v̂ holds a handful of gradients, and the momentum EMA behind the
-(2+2β₁)/((1−β₁)η) edge needs ≈ 1/(1−β₁) = 10 steps to settle), then 0.10–0.18. The price: a GD run
-already diverging within its first 10 steps is left to ``non_finite`` and the loss curve. A one-off
-catapult (GD at η = 1.5: ratio 2.2 at steps 4–9, then oscillating 1.0–1.6 while the loss converges) does
-not fire at every 5 steps."""
+Patience 3 lets a one-off catapult (a few evaluations past the edge while the loss converges) pass.
+``start_step=10``: Adam's edge (2+2β₁)/((1−β₁)η) assumes momentum in its steady state, ≈ 1/(1−β₁) = 10
+steps, and while v̂ holds a handful of gradients the preconditioned sharpness reads past the edge in
+healthy training. The price: a run already diverging within its first 10 steps is left to ``non_finite``
+and the loss curve."""
 
 JACOBIAN_EXPLOSION = Rule(
     name="jacobian_explosion",
@@ -585,13 +601,9 @@ JACOBIAN_EXPLOSION = Rule(
 """A block's (or the whole model's) input-output Jacobian norm 200× its first measured value, twice in a
 row: the forward signal (and the backward gradient) amplifies.
 
-Why 200× and not 10×: a pre-LN block reads its input through LayerNorm, which divides by the input's RMS,
-so the first block's Jacobian scales with 1/RMS of the embeddings. In the healthy configs/demo.yaml
-(GPT-2 init 0.02; every 25 steps, 300 steps) block 0's norm grows from 2.1 to 147 (70×) and the
-end-to-end norm from 4.5 to 319 (71×) while the loss converges; later blocks grow at most 3.5×. A 10× rule
-fired on that run at step 49. 200× is about three times the largest healthy growth measured. Broken:
-AdamW at lr 0.3 (100× the demo's) on a tiny 2-block demo model: block 0 297× its first value at step 4,
-900× at step 9 (up to 45,000×), end-to-end 285–770×; fires at step 9 (every 5 steps)."""
+The level is far above 10× because healthy growth is large: a pre-LN block reads its input through
+LayerNorm, which divides by the input's RMS, so the first block's Jacobian scales with 1/RMS of the
+embeddings and grows tens of times over as small initial embeddings grow."""
 
 WEIGHT_RUNAWAY = Rule(
     name="weight_runaway",
@@ -602,9 +614,8 @@ WEIGHT_RUNAWAY = Rule(
     "σReparam / spectral normalisation of it",
 )
 """A whole weight's spectral norm 20× its first measured value, twice in a row. Small initialisations
-grow several-fold in healthy training: in configs/demo.yaml (300 steps, GPT-2 init 0.02) the output head
-grew 9.4×, the MLP output projections up to 8.5×, attention projections up to 7.3×; 20× is twice the
-largest healthy growth measured. A weight whose first norm is 0 (zero-initialised) is never judged."""
+grow several-fold in healthy training; 20× leaves that room. A weight whose first norm is 0
+(zero-initialised) is never judged."""
 
 NON_FINITE = Rule(
     name="non_finite",
@@ -633,5 +644,5 @@ fires on the first evaluation (patience 1), critical. ``head_fraction=0.01``: on
 @functools.lru_cache(maxsize=2**16)
 def _name_matches(name: str, pattern: str) -> bool:
     # Every rule is matched against every record of every logging step: the same few thousand pairs again
-    # and again (159k matches per step on the demo model cost 0.1 s uncached).
+    # and again, so each answer is kept.
     return fnmatch.fnmatchcase(name, pattern)

@@ -27,7 +27,12 @@ import spectral_monitor
 
 PACKAGE = Path(spectral_monitor.__file__).parent
 COMPLETE_DOCSTRINGS = (
+    "spectral_monitor.alerts.engine",
+    "spectral_monitor.alerts.events",
+    "spectral_monitor.alerts.rules",
     "spectral_monitor.alerts.text",
+    "spectral_monitor.alerts.thresholds",
+    "spectral_monitor.checkpoint_entries",
     "spectral_monitor.checksum",
     "spectral_monitor.cli",
     "spectral_monitor.core",
@@ -101,6 +106,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.probes.weights",
     "spectral_monitor.probes.wrappers",
     "spectral_monitor.records",
+    "spectral_monitor.report",
     "spectral_monitor.sinks.attention_images",
     "spectral_monitor.sinks.figures",
     "spectral_monitor.sinks.layout",
@@ -114,6 +120,7 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.toolbox.preflight",
     "spectral_monitor.toolbox.sweep",
     "spectral_monitor.toolbox.weight_spectra",
+    "spectral_monitor.validation",
 )
 
 
