@@ -1,6 +1,15 @@
 """The metric catalogue as pure functions: tensors in, named tensors out.
 
 The one definition of each metric lives here; nothing else in the package re-derives one.
+
+Examples:
+    Each attention metric is a key of what :func:`attention_metrics` returns, batched over leading dims:
+
+    >>> import torch
+    >>> from spectral_monitor.metrics import ATTENTION_METRICS, attention_metrics
+    >>> metrics = attention_metrics(torch.eye(3).expand(2, 3, 3))
+    >>> set(ATTENTION_METRICS) <= set(metrics), tuple(metrics["entropy"].shape)
+    (True, (2,))
 """
 
 from spectral_monitor.metrics._common import ENERGY_LEVEL, METHODS

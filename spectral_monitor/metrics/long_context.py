@@ -77,25 +77,56 @@ def attention_metrics_from_qk(
 ) -> dict[str, Tensor]:
     """The metrics of ``attention_metrics`` for A = softmax(scale · q kᵀ + bias), without forming A whole.
 
-    ``q`` (..., n, d) and ``k`` (..., m, d) with the same leading dims (one per sequence × head; repeat
-    grouped keys per query head first). ``scale`` multiplies q·k (``None``: 1/√d). ``bias``: an additive
-    float logit bias broadcastable to (..., n, m), ``-inf`` where a key may not be attended (used a block of
-    rows at a time, never expanded). ``key_mask`` (..., m) bool, True = attendable key: masked keys take no
-    part in the softmax, as a key padding mask. ``query_mask`` (..., n) bool, True = real query; padded
-    queries' rows are zero. ``causal``: query i attends keys j ≤ i. A row with no attendable key is zero.
-    ``logit_transform``: an elementwise function applied to scale · q kᵀ before the bias is added (logit
-    softcapping), in place or not; A is then softmax(transform(scale · q kᵀ) + bias).
-    Metrics are those of ``attention_metrics(A, key_mask=..., query_mask=..., causal=...)``: the same keys,
-    each of shape ``q.shape[:-2]``, and ``max_logit``, the largest logit transform(scale · q·k) + bias over
-    real queries × attendable keys (:func:`~spectral_monitor.metrics.logits.max_attention_logit`), taken in
-    the pass that forms the rows' log-sum-exp.
+    Metrics are those of ``attention_metrics(A, key_mask=..., query_mask=..., causal=...)``, and
+    ``max_logit``, the largest logit transform(scale · q·k) + bias over real queries × attendable keys
+    (:func:`~spectral_monitor.metrics.logits.max_attention_logit`), taken in the pass that forms the rows'
+    log-sum-exp. A row with no attendable key is zero, as are padded queries' rows. The memory used beyond
+    the inputs and outputs stays within ``max_bytes`` by construction: row blocks and batch chunks are sized
+    from it, one batch element's Krylov vectors (about ``KRYLOV_COLUMNS`` · max(n, m) floats) being the floor.
 
-    ``method``: "exact" forms each matrix and factorises it (as ``attention_metrics``' exact path; the memory
-    is then n·m per matrix whatever the budget), "krylov" the blocked products, "auto" exact up to
-    ``EXACT_MAX_SIZE`` keys or queries. ``max_bytes`` bounds the memory used beyond the inputs and outputs
-    (by construction: row blocks and batch chunks are sized from it; one batch element's Krylov vectors,
-    about ``KRYLOV_COLUMNS`` · max(n, m) floats, are the floor). ``block_rows`` overrides the row-block size.
-    ``state`` and ``generator`` as in ``attention_metrics``.
+    Args:
+        q: (..., n, d) floating queries, one leading index per sequence × head.
+        k: (..., m, d) keys with the same leading dims and d (repeat grouped keys per query head first).
+        scale: Multiplies q·k; None = 1/√d.
+        bias: An additive float logit bias broadcastable to (..., n, m), ``-inf`` where a key may not be
+            attended; used a block of rows at a time, never expanded. None = no bias.
+        key_mask: (..., m) bool, True = attendable key: masked keys take no part in the softmax, as a key
+            padding mask. None = every key.
+        query_mask: (..., n) bool, True = real query. None = every query.
+        causal: Query i attends keys j ≤ i.
+        logit_transform: An elementwise function applied to scale · q kᵀ before the bias is added (logit
+            softcapping), in place or not; A is then softmax(transform(scale · q kᵀ) + bias).
+        method: "exact" forms each matrix and factorises it (as ``attention_metrics``' exact path; the memory
+            is then n·m per matrix whatever the budget), "krylov" the blocked products, "auto" exact where
+            :func:`~spectral_monitor.metrics.attention.uses_exact_path` says.
+        include_rank_sums: As in ``attention_metrics``.
+        max_bytes: The memory budget in bytes, beyond the inputs and outputs.
+        block_rows: Overrides the row-block size; None = sized from ``max_bytes``.
+        state: As in ``attention_metrics``: warm-starts the Krylov path, and is updated.
+        generator: As in ``attention_metrics``: draws the Krylov path's probes.
+
+    Returns:
+        The keys of ``attention_metrics`` (without ``singular_values``) and ``max_logit``, each of shape
+        ``q.shape[:-2]``; NaN where q, k or the bias of an element hold a NaN or +inf (``nonfinite`` True).
+
+    Raises:
+        ValueError: ``causal`` is not a bool, ``max_bytes`` not a positive int, ``block_rows`` not a positive
+            int or None, or ``scale`` not a finite number or None; also (from the checks it calls) q, k, the
+            masks, the bias or ``method`` are not as described.
+
+    Examples:
+        The same numbers as the dense path on the probabilities:
+
+        >>> import torch
+        >>> from spectral_monitor.metrics import attention_metrics
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> q, k = torch.randn(2, 6, 4, generator=generator), torch.randn(2, 6, 4, generator=generator)
+        >>> blocked = attention_metrics_from_qk(q, k)
+        >>> dense = attention_metrics(torch.softmax(q @ k.mT / 2, dim=-1))
+        >>> all(torch.allclose(blocked[name], dense[name], equal_nan=True) for name in dense)
+        True
+        >>> tuple(blocked["max_logit"].shape)
+        (2,)
     """
     q, k = _checked_qk(q, k)
     method = check_method(method)
@@ -228,9 +259,40 @@ def _blocked_one_pass(
 class SoftmaxAttentionOperator(BatchedOperator):
     """A batch of attention matrices A = softmax(scale · q kᵀ + bias) (B, n, m), masked, known by products.
 
-    Never holds A: every product recomputes A ``block_rows`` rows at a time from q (B, n, d) and k (B, m, d),
-    using the rows' log-sum-exp taken once at construction. Rows of padded queries and rows with no
-    attendable key are zero, as in the dense probabilities that ``attention_metrics`` measures.
+    Never holds A: every product recomputes A ``block_rows`` rows at a time from q and k, using the rows'
+    log-sum-exp taken once at construction (with each row's largest logit, in the same pass). Rows of
+    padded queries and rows with no attendable key are zero, as in the dense probabilities that
+    ``attention_metrics`` measures.
+
+    Args:
+        q: (B, n, d) queries, in the dtype of the products.
+        k: (B, m, d) keys.
+        scale: Multiplies q·k.
+        logit_transform: An elementwise function of scale · q kᵀ applied before the bias; None = none.
+        bias: The additive logit bias as :func:`attention_metrics_from_qk` keeps it, or None.
+        key_mask: (B, m) bool, True = attendable key.
+        query_mask: (B, n) bool, True = real query.
+        causal: Query i attends keys j ≤ i.
+        block_rows: Rows of A formed at once.
+        row_statistics: The rows' log-sum-exp and largest logit (B, n) each, where already known (a
+            restriction of a larger operator); None = computed here.
+
+    Examples:
+        Equal logits under a causal mask: row i is uniform over its i + 1 keys.
+
+        >>> import torch
+        >>> every = torch.ones(1, 4, dtype=torch.bool)
+        >>> operator = SoftmaxAttentionOperator(
+        ...     torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), scale=1.0, bias=None, key_mask=every,
+        ...     query_mask=every, causal=True, block_rows=2,
+        ... )
+        >>> list(operator.blocks())
+        [(0, 2), (2, 4)]
+        >>> operator.probabilities(2, 4)
+        tensor([[[0.3333, 0.3333, 0.3333, 0.0000],
+                 [0.2500, 0.2500, 0.2500, 0.2500]]])
+        >>> operator.matmat(torch.ones(1, 4, 1)).flatten().round(decimals=4).tolist()  # rows sum to 1
+        [1.0, 1.0, 1.0, 1.0]
     """
 
     def __init__(
@@ -264,12 +326,26 @@ class SoftmaxAttentionOperator(BatchedOperator):
         )
 
     def blocks(self) -> Iterator[tuple[int, int]]:
+        """The blocks of rows every pass goes through.
+
+        Yields:
+            ``(start, stop)`` of consecutive blocks of at most ``block_rows`` rows, covering every row.
+        """
         for start in range(0, self.rows, self.block_rows):
             yield start, min(start + self.block_rows, self.rows)
 
     def logits(self, start: int, stop: int, width: int | None = None) -> Tensor:
-        """The masked logits of rows ``start:stop`` and the first ``width`` keys (all by default):
-        (B, stop − start, width), ``-inf`` where not attendable."""
+        """The masked logits of rows ``start:stop`` and the first ``width`` keys.
+
+        Args:
+            start: The first row.
+            stop: One past the last row.
+            width: The keys to cover, from the first; None = all.
+
+        Returns:
+            (B, stop − start, width) transform(scale · q kᵀ) + bias, ``-inf`` where not attendable; a fresh
+            tensor.
+        """
         width = self.cols if width is None else width
         logits = self._transformed(
             torch.bmm(self.q[:, start:stop], self.k[:, :width].transpose(1, 2)).mul_(self.scale)
@@ -290,8 +366,16 @@ class SoftmaxAttentionOperator(BatchedOperator):
         return scaled_logits if self.logit_transform is None else self.logit_transform(scaled_logits)
 
     def probabilities(self, start: int, stop: int, width: int | None = None) -> Tensor:
-        """Rows ``start:stop`` of A (first ``width`` columns): (B, stop − start, width), a fresh tensor the
-        caller may overwrite."""
+        """Rows ``start:stop`` of A.
+
+        Args:
+            start: The first row.
+            stop: One past the last row.
+            width: The columns to cover, from the first; None = all.
+
+        Returns:
+            (B, stop − start, width) probabilities, a fresh tensor the caller may overwrite.
+        """
         return self.logits(start, stop, width).sub_(self.log_normaliser[:, start:stop, None]).exp_()
 
     def _attended_width(self, stop: int) -> int:
@@ -310,10 +394,22 @@ class SoftmaxAttentionOperator(BatchedOperator):
         return normaliser.masked_fill_(zero_rows, math.inf), row_max
 
     def max_logit(self) -> Tensor:
-        """:func:`~spectral_monitor.metrics.logits.max_attention_logit` of each element: (B,)."""
+        """:func:`~spectral_monitor.metrics.logits.max_attention_logit` of each element.
+
+        Returns:
+            (B,) the largest logit over real queries × attendable keys; NaN where there is none.
+        """
         return max_over_real_queries(self.row_max_logit, self.query_mask)
 
     def matmat(self, x: Tensor) -> Tensor:
+        """A x, a block of rows at a time (causal blocks reading only the columns they can attend).
+
+        Args:
+            x: (B, m, k) vectors, converted to the operator's dtype.
+
+        Returns:
+            (B, n, k).
+        """
         x = x.to(self.dtype)
         out = x.new_empty((self.batch, self.rows, x.shape[2]))
         for start, stop in self.blocks():
@@ -322,6 +418,14 @@ class SoftmaxAttentionOperator(BatchedOperator):
         return out
 
     def rmatmat(self, y: Tensor) -> Tensor:
+        """Aᵀ y, accumulated over blocks of rows.
+
+        Args:
+            y: (B, n, k) vectors, converted to the operator's dtype.
+
+        Returns:
+            (B, m, k).
+        """
         # Accumulated as (yᵀA)ᵀ, reading each block row by row as it was made (DenseOperator says why).
         y = y.to(self.dtype)
         transposed = y.new_zeros((self.batch, y.shape[2], self.cols))
@@ -333,7 +437,14 @@ class SoftmaxAttentionOperator(BatchedOperator):
         return transposed.transpose(1, 2)
 
     def gram_matmat(self, x: Tensor) -> Tensor:
-        """AᵀA x in one sweep: Σ over blocks of A_bᵀ (A_b x), each block formed once."""
+        """AᵀA x in one sweep: Σ over blocks of A_bᵀ (A_b x), each block formed once.
+
+        Args:
+            x: (B, m, k) vectors, converted to the operator's dtype.
+
+        Returns:
+            (B, m, k).
+        """
         x = x.to(self.dtype)
         transposed = x.new_zeros((self.batch, x.shape[2], self.cols))
         for start, stop in self.blocks():
@@ -343,7 +454,14 @@ class SoftmaxAttentionOperator(BatchedOperator):
         return transposed.transpose(1, 2)
 
     def rows_at(self, index: Tensor) -> Tensor:
-        """Row ``index[b]`` of each element's A: (B, m)."""
+        """One row of each element's A.
+
+        Args:
+            index: (B,) the row of each element.
+
+        Returns:
+            (B, m) row ``index[b]`` of element b's A.
+        """
         elements = torch.arange(self.batch, device=self.device)
         logits = torch.bmm(self.q[elements, index][:, None, :], self.k.transpose(1, 2))[:, 0].mul_(self.scale)
         logits = self._transformed(logits)
@@ -358,13 +476,28 @@ class SoftmaxAttentionOperator(BatchedOperator):
         return logits.sub_(self.log_normaliser[elements, index][:, None]).exp_()
 
     def distances_to(self, rows: Tensor) -> Tensor:
-        """‖Aᵢ − rₖ‖₁ for every row i of each element and each of its ``rows`` (B, K, m): (B, n, K)."""
+        """‖Aᵢ − rₖ‖₁ for every row i of each element and each of its given rows rₖ.
+
+        Args:
+            rows: (B, K, m) the rows rₖ of each element.
+
+        Returns:
+            (B, n, K) L1 distances.
+        """
         distances = torch.empty((self.batch, self.rows, rows.shape[1]), dtype=self.dtype, device=self.device)
         for start, stop in self.blocks():
             distances[:, start:stop] = torch.cdist(self.probabilities(start, stop), rows.to(self.dtype), p=1)
         return distances
 
     def restrict(self, index: Tensor) -> SoftmaxAttentionOperator:
+        """The operator of the batch elements ``index`` only, reusing their row statistics.
+
+        Args:
+            index: The batch elements to keep (indices or a bool mask over B).
+
+        Returns:
+            A :class:`SoftmaxAttentionOperator` over those elements.
+        """
         return SoftmaxAttentionOperator(
             self.q[index],
             self.k[index],
