@@ -32,6 +32,8 @@ COMPLETE_DOCSTRINGS = (
     "spectral_monitor.alerts.rules",
     "spectral_monitor.alerts.text",
     "spectral_monitor.alerts.thresholds",
+    "spectral_monitor.catalog",
+    "spectral_monitor.catalog_entries",
     "spectral_monitor.checkpoint_entries",
     "spectral_monitor.checksum",
     "spectral_monitor.cli",
