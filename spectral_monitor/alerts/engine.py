@@ -11,6 +11,7 @@ defined in :mod:`spectral_monitor.alerts.events` and imported here too.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -533,13 +534,14 @@ def _attention_lengths(records: list[Measurement]) -> dict[str, float]:
     }
 
 
-class _Placeholders(dict):
-    def __missing__(self, key: str) -> str:
-        return "{" + key + "}"
+_PLACEHOLDER = re.compile(r"\{(n|log_n)\}")
 
 
 def _remedy(template: str, length: float | None) -> str:
+    """``template`` with ``{n}`` and ``{log_n}`` filled in; any other brace is the user's text and stays."""
     if length is None:
-        return template.format_map(_Placeholders(n="n", log_n="log n"))
-    n = round(length)
-    return template.format_map(_Placeholders(n=n, log_n=f"{math.log(n):.2f}" if n > 1 else "0"))
+        values = {"n": "n", "log_n": "log n"}
+    else:
+        n = round(length)
+        values = {"n": str(n), "log_n": f"{math.log(n):.2f}" if n > 1 else "0"}
+    return _PLACEHOLDER.sub(lambda match: values[match[1]], template)

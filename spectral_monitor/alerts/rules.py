@@ -184,7 +184,8 @@ class Rule:
             collapsed without being broken).
         severity: One of :data:`SEVERITIES`.
         remedy: What to try, shown with the alert; ``{n}`` is replaced by the layer's attention length
-            (effective_rank / effective_rank_ratio) when the records give it.
+            (effective_rank / effective_rank_ratio) when the records give it, ``{log_n}`` by its natural
+            logarithm, and every other brace is kept as written.
         layers: ``fnmatch`` patterns of the layers the rule applies to; ``None``: all.
         read_heads: Read per-head records where they exist; False: the layer's own records only (a whole
             weight's norm rather than its heads' rows).

@@ -222,6 +222,24 @@ def test_the_message_says_where_what_against_what_and_the_remedy_with_the_curren
     assert "| uniform_attention | warning | blocks.0.attention (4/4 heads) | 1 | 2 |" in table
 
 
+def test_a_users_remedy_keeps_its_own_braces_and_fills_only_n_and_log_n() -> None:
+    remedy = "set {config.scale} to 1/sqrt({n}) or {log_n}; a dict {'a': 1} and a stray { stay"
+    rule = dataclasses.replace(RULES["uniform_attention"], remedy=remedy)
+    broken = CASES["uniform_attention"][2]
+
+    def with_length(step: int) -> list[Measurement]:
+        return [*broken(step), *one(step, "attention", "effective_rank", 2.0, LAYER),
+                *one(step, "attention", "effective_rank_ratio", 2.0 / 512, LAYER)]  # fmt: skip
+
+    for records, filled in ((with_length, "1/sqrt(512) or 6.24"), (broken, "1/sqrt(n) or log n")):
+        engine = AlertEngine([rule])
+        engine.evaluate(1, records(1))
+        (event,) = engine.evaluate(2, records(2))
+        assert event.message().endswith(
+            f"Try: set {{config.scale}} to {filled}; a dict {{'a': 1}} and a stray {{ stay"
+        )
+
+
 def test_the_message_names_the_condition_that_held_not_the_rules_first() -> None:
     engine = AlertEngine([RULES["rank_collapse"]])
     # The rank-one residual (the first condition) stays healthy; effective rank / n (the second) collapses.
