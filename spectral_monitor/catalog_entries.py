@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from spectral_monitor.alerts.rules import AlertThreshold
+    from spectral_monitor.alerts.rules import AlertThreshold, Rule
 
 __all__ = [
     "CATALOG",
@@ -174,13 +174,25 @@ class Diagnosis:
 
     @property
     def combine(self) -> str:
-        """How the rule combines its conditions: ``"any"`` or ``"all"``."""
-        return next(rule.combine for rule in _alert_rules().default_rules() if rule.name == self.rule)
+        """How the rule combines its conditions: ``"any"`` or ``"all"`` (``ValueError`` if :attr:`rule`
+        names no default rule)."""
+        return self._default_rule().combine
 
     @property
     def any_head(self) -> bool:
-        """Whether one head of a layer suffices for the rule."""
-        return next(rule.any_head for rule in _alert_rules().default_rules() if rule.name == self.rule)
+        """Whether one head of a layer suffices for the rule (``ValueError`` if :attr:`rule` names no
+        default rule)."""
+        return self._default_rule().any_head
+
+    def _default_rule(self) -> Rule:
+        rules = _alert_rules().default_rules()
+        for rule in rules:
+            if rule.name == self.rule:
+                return rule
+        raise ValueError(
+            f"rule of the diagnosis {self.title!r} must name a default alert rule, one of "
+            f"{[rule.name for rule in rules]}, got {self.rule!r}"
+        )
 
 
 _ATTENTION = "attention module"

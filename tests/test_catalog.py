@@ -107,6 +107,15 @@ def test_the_diagnoses_are_the_default_rules_with_their_combination() -> None:
     ]
 
 
+def test_a_diagnosis_of_a_rule_that_is_no_default_says_so_by_name() -> None:
+    mine = dataclasses.replace(DIAGNOSES[0], rule="qk_growth", title="QK growth")
+    for read in ("combine", "any_head"):
+        with pytest.raises(
+            ValueError, match=r"rule of the diagnosis 'QK growth' .*rank_collapse.*'qk_growth'"
+        ):
+            getattr(mine, read)
+
+
 def test_head_aggregates_keep_the_worst_head_of_every_threshold_on_attention() -> None:
     # A layer-wide rule holds in every head when its worst head holds: _max for <=, _min for >=; a rule on
     # any head holds when the head nearest to it does: _max for >=.
