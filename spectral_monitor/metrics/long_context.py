@@ -534,8 +534,9 @@ class _LogitBias:
                 f"{bias.dtype if isinstance(bias, Tensor) else type(bias).__name__}"
             )
         full = (*batch_shape, n, m)
-        if bias.dim() > len(full) or bias.dim() < 2:
+        if bias.dim() > len(full):
             raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to {full}")
+        bias = bias.reshape((1,) * (2 - bias.dim()) + tuple(bias.shape))  # a key bias (m,) is one row
         try:
             torch.broadcast_shapes(bias.shape, full)
         except RuntimeError as error:

@@ -151,6 +151,28 @@ def test_causal_attention_with_padding_and_a_logit_bias_agrees_with_the_exact_pa
     assert actual["eigen_gap"].isnan().all()  # undefined for causal attention, as on the dense path
 
 
+def test_a_key_bias_of_one_dimension_is_one_row_broadcast_over_queries() -> None:
+    q, k = gaussian_qk(4, (2,), 64)
+    key_bias = torch.linspace(-2.0, 0.5, 64)
+    key_bias[:5] = -math.inf  # keys no query may attend
+
+    def measured(bias: torch.Tensor) -> dict[str, torch.Tensor]:
+        return attention_metrics_from_qk(
+            q, k, bias=bias, method="krylov", generator=torch.Generator().manual_seed(0), block_rows=24
+        )
+
+    one_dimension = measured(key_bias)
+    for name, value in measured(key_bias.expand(64, 64)).items():
+        torch.testing.assert_close(one_dimension[name], value, rtol=0, atol=0, equal_nan=True)
+    expected = dense_probabilities(q, k, bias=key_bias)
+    assert (expected[..., :5] == 0).all()
+    exact = attention_metrics(expected, method="exact")
+    torch.testing.assert_close(one_dimension["entropy"].double(), exact["entropy"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        one_dimension["max_logit"].double(), dense_max_logit(q, k, bias=key_bias), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_rectangular_attention_agrees_with_the_exact_path() -> None:
     q, k = gaussian_qk(3, (1,), 400, 640)  # more keys than queries: the Gram operator is AAᵀ
     actual = assert_agrees_with_the_exact_path(q, k, block_rows=128)
