@@ -354,7 +354,7 @@ def hutchinson_trace(
         The :class:`TraceEstimate`, ``bias_bound`` 0 (the estimator is unbiased).
 
     Raises:
-        ValueError: ``num_probes`` < 2.
+        ValueError: ``num_probes`` < 2, or ``op`` is not square.
 
     Examples:
         A diagonal operator's trace comes out exact (zᵢ² = 1 for every probe):
@@ -368,6 +368,8 @@ def hutchinson_trace(
     """
     if num_probes < 2:
         raise ValueError(f"num_probes must be >= 2, got {num_probes}")
+    if op.rows != op.cols:
+        raise ValueError(f"op must be square to have a trace, got rows={op.rows}, cols={op.cols}")
     work = working_dtype(op.dtype, dtype)
     generator = generator if generator is not None else default_generator(op.device)
     z = rademacher((op.batch, op.cols, num_probes), dtype=work, device=op.device, generator=generator)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectral_monitor.linalg import lanczos_quadrature
+from spectral_monitor.linalg import hutchinson_trace, hutchpp_trace, lanczos_quadrature
 from spectral_monitor.linalg.operators import DenseOperator, FunctionOperator, GramOperator, rademacher
 
 STEPS = 24
@@ -91,3 +91,11 @@ def test_a_stopped_element_costs_no_more_products() -> None:
         until=lambda quadrature: torch.tensor([True, False, False, True]),
     )
     assert products == [4] * 8 + [2] * 12  # two elements leave after the check at step 8
+
+
+def test_trace_estimators_refuse_an_operator_without_a_trace_by_name() -> None:
+    rectangular = DenseOperator(torch.ones(1, 3, 4))
+    with pytest.raises(ValueError, match=r"op must be square to have a trace, got rows=3, cols=4"):
+        hutchinson_trace(rectangular)
+    with pytest.raises(ValueError, match="op must be symmetric"):
+        hutchpp_trace(rectangular)
