@@ -113,7 +113,7 @@ def spectrum_working_nbytes(queries: int, keys: int, dtype: torch.dtype) -> int:
         Bytes.
 
     Raises:
-        KeyError: ``dtype`` is not one of ``SPECTRUM_DTYPES``.
+        ValueError: ``dtype`` is not one of ``SPECTRUM_DTYPES``.
 
     Examples:
         A caller with a budget takes the most precise dtype that fits:
@@ -123,6 +123,8 @@ def spectrum_working_nbytes(queries: int, keys: int, dtype: torch.dtype) -> int:
         >>> next(dtype for dtype in SPECTRUM_DTYPES if spectrum_working_nbytes(2048, 2048, dtype) <= budget)
         torch.float32
     """
+    if dtype not in SPECTRUM_WORKING_COPIES:
+        raise ValueError(f"dtype must be one of {SPECTRUM_DTYPES}, got {dtype}")
     return int(SPECTRUM_WORKING_COPIES[dtype] * 4 * queries * keys) + SPECTRUM_CALL_NBYTES
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from spectral_monitor.metrics import attention_metrics
@@ -13,6 +14,7 @@ from spectral_monitor.toolbox.head_diversity import (
     attention_spectra,
     head_diversity_records,
     layer_head_distances,
+    spectrum_working_nbytes,
 )
 
 
@@ -76,3 +78,11 @@ def test_the_metrics_singular_values_are_the_float64_spectra_head_diversity_read
         metrics["singular_values"].double(), expected, rtol=0, atol=1e-6, equal_nan=True
     )
     assert "singular_values" not in attention_metrics(probs, method="krylov", return_spectra=True)
+
+
+def test_the_spectrum_working_memory_grows_with_the_matrix_and_refuses_other_dtypes_by_name() -> None:
+    sizes = [spectrum_working_nbytes(n, n, torch.float32) for n in (32, 64, 128)]
+    assert sizes[2] - sizes[1] == pytest.approx(4 * (sizes[1] - sizes[0]), abs=4)  # n² copies
+    assert spectrum_working_nbytes(64, 64, torch.float64) > sizes[1]
+    with pytest.raises(ValueError, match=r"dtype must be one of .*float64.*got torch.float16"):
+        spectrum_working_nbytes(64, 64, torch.float16)
