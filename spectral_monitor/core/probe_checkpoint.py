@@ -4,6 +4,7 @@ curvature warm vectors with the layout of the parameters they were made over."""
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -91,8 +92,9 @@ def check_resumable(batches: list[Any]) -> None:
         batches: the probe batches to be kept in the checkpoint.
 
     Raises:
-        ValueError: if the batches hold a type that ``weights_only`` loading refuses; the message names it
-            and the ``torch.serialization.add_safe_globals`` call that lets it in.
+        ValueError: if the batches hold a type that ``weights_only`` loading refuses (the message names it
+            and the ``torch.serialization.add_safe_globals`` call that lets it in), or an object that cannot
+            be pickled at all (a function, a generator).
 
     Examples:
         >>> import torch
@@ -104,7 +106,13 @@ def check_resumable(batches: list[Any]) -> None:
     """
     structure = apply_to_collection(batches, Tensor, lambda tensor: torch.empty(0))
     buffer = io.BytesIO()
-    torch.save(structure, buffer)
+    try:
+        torch.save(structure, buffer)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"the probe batch cannot be saved in a checkpoint ({error}): it is left out, and a resumed run "
+            "takes a new probe batch at its first event"
+        ) from error
     buffer.seek(0)
     refused = torch.serialization.get_unsafe_globals_in_checkpoint(buffer)
     if refused:

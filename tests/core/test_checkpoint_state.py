@@ -24,6 +24,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from spectral_monitor import Monitor, SpectralMonitor
 from spectral_monitor.alerts import AlertEvent
+from spectral_monitor.core.probe_checkpoint import check_resumable
 from spectral_monitor.probes import WeightProbe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -209,3 +210,9 @@ def test_a_warm_start_that_gives_nan_is_retried_cold() -> None:
     for layer, value in again.items():
         assert value == pytest.approx(cold[layer], rel=1e-3), layer
     assert all(vector.isfinite().all() for vector in probe._warm_vectors.values())
+
+
+@pytest.mark.parametrize("unpicklable", [lambda tokens: tokens, (step for step in range(2))])
+def test_a_probe_batch_that_cannot_be_pickled_is_refused_as_not_resumable(unpicklable: Any) -> None:
+    with pytest.raises(ValueError, match="the probe batch cannot be saved in a checkpoint"):
+        check_resumable([{"input_ids": torch.zeros(2, 3, dtype=torch.long), "collate": unpicklable}])
