@@ -143,9 +143,12 @@ class EventFile:
 
     def _open(self) -> None:
         os.makedirs(self.log_dir, exist_ok=True)
+        # TensorBoard reads a run's files in name order and drops the steps a later-read file goes back over:
+        # the zero-padded number keeps a file reopened in the same second after its predecessors (unpadded,
+        # file 10 sorts before file 9).
         name = (
             f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}."
-            f"{next(_FILE_NUMBERS)}.spectral_monitor"
+            f"{next(_FILE_NUMBERS):09d}.spectral_monitor"
         )
         self._file = open_for_appending(os.path.join(self.log_dir, name))
         header = Event(wall_time=time.time(), file_version="brain.Event:2")

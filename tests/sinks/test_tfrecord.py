@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tensorboard_masked_crc32c
@@ -128,3 +130,19 @@ def test_an_event_file_that_failed_starts_a_new_file_and_keeps_what_was_written(
     assert len(files) == 2
     steps = [Event.FromString(data).step for file in files for data in records_in(file)[1:]]
     assert sorted(steps) == [0, 3]
+
+
+def test_files_reopened_in_the_same_second_sort_in_the_order_they_were_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tfrecord_module, "_FILE_NUMBERS", itertools.count(8))  # 8, 9, 10, 11: a digit more
+    monkeypatch.setattr(tfrecord_module.time, "time", lambda: 1_700_000_000.0)
+    events = EventFile(tmp_path)
+    for step in range(4):
+        events.add_summary(Summary(value=[Summary.Value(tag="a/b", simple_value=float(step))]), step)
+        events.close()  # as after a failed write: the next one opens a new file
+    files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert [Event.FromString(records_in(file)[1]).step for file in files] == [0, 1, 2, 3]
+    viewer = event_accumulator.EventAccumulator(str(tmp_path), purge_orphaned_data=True)
+    viewer.Reload()
+    assert [event.step for event in viewer.Scalars("a/b")] == [0, 1, 2, 3]
