@@ -205,8 +205,8 @@ def esd_figure(spectrum: WeightSpectrum, title: str | None = None) -> Figure:
     if wide:
         bins = np.geomspace(positive.min(), positive.max(), 60)
         axes.set_xscale("log")
-    else:
-        bins = np.linspace(0.0, max(float(eigenvalues.max()), spectrum.mp_edge**2) * 1.05, 60)
+    else:  # an all-zero weight (a zero-initialised projection) still gets bins of some width
+        bins = np.linspace(0.0, max(float(eigenvalues.max()), spectrum.mp_edge**2) * 1.05 or 1.0, 60)
     axes.hist(positive if wide else eigenvalues, bins=bins, density=True, alpha=0.6, label="ESD of WᵀW")
     if variance > 0:
         grid = np.geomspace(bins[0], bins[-1], 400) if wide else np.linspace(bins[0], bins[-1], 400)

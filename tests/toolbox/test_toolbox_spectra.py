@@ -195,6 +195,18 @@ def test_weight_spectra_of_an_iid_layer_sit_at_the_marchenko_pastur_edge():
     assert len(figure.axes[0].lines) >= 2  # the MP density and its edge
 
 
+def test_a_zero_initialised_weight_is_drawn_without_a_numerical_warning():
+    model = nn.Sequential(nn.Linear(16, 16))
+    nn.init.zeros_(model[0].weight)
+    (spectrum,) = weight_spectra(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figure = esd_figure(spectrum)
+        figure.canvas.draw()
+    (bars,) = figure.axes[0].containers
+    assert sum(bar.get_height() * bar.get_width() for bar in bars) == pytest.approx(1.0)  # every λ at 0
+
+
 @pytest.mark.slow
 def test_callback_writes_head_diversity_weight_spectra_and_the_preflight(tmp_path):
     model = DemoTransformer(seq_len=32, n_layers=2, d_model=32, causal=False)
