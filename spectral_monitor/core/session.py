@@ -332,7 +332,7 @@ class MonitorSession:
         naming every entry dropped. A checkpoint never stops the resume, and never raises an alert.
 
         Args:
-            state_dict: a :meth:`state_dict` of this or an earlier session.
+            state_dict: what :meth:`state_dict` returned, in this process or in the run being resumed.
         """
         entries = StateEntries(state_dict)
         self._last_logged_step = entries.integer("last_logged_step", -1, smallest=-1)
