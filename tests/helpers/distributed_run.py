@@ -177,6 +177,9 @@ def fsdp_rank(rank: int, output: Path) -> None:
         },
         output / f"rank{rank}.pt",
     )
+    # Neither rank tears its group down while the other may still be in a collective: a closed peer aborts
+    # gloo's threads ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
