@@ -66,7 +66,8 @@ def power_of_two_exponents(matrices: Tensor) -> Tensor:
     matrix they cannot. A power of two multiplies exactly, so a norm scaled back, or a scale-invariant ratio,
     is bit for bit what the unscaled matrix gives wherever that does not overflow or underflow.
     """
-    largest = matrices.abs().amax(dim=(1, 2))
+    # Two reductions: ``abs`` would first write a copy of every entry.
+    largest = torch.maximum(matrices.amax(dim=(1, 2)), -matrices.amin(dim=(1, 2)))
     _, exponent = torch.frexp(largest)
     usable = largest.isfinite() & (largest > 0)
     return torch.where(usable, exponent.clamp(-_LARGEST_SCALE_EXPONENT, _LARGEST_SCALE_EXPONENT), 0)

@@ -5,7 +5,8 @@ The numerical side of :class:`~spectral_monitor.probes.weights.WeightProbe`: thi
 
 σ₁ comes from the batched block Lanczos of :mod:`spectral_monitor.linalg`, warm-started like
 ``torch.nn.utils.parametrizations.spectral_norm``: each matrix keeps its top singular vector on its smaller
-side (right for a tall matrix, left for a wide one) between calls, so a call costs ``iterations_per_step``
+side (right for a tall matrix, left for a wide one, as it lies in memory: a square weight stored
+transposed keeps its left one) between calls, so a call costs ``iterations_per_step``
 block iterations, and all matrices whose smaller sides agree run as one batch. A matrix seen for the first
 time, or whose shape changed, starts cold and is solved to ``tol``.
 A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
@@ -147,10 +148,10 @@ def estimate_spectral_norms(
     waiting: list[tuple[list[NormTarget], Tensor, Tensor, Tensor]] = []
     waiting_bytes = 0
     for group in _batches(targets):
-        matrices, scale = _scaled_copy([target.matrix for target in group])
+        matrices, scale = _scaled_copy([_in_storage_order(target.matrix) for target in group])
         frobenius = torch.linalg.matrix_norm(matrices)
         if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
-            sigma = _largest_singular_values(matrices)
+            sigma = _largest_singular_values(matrices, _finite_matrices(matrices, frobenius))
             estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma), scale))
             continue
         size = matrices.numel() * matrices.element_size()
@@ -181,7 +182,7 @@ def full_spectra(targets: list[NormTarget]) -> dict[str, np.ndarray]:
     """
     spectra: dict[str, np.ndarray] = {}
     for group in _batches(targets):
-        matrices = _stacked_copy([target.matrix for target in group])
+        matrices = _stacked_copy([_in_storage_order(target.matrix) for target in group])
         values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan)
         finite = _finite_matrices(matrices)  # a non-finite matrix's spectrum stays NaN: svd would raise
         if finite.any():
@@ -271,8 +272,8 @@ def _solve(
     sigma = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
     residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
     runs: dict[tuple[int, bool], dict[int, list[int]]] = {}  # (size, warm) -> item -> its elements
-    for item, (group, matrices, _, _) in enumerate(waiting):
-        finite = _finite_matrices(matrices).tolist()
+    for item, (group, matrices, frobenius, _) in enumerate(waiting):
+        finite = _finite_matrices(matrices, frobenius).tolist()
         size = min(matrices.shape[1:])
         for element, target in enumerate(group):
             if finite[element]:
@@ -358,19 +359,30 @@ def _stacked_copy(matrices: list[Tensor]) -> Tensor:
     return stacked.to(working_dtype(stacked.dtype))
 
 
-def _finite_matrices(matrices: Tensor) -> Tensor:
-    """(batch,) bool: which matrices of a (batch, rows, cols) stack hold only finite values."""
-    return matrices.isfinite().flatten(1).all(dim=1)
+def _finite_matrices(matrices: Tensor, frobenius: Tensor | None = None) -> Tensor:
+    """(batch,) bool: which matrices of a (batch, rows, cols) stack hold only finite values.
+
+    Read from ‖·‖_F (``frobenius``, the matrices' norms, where the caller has them): one reduction, where
+    ``isfinite`` writes a mask of every entry and costs about 15× as much on the CPU. A NaN or inf entry makes
+    the norm non-finite; squares of large finite entries can too, so a non-finite norm is checked entry by
+    entry.
+    """
+    norms = torch.linalg.matrix_norm(matrices) if frobenius is None else frobenius
+    finite = norms.isfinite()
+    doubtful = ~finite
+    if doubtful.any():
+        finite[doubtful] = matrices[doubtful].isfinite().flatten(1).all(dim=1)
+    return finite
 
 
-def _largest_singular_values(matrices: Tensor) -> Tensor:
-    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN for one holding NaN or inf.
+def _largest_singular_values(matrices: Tensor, finite: Tensor) -> Tensor:
+    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN where ``finite``
+    (:func:`_finite_matrices`) is False.
 
     From the top eigenvalue of the smaller Gram matrix: squaring loses the small singular values, never σ₁
     (the rounding is relative to σ₁²), and on small head slices it is cheaper than ``svdvals``.
     """
     sigma = matrices.new_full(matrices.shape[:1], math.nan)
-    finite = _finite_matrices(matrices)
     if finite.any():
         kept = matrices[finite]
         gram = kept.transpose(1, 2) @ kept if kept.shape[2] <= kept.shape[1] else kept @ kept.transpose(1, 2)
@@ -379,10 +391,11 @@ def _largest_singular_values(matrices: Tensor) -> Tensor:
 
 
 def _batches(targets: list[NormTarget]) -> Iterator[list[NormTarget]]:
-    """Targets of one shape, dtype and device together, at most ``_MAX_BATCH_BYTES`` of copies per batch."""
+    """Targets of one shape (:func:`_in_storage_order`), dtype and device together, at most
+    ``_MAX_BATCH_BYTES`` of copies per batch."""
     groups: dict[tuple[Any, ...], list[NormTarget]] = {}
     for target in targets:
-        matrix = target.matrix
+        matrix = _in_storage_order(target.matrix)
         groups.setdefault((tuple(matrix.shape), matrix.dtype, matrix.device), []).append(target)
     for group in groups.values():
         matrix = group[0].matrix
@@ -390,3 +403,10 @@ def _batches(targets: list[NormTarget]) -> Iterator[list[NormTarget]]:
         size = max(1, _MAX_BATCH_BYTES // copy_bytes)
         for start in range(0, len(group), size):
             yield group[start : start + size]
+
+
+def _in_storage_order(matrix: Tensor) -> Tensor:
+    """``matrix``, or its transpose where that is how it lies in memory (Hugging Face's ``Conv1D`` stores its
+    weight as (in, out)): the same singular values and ‖·‖_F, and a copy that runs along rows instead of
+    gathering columns, several times faster."""
+    return matrix.mT if matrix.stride(-1) != 1 and matrix.stride(-2) == 1 else matrix

@@ -186,6 +186,29 @@ def test_a_zero_weight_has_zero_norms_and_an_undefined_stable_rank() -> None:
         assert math.isnan(records[f"weights/stable_rank/{name}"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_non_finite_weights_get_nan_norms_and_their_finite_neighbours_their_own(dtype: torch.dtype) -> None:
+    model = nn.Sequential(*(nn.Linear(40, 36) for _ in range(4)), nn.Linear(5, 4), nn.Linear(5, 4)).to(dtype)
+    with torch.no_grad():
+        model[1].weight[3, 7] = math.nan
+        model[2].weight[0, 0] = math.inf
+        model[4].weight[1, 2] = -math.inf
+    records = by_tag(WeightProbe(model).measure(0))
+    for name in ("1", "2", "4"):
+        assert math.isnan(records[f"weights/spectral_norm/{name}"])
+    for name in ("0", "3", "5"):
+        expected = reference_singular_values(model[int(name)].weight)[0]
+        assert records[f"weights/spectral_norm/{name}"] == pytest.approx(expected, rel=RTOL)
+
+
+def test_finite_weights_whose_squares_overflow_are_told_apart_from_non_finite_ones() -> None:
+    huge = torch.full((4, 3, 3), 1e200, dtype=torch.float64)  # ‖·‖_F overflows, every entry is finite
+    huge[1, 0, 0], huge[2, 2, 2] = math.nan, -math.inf
+    expected = [True, False, False, True]
+    assert weight_norms._finite_matrices(huge).tolist() == expected
+    assert weight_norms._finite_matrices(huge, torch.linalg.matrix_norm(huge)).tolist() == expected
+
+
 # --------------------------------------------------------------------------------------------------------
 # Attention weights, split as the models use them
 # --------------------------------------------------------------------------------------------------------
