@@ -19,6 +19,7 @@ from spectral_monitor.metrics._common import (
     check_method,
     effective_rank_from_singular_values,
     flat_mask,
+    nonfinite_matrices,
     stable_rank,
     threshold_rank_from_singular_values,
     working_dtype_of,
@@ -182,7 +183,7 @@ def attention_metrics(
     )
     mean_row = metrics.pop("mean_row")
     # A masked NaN or inf stays one (× 0 is NaN), so the norm of what was measured screens the input.
-    nonfinite = _nonfinite_elements(matrices, metrics["frobenius"])
+    nonfinite = nonfinite_matrices(matrices, metrics["frobenius"])
     # Non-finite elements are replaced by a harmless matrix so batched factorisations cannot fail; their
     # metrics become NaN at the end.
     frobenius_squared = metrics["frobenius"].square()
@@ -335,18 +336,6 @@ def flat_pattern(
             f"{(*batch_shape, num_queries, num_keys)}"
         ) from error
     return full.reshape(-1, num_queries, num_keys)
-
-
-def _nonfinite_elements(matrices: Tensor, norms: Tensor) -> Tensor:
-    """(B,) True where a matrix holds a NaN or inf, from its Frobenius norm ``norms`` (B,).
-
-    A norm is finite whenever the entries are unless it overflows; only the elements the screen flags are
-    checked entry by entry (a batched ``isfinite`` costs several passes, a screen of its own one).
-    """
-    flagged = ~torch.isfinite(norms)
-    for index in flagged.nonzero().flatten().tolist():
-        flagged[index] = not bool(torch.isfinite(matrices[index]).all())
-    return flagged
 
 
 def _cache_sized_blocks(matrices: Tensor) -> list[tuple[slice, int, int]]:

@@ -10,6 +10,7 @@ from spectral_monitor.metrics._common import (
     check_matrices,
     effective_rank_from_singular_values,
     flat_mask,
+    nonfinite_matrices,
     power_of_two_exponents,
     powers_of_two,
     stable_rank,
@@ -49,7 +50,7 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]
     mask = flat_mask(token_mask, "token_mask", batch_shape, n, x.device)
     states = x.reshape(-1, n, d).to(working_dtype_of(x))
-    nonfinite = ~torch.isfinite(states).all(dim=2).all(dim=1)
+    nonfinite = nonfinite_matrices(states)
     states = torch.where(nonfinite[:, None, None], torch.zeros_like(states), states) * mask[:, :, None]
     # Every metric here is scale-invariant: scaled by a power of two (exact), finite states near 1e19 cannot
     # overflow the sums of squares.

@@ -38,7 +38,12 @@ from torch import Tensor
 from spectral_monitor.linalg import lanczos_eigsh
 from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.linalg.operators import DenseOperator, GramOperator, StackedOperator, working_dtype
-from spectral_monitor.metrics._common import power_of_two_exponents, powers_of_two, stable_rank
+from spectral_monitor.metrics._common import (
+    nonfinite_matrices,
+    power_of_two_exponents,
+    powers_of_two,
+    stable_rank,
+)
 from spectral_monitor.probes.attention_weights import AttentionWeights, check_head_split
 
 __all__ = [
@@ -151,7 +156,7 @@ def estimate_spectral_norms(
         matrices, scale = _scaled_copy([_in_storage_order(target.matrix) for target in group])
         frobenius = torch.linalg.matrix_norm(matrices)
         if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
-            sigma = _largest_singular_values(matrices, _finite_matrices(matrices, frobenius))
+            sigma = _largest_singular_values(matrices, ~nonfinite_matrices(matrices, frobenius))
             estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma), scale))
             continue
         size = matrices.numel() * matrices.element_size()
@@ -184,7 +189,7 @@ def full_spectra(targets: list[NormTarget]) -> dict[str, np.ndarray]:
     for group in _batches(targets):
         matrices = _stacked_copy([_in_storage_order(target.matrix) for target in group])
         values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan)
-        finite = _finite_matrices(matrices)  # a non-finite matrix's spectrum stays NaN: svd would raise
+        finite = ~nonfinite_matrices(matrices)  # a non-finite matrix's spectrum stays NaN: svd would raise
         if finite.any():
             values[finite] = torch.linalg.svdvals(matrices[finite])
         values = values.cpu().numpy()
@@ -227,7 +232,7 @@ def query_key_spectral_norms(
     key_heads_per_query = key.reshape(key_heads, head_dim, -1).transpose(1, 2)
     key_heads_per_query = key_heads_per_query.repeat_interleave(num_heads // key_heads, dim=0)
     norms = query.new_full((num_heads,), math.nan)
-    finite = _finite_matrices(query_heads) & _finite_matrices(key_heads_per_query)  # QR raises on NaN
+    finite = ~(nonfinite_matrices(query_heads) | nonfinite_matrices(key_heads_per_query))  # QR raises on NaN
     if finite.any():
         r_query = torch.linalg.qr(query_heads[finite], mode="r").R
         r_key = torch.linalg.qr(key_heads_per_query[finite], mode="r").R
@@ -273,7 +278,7 @@ def _solve(
     residual = [torch.full_like(frobenius, math.nan) for _, _, frobenius, _ in waiting]
     runs: dict[tuple[int, bool], dict[int, list[int]]] = {}  # (size, warm) -> item -> its elements
     for item, (group, matrices, frobenius, _) in enumerate(waiting):
-        finite = _finite_matrices(matrices, frobenius).tolist()
+        finite = (~nonfinite_matrices(matrices, frobenius)).tolist()
         size = min(matrices.shape[1:])
         for element, target in enumerate(group):
             if finite[element]:
@@ -359,25 +364,9 @@ def _stacked_copy(matrices: list[Tensor]) -> Tensor:
     return stacked.to(working_dtype(stacked.dtype))
 
 
-def _finite_matrices(matrices: Tensor, frobenius: Tensor | None = None) -> Tensor:
-    """(batch,) bool: which matrices of a (batch, rows, cols) stack hold only finite values.
-
-    Read from ‖·‖_F (``frobenius``, the matrices' norms, where the caller has them): one reduction, where
-    ``isfinite`` writes a mask of every entry and costs about 15× as much on the CPU. A NaN or inf entry makes
-    the norm non-finite; squares of large finite entries can too, so a non-finite norm is checked entry by
-    entry.
-    """
-    norms = torch.linalg.matrix_norm(matrices) if frobenius is None else frobenius
-    finite = norms.isfinite()
-    doubtful = ~finite
-    if doubtful.any():
-        finite[doubtful] = matrices[doubtful].isfinite().flatten(1).all(dim=1)
-    return finite
-
-
 def _largest_singular_values(matrices: Tensor, finite: Tensor) -> Tensor:
-    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN where ``finite``
-    (:func:`_finite_matrices`) is False.
+    """σ₁ of each matrix of a (batch, rows, cols) stack, exactly; NaN where ``finite`` is False (a matrix
+    holding NaN or inf).
 
     From the top eigenvalue of the smaller Gram matrix: squaring loses the small singular values, never σ₁
     (the rounding is relative to σ₁²), and on small head slices it is cheaper than ``svdvals``.

@@ -47,7 +47,7 @@ from spectral_monitor.metrics import (
     token_metrics,
     weight_metrics,
 )
-from spectral_monitor.metrics._common import all_singular_values
+from spectral_monitor.metrics._common import all_singular_values, nonfinite_matrices
 
 CASES = attention_cases()
 FLOAT64_TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
@@ -809,3 +809,13 @@ def test_on_the_exact_path_concatenated_layers_give_each_layers_own_metrics() ->
     for position, state in enumerate(states):
         for name, values in token_metrics(state).items():
             torch.testing.assert_close(stacked[name][position], values, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("given_norms", [False, True])
+def test_matrices_whose_squares_overflow_are_finite_and_those_holding_nan_or_inf_are_not(
+    given_norms: bool,
+) -> None:
+    huge = torch.full((4, 3, 3), 1e200, dtype=torch.float64)  # ‖·‖_F overflows, every entry is finite
+    huge[1, 0, 0], huge[2, 2, 2] = math.nan, -math.inf
+    norms = torch.linalg.matrix_norm(huge) if given_norms else None
+    assert nonfinite_matrices(huge, norms).tolist() == [False, True, True, False]

@@ -201,14 +201,6 @@ def test_non_finite_weights_get_nan_norms_and_their_finite_neighbours_their_own(
         assert records[f"weights/spectral_norm/{name}"] == pytest.approx(expected, rel=RTOL)
 
 
-def test_finite_weights_whose_squares_overflow_are_told_apart_from_non_finite_ones() -> None:
-    huge = torch.full((4, 3, 3), 1e200, dtype=torch.float64)  # ‖·‖_F overflows, every entry is finite
-    huge[1, 0, 0], huge[2, 2, 2] = math.nan, -math.inf
-    expected = [True, False, False, True]
-    assert weight_norms._finite_matrices(huge).tolist() == expected
-    assert weight_norms._finite_matrices(huge, torch.linalg.matrix_norm(huge)).tolist() == expected
-
-
 # --------------------------------------------------------------------------------------------------------
 # Attention weights, split as the models use them
 # --------------------------------------------------------------------------------------------------------
