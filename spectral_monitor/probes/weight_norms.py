@@ -39,6 +39,7 @@ from spectral_monitor.linalg import lanczos_eigsh
 from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.linalg.operators import DenseOperator, GramOperator, StackedOperator, working_dtype
 from spectral_monitor.metrics._common import (
+    all_singular_values,
     nonfinite_matrices,
     power_of_two_exponents,
     powers_of_two,
@@ -171,7 +172,9 @@ def estimate_spectral_norms(
 
 
 def full_spectra(targets: list[NormTarget]) -> dict[str, np.ndarray]:
-    """Every singular value of each target's matrix (``torch.linalg.svdvals``: a full SVD).
+    """Every singular value of each target's matrix: the square roots of the eigenvalues of its smaller Gram
+    matrix, formed in float64 (each σᵢ within ~1e-8·σ₁, where float32 ``svdvals`` was ~2e-6·σ₁ off on
+    GPT-2's weights, and twice as fast there).
 
     Args:
         targets: The matrices, with distinct keys.
@@ -189,9 +192,9 @@ def full_spectra(targets: list[NormTarget]) -> dict[str, np.ndarray]:
     for group in _batches(targets):
         matrices = _stacked_copy([_in_storage_order(target.matrix) for target in group])
         values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan)
-        finite = ~nonfinite_matrices(matrices)  # a non-finite matrix's spectrum stays NaN: svd would raise
+        finite = ~nonfinite_matrices(matrices)  # a non-finite matrix's spectrum stays NaN: eigvalsh raises
         if finite.any():
-            values[finite] = torch.linalg.svdvals(matrices[finite])
+            values[finite] = all_singular_values(matrices[finite])
         values = values.cpu().numpy()
         spectra.update((target.key, spectrum) for target, spectrum in zip(group, values, strict=True))
     return spectra

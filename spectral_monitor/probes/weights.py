@@ -261,8 +261,8 @@ class WeightProbe:
 
         Args:
             step: The step of the histograms.
-            full_spectrum: Also every singular value of each whole weight (``singular_values``, a full SVD
-                by ``torch.linalg.svdvals``: meant for occasional steps).
+            full_spectrum: Also every singular value of each whole weight (``singular_values``, a full
+                eigendecomposition of its smaller Gram matrix: meant for occasional steps).
 
         Returns:
             The histograms, per attention module (per projection for the norms) and, with ``full_spectrum``,

@@ -36,6 +36,7 @@ from spectral_monitor.metrics import marchenko_pastur_edge
 from spectral_monitor.metrics.baselines import random_attention_sigma2
 from spectral_monitor.probes import WeightProbe, find_transformer_blocks
 from spectral_monitor.probes.attention_families import AttentionFamilies
+from spectral_monitor.probes.weight_norms import NormTarget, full_spectra
 from spectral_monitor.toolbox.length_scaling import LengthScaledAttention, attention_logit_scale
 
 __all__ = ["Finding", "architecture_preflight", "preflight_markdown"]
@@ -245,11 +246,13 @@ def _depth(model: nn.Module) -> list[Finding]:
 
 def _init_scale(probe: WeightProbe) -> list[Finding]:
     findings = []
-    for layer, weight in probe.named_matrices():
+    weights = {
+        layer: weight for layer, weight in probe.named_matrices() if 2 <= min(weight.shape) <= EXACT_MAX_SIDE
+    }
+    spectra = full_spectra([NormTarget(layer, None, weight) for layer, weight in weights.items()])
+    for layer, weight in weights.items():
         rows, cols = weight.shape
-        if min(rows, cols) < 2 or min(rows, cols) > EXACT_MAX_SIDE:
-            continue
-        sigma = torch.linalg.svdvals(weight.double())
+        sigma = torch.from_numpy(spectra[layer]).double()
         frobenius_squared = sigma.square().sum()
         if frobenius_squared == 0:
             findings.append(Finding("init_scale", "info", layer, "all zeros (a zero-initialised projection)"))

@@ -440,6 +440,18 @@ def test_distributions_hold_the_per_head_values_and_on_request_the_exact_spectru
     assert not any("singular_values" in tag for tag in (r.tag for r in probe.distributions(4)))
 
 
+def test_the_full_spectrum_of_a_large_weight_is_within_float32_rounding_of_sigma1_of_float64() -> None:
+    torch.manual_seed(17)
+    model = nn.Sequential(nn.Linear(384, 1536))
+    with torch.no_grad():
+        model[0].weight[:, :8] *= 30  # a few large singular values above a bulk, as training makes them
+    probe = WeightProbe(model)
+    histograms = {record.tag: record for record in probe.distributions(0, full_spectrum=True)}
+    spectrum = histograms["weights/singular_values/0"].values
+    reference = reference_singular_values(model[0].weight)
+    assert np.abs(spectrum - reference).max() <= 2e-7 * reference[0]
+
+
 def test_measuring_leaves_parameters_grads_buffers_optimizer_and_global_rng_untouched() -> None:
     torch.manual_seed(17)
     model = nn.Sequential(
