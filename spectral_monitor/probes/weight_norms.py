@@ -6,9 +6,9 @@ The numerical side of :class:`~spectral_monitor.probes.weights.WeightProbe`: thi
 σ₁ comes from the batched block Lanczos of :mod:`spectral_monitor.linalg`, warm-started like
 ``torch.nn.utils.parametrizations.spectral_norm``: each matrix keeps its top singular vector on its smaller
 side (right for a tall matrix, left for a wide one, as it lies in memory: a square weight stored
-transposed keeps its left one) between calls, so a call costs ``iterations_per_step``
-block iterations, and all matrices whose smaller sides agree run as one batch. A matrix seen for the first
-time, or whose shape changed, starts cold and is solved to ``tol``.
+transposed keeps its left one) between calls, so a call costs ``iterations_per_step`` block iterations, and
+all matrices whose smaller sides agree run as one batch. A matrix seen for the first time, or whose shape
+changed, starts cold and is solved to ``tol``.
 A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
 the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov iteration buys nothing there.
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller): some singular value
