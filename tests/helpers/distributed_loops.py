@@ -181,13 +181,22 @@ def main(mode: str, output: Path) -> None:
             {"state": monitor.state_dict(), "run_directory": monitor.run_directory}, output / f"rank{rank}.pt"
         )
         # Nor does it destroy it: gloo's threads left running at interpreter exit can abort the process.
-        dist.destroy_process_group()
+        _leave_together()
         return
     dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
         distributed_loop(rank, output, "fsdp2" if mode == "loop_fsdp2" else "ddp")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _leave_together()
+
+
+def _leave_together() -> None:
+    """Tears the process group down once both ranks are done: a rank that closes its group while the other
+    is still in a collective aborts gloo's threads there ("terminate called without an active exception")."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

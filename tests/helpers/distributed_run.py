@@ -292,8 +292,10 @@ def main(strategy_name: str, output: Path, monitors: list[dict], options: dict) 
     )
     trainer.fit(model, data)
     # Lightning leaves the process group up; torn down by the interpreter's exit instead, gloo's threads can
-    # abort the process ("terminate called without an active exception") after a run that succeeded.
+    # abort the process ("terminate called without an active exception") after a run that succeeded, and so
+    # can a rank that closes it while the other is still in a collective.
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
