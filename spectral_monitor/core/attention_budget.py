@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from spectral_monitor.metrics.attention import uses_exact_path
 from spectral_monitor.probes import CapturedAttention
 
-__all__ = ["LayerBudget", "layer_budget", "matrix_cost", "training_cost"]
+__all__ = ["LayerBudget", "layer_budget", "matrix_cost", "spectra_fit", "training_cost"]
 
 FACTORISATION_COST = 2.0
 """Cost of measuring one matrix on a path that factorises it, per min(n, m)/d: the exact path, and the dense
@@ -174,3 +174,33 @@ def layer_budget(
     first = logs_done * measured_heads
     rotation = tuple((first + offset) % heads for offset in range(measured_heads))
     return LayerBudget(rotation, measured_sequences, rank_sums, heads)
+
+
+def spectra_fit(captured: CapturedAttention, budget: LayerBudget, ratio: float) -> bool:
+    """Whether factorising the matrices ``budget`` measures of ``captured`` fits ``ratio`` times its training
+    work: head diversity needs every singular value, which only the exact path finds as it measures.
+
+    Args:
+        captured: the layer's captured attention, all of it (its training work is that of every sequence).
+        budget: what the logging step measures of it (:func:`layer_budget`).
+        ratio: the ``attention_cost_ratio``; ``math.inf`` for no budget.
+
+    Returns:
+        True where their :data:`FACTORISATION_COST` · min(n, m)/d each is within the budget, and for the
+        layers :func:`layer_budget` measures whole (an infinite ``ratio``, fewer than
+        :data:`MIN_BUDGETED_TOKENS` tokens).
+
+    Examples:
+        >>> import torch
+        >>> q = torch.zeros(2, 6, 2048, 64)  # GPT-2-like heads at 2048 tokens: 25.5 units of training work
+        >>> captured = CapturedAttention("h.0.attn", q, q, None, causal=True, scale=0.125,
+        ...                              key_mask=None, query_mask=None)
+        >>> one = LayerBudget(heads=(0,), sequences=1, rank_sums=False, num_heads=6)
+        >>> spectra_fit(captured, one, 1.0), spectra_fit(captured, one, 3.0)  # one factorisation: 64 units
+        (False, True)
+    """
+    n, m, d = captured.q.shape[2], captured.k.shape[2], captured.q.shape[3]
+    if math.isinf(ratio) or min(n, m) < MIN_BUDGETED_TOKENS:
+        return True
+    factorising = len(budget.heads) * budget.sequences * FACTORISATION_COST * min(n, m) / d
+    return factorising <= ratio * training_cost(captured.num_sequences, captured.num_heads, m, d)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from spectral_monitor.catalog import layer_head_heatmap_metrics
-from spectral_monitor.core.attention_budget import LayerBudget, layer_budget
+from spectral_monitor.core.attention_budget import LayerBudget, layer_budget, spectra_fit
 from spectral_monitor.core.options import MonitorOptions
 from spectral_monitor.core.reports import Reports
 from spectral_monitor.metrics import KrylovState, attention_metrics
@@ -120,6 +120,10 @@ class AttentionPlan:
             One :class:`LayerAttention` per layer, in order, its ``budget`` set.
         """
         budgets = [self._layer_budget(captured, logs_done) for captured in layers]
+        ratio = self.options.budget.attention_cost_ratio
+        spectra_affordable = [
+            spectra_fit(captured, budget, ratio) for captured, budget in zip(layers, budgets, strict=True)
+        ]
         layers = [
             captured.selected(budget.sequences, budget.heads) if budget.sampled else captured
             for captured, budget in zip(layers, budgets, strict=True)
@@ -156,7 +160,7 @@ class AttentionPlan:
                     captured.chunks(per_chunk),
                     room,
                     state,
-                    diversity,
+                    diversity and (exact or self._spectra_affordable(captured, spectra_affordable[index])),
                     draw and not budget.sampled,
                     budget.rank_sums,
                 )[0]
@@ -185,6 +189,19 @@ class AttentionPlan:
             if result is not None:
                 result.budget = budget
         return [result for result in results if result is not None]
+
+    def _spectra_affordable(self, captured: CapturedAttention, affordable: bool) -> bool:
+        """``affordable``, reported once where it is not: off the exact path, head diversity's spectra would
+        factorise every measured matrix, which the cost budget does not allow."""
+        if not affordable:
+            n, m = captured.q.shape[2], captured.k.shape[2]
+            self._reports.once(
+                "spectra over the cost budget",
+                f"factorising {captured.layer}'s {n}×{m} attention for head diversity would exceed "
+                f"attention_cost_ratio={self.options.budget.attention_cost_ratio:g}; it is left out of head "
+                "diversity (attention_cost_ratio=math.inf measures it)",
+            )
+        return affordable
 
     def _layer_budget(self, captured: CapturedAttention, logs_done: int) -> LayerBudget:
         options = self.options.budget

@@ -4,6 +4,7 @@ it a layer is measured as before."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,25 @@ def test_a_monitored_run_writes_the_heads_measured_and_the_means_standard_errors
         values = torch.tensor([per_head[head] for head in heads], dtype=torch.float64)
         assert error == pytest.approx(head_sample_standard_error(values, 4), rel=1e-6)
         assert error > 0
+
+
+@pytest.mark.parametrize(("ratio", "spectra_kept"), [(1.0, False), (10.0, True), (math.inf, True)])
+def test_off_the_exact_path_head_diversity_is_left_out_where_factorising_would_exceed_the_budget(
+    ratio: float, spectra_kept: bool
+) -> None:
+    """Krylov path without the rank sums: 12 matrices of 3 units fit a budget of 39 units at ratio 1, but
+    their 12 factorisations, 32 units each, need 384, which ratio 10 (390) allows."""
+    captured = captured_layer()
+    options = MonitorOptions.from_keywords(
+        attention_cost_ratio=ratio, metric_method="krylov", attention_rank_sums=False
+    )
+    reports = Reports(strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (measured,) = AttentionPlan(options, reports).measure([captured], 2**30, diversity=True, draw=False)
+    assert not measured.budget.sampled
+    assert (measured.spectra is not None) == spectra_kept
+    assert any("left out of head diversity" in str(warning.message) for warning in caught) != spectra_kept
+    if spectra_kept:  # every singular value, as float64 factorises them
+        reference = torch.linalg.svdvals(captured.sample().probs.double())
+        torch.testing.assert_close(measured.spectra, reference, rtol=0, atol=1e-6)
