@@ -302,8 +302,10 @@ class Rule:
         Args:
             changes: Field name (all but ``name``, ``conditions`` and ``exempt``) → its new value, or
                 ``family/metric`` of a condition (or of an ``exempt`` condition), exactly as the condition
-                writes it → its new threshold. The first condition with that metric is changed; its clear
-                level moves with its threshold, keeping their distance.
+                writes it → its new threshold, its clear level moving with it, keeping their distance.
+                ``family/metric`` alone changes the first condition with that metric;
+                ``family/metric@relative_to`` the one with that metric and that ``relative_to``, where a
+                rule reads one metric twice (``attention/entropy@median`` in ``entropy_collapse``).
 
         Returns:
             The new :class:`Rule`, checked as any rule is.
@@ -318,14 +320,21 @@ class Rule:
             if key in fields:
                 plain[key] = value
                 continue
+            metric, _, relative_to = key.partition("@")
             matching = (
-                (group, i) for group in (conditions, exempt) for i, c in enumerate(group) if c.metric == key
+                (group, i)
+                for group in (conditions, exempt)
+                for i, c in enumerate(group)
+                if c.metric == metric and relative_to in ("", c.relative_to)
             )
             found = next(matching, None)
             if found is None:
+                keys = [c.metric for c in conditions + exempt] + [
+                    f"{c.metric}@{c.relative_to}" for c in conditions + exempt
+                ]
                 raise ValueError(
                     f"alerts.tune[{self.name!r}] key {key!r} is neither a rule field ({sorted(fields)}) nor "
-                    f"a condition metric of the rule ({[c.metric for c in conditions + exempt]})"
+                    f"a condition of the rule ({sorted(set(keys))})"
                 )
             if not _is_number(value):
                 raise ValueError(f"alerts.tune[{self.name!r}][{key!r}] must be a number, got {value!r}")
@@ -379,7 +388,12 @@ class AlertConfig:
             check_mapping(f"tune[{name!r}]", changes)
             for key in changes:
                 if "/" in key:
-                    check_metric_pattern(f"tune[{name!r}] key", key)
+                    metric, at, relative_to = key.partition("@")
+                    check_metric_pattern(f"tune[{name!r}] key", metric)
+                    if at:
+                        check_choice(
+                            f"tune[{name!r}] key {key!r}: what follows '@'", relative_to, RELATIVE_TO
+                        )
         is_list = isinstance(self.rules, Sequence) and not isinstance(self.rules, (str, bytes))
         if not is_list:
             raise ValueError(f"rules must be a list of Rule, got {self.rules!r}")

@@ -334,6 +334,21 @@ def test_users_tune_disable_and_add_rules_in_code() -> None:
     ]
 
 
+def test_a_rule_reading_one_metric_twice_tunes_each_condition_by_its_reference() -> None:
+    tune = {
+        "entropy_collapse": {"attention/entropy@median": 0.2},
+        "token_collapse": {"tokens/cosine_similarity": 0.97, "tokens/cosine_similarity@depth": 0.6},
+    }
+    rules = {rule.name: rule for rule in rules_from_config(AlertConfig(tune=tune))}
+    absolute, against_median = rules["entropy_collapse"].conditions
+    assert (absolute.threshold, absolute.clear) == (0.05, 0.1)
+    assert (against_median.relative_to, against_median.threshold) == ("median", 0.2)
+    assert against_median.clear == pytest.approx(0.4)
+    cosine, _, depth = rules["token_collapse"].conditions
+    assert (cosine.relative_to, cosine.threshold, cosine.clear) == ("value", 0.97, pytest.approx(0.92))
+    assert (depth.relative_to, depth.threshold, depth.clear) == ("depth", 0.6, pytest.approx(0.5))
+
+
 def test_lightning_cli_builds_the_alert_configuration_from_yaml() -> None:
     parser = ArgumentParser()
     parser.add_class_arguments(SpectralMonitor, "monitor")
@@ -376,6 +391,14 @@ monitor:
         ),
         (lambda: rules_from_config(AlertConfig(disable=["nope"])), "'nope' matches no rule"),
         (lambda: rules_from_config(AlertConfig(tune={"rank_collapse": {"bogus": 1}})), "key 'bogus'"),
+        (
+            lambda: rules_from_config(AlertConfig(tune={"entropy_collapse": {"attention/entropy@depth": 1}})),
+            r"key 'attention/entropy@depth' is neither .* 'attention/entropy@median'",
+        ),
+        (
+            lambda: AlertConfig(tune={"entropy_collapse": {"attention/entropy@mean": 1}}),
+            "what follows '@' must be one of",
+        ),
         (lambda: SpectralMonitor(stop_on=["rank_colapse"]), r"stop_on names rules \['rank_colapse'\]"),
         (lambda: SpectralMonitor(on_alert=3), "on_alert must be None or a callable"),
     ],
