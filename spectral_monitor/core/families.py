@@ -288,6 +288,11 @@ class WeightFamily(ProbeFamily):
         probe, run = self._probe, self._run
         if probe is None or run is None:
             return
+        spectra_due = self._spectra_cadence.due(progress.logs_done)
+        histograms = self.options.outputs.histograms and run.kept(Capability.HISTOGRAMS)
+        # The spectrum histograms and the weight spectra read the same decomposition when both are due.
+        decompose = spectra_due or (histograms and progress.figures_due)
+        singular_values = None
         # Every rank enters: gathering FSDP shards is a collective (spectral_monitor.distributed).
         with (
             self.reports.failures_of("measuring the weights"),
@@ -295,11 +300,12 @@ class WeightFamily(ProbeFamily):
             full_parameters(run.training_root),
         ):
             progress.measurements += self._checked(probe.measure(progress.step))
-            if self.options.outputs.histograms and run.kept(Capability.HISTOGRAMS):
+            singular_values = probe.singular_values() if decompose else None
+            if histograms:
                 progress.distributions += probe.distributions(
-                    progress.step, full_spectrum=progress.figures_due
+                    progress.step, singular_values=singular_values if progress.figures_due else None
                 )
-        if self._spectra_cadence.due(progress.logs_done):
+        if spectra_due:
             with self.reports.failures_of("measuring the weight spectra"), torch.no_grad():
                 capture = self.options.capture
                 spectra = weight_spectra(
@@ -307,6 +313,7 @@ class WeightFamily(ProbeFamily):
                     include=capture.include,
                     exclude=capture.exclude,
                     attention_families=capture.attention_families,
+                    singular_values=singular_values,
                 )
                 progress.measurements += weight_spectrum_measurements(spectra, progress.step)
                 if run.kept(Capability.FIGURES):

@@ -98,21 +98,23 @@ def working_dtype_of(tensor: Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def all_singular_values(matrices: Tensor) -> Tensor:
-    """Every singular value of each matrix of a (B, n, m) batch, descending, in the batch's dtype.
+def all_singular_values(matrices: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Every singular value of each matrix of a (B, n, m) batch, descending, in ``dtype`` (None: the
+    batch's).
 
     Lower precisions: the square roots of the eigenvalues of the smaller Gram matrix formed in float64, whose
     errors (≈ 1e-16 σ₁²) put each σᵢ within ~1e-8 σ₁ of the truth, closer than float32 ``svdvals`` rounds it
     (≈ 6e-8 σ₁ on the CPU; CUDA's float32 ``svdvals`` is further off) and faster on the many small matrices
     of the exact path. float64 batches use ``svdvals``.
     """
+    dtype = matrices.dtype if dtype is None else dtype
     if matrices.dtype == torch.float64:
-        return torch.linalg.svdvals(matrices)
+        return torch.linalg.svdvals(matrices).to(dtype)
     precise = matrices.double()
     if matrices.shape[1] > matrices.shape[2]:
         precise = precise.transpose(1, 2)
     gram = precise @ precise.transpose(1, 2)
-    return torch.linalg.eigvalsh(gram).flip(-1).clamp_min(0).sqrt().to(matrices.dtype)
+    return torch.linalg.eigvalsh(gram).flip(-1).clamp_min(0).sqrt().to(dtype)
 
 
 def effective_rank_from_singular_values(singular_values: Tensor) -> Tensor:

@@ -180,8 +180,8 @@ def full_spectra(targets: list[NormTarget]) -> dict[str, np.ndarray]:
         targets: The matrices, with distinct keys.
 
     Returns:
-        Each target's singular values, descending, as a float32 (float64 for float64) array, by key; all NaN
-        for a matrix holding NaN or inf.
+        Each target's singular values, descending, as a float64 array, by key; all NaN for a matrix holding
+        NaN or inf.
 
     Examples:
         >>> import torch
@@ -191,10 +191,10 @@ def full_spectra(targets: list[NormTarget]) -> dict[str, np.ndarray]:
     spectra: dict[str, np.ndarray] = {}
     for group in _batches(targets):
         matrices = _stacked_copy([_in_storage_order(target.matrix) for target in group])
-        values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan)
+        values = matrices.new_full((len(group), min(matrices.shape[1:])), math.nan, dtype=torch.float64)
         finite = ~nonfinite_matrices(matrices)  # a non-finite matrix's spectrum stays NaN: eigvalsh raises
         if finite.any():
-            values[finite] = all_singular_values(matrices[finite])
+            values[finite] = all_singular_values(matrices[finite], torch.float64)
         values = values.cpu().numpy()
         spectra.update((target.key, spectrum) for target, spectrum in zip(group, values, strict=True))
     return spectra

@@ -254,30 +254,43 @@ class WeightProbe:
         return measurements
 
     @torch.no_grad()
-    def distributions(self, step: int, *, full_spectrum: bool = False) -> list[Distribution]:
+    def singular_values(self) -> dict[str, np.ndarray]:
+        """Every singular value of each weight :meth:`named_matrices` yields: a full eigendecomposition of
+        its smaller Gram matrix, formed in float64 (each σᵢ within ~1e-8·σ₁; a float64 weight by ``svdvals``),
+        meant for occasional steps.
+
+        Returns:
+            Each weight's singular values, descending, as a float64 array, by layer; all NaN for a weight
+            holding NaN or inf.
+        """
+        return full_spectra([NormTarget(layer, None, matrix) for layer, matrix in self.named_matrices()])
+
+    @torch.no_grad()
+    def distributions(
+        self, step: int, *, singular_values: Mapping[str, np.ndarray] | None = None
+    ) -> list[Distribution]:
         """Per-head histograms of ``step``: ``<metric>_per_head`` of q, k, v, ``qk_spectral_norm_per_head``.
 
         Reuses the estimates of :meth:`measure` at the same step, or runs it.
 
         Args:
             step: The step of the histograms.
-            full_spectrum: Also every singular value of each whole weight (``singular_values``, a full
-                eigendecomposition of its smaller Gram matrix: meant for occasional steps).
+            singular_values: Also a histogram of each weight's whole spectrum (``singular_values``), from
+                :meth:`singular_values` at this step, so that a caller needing the spectra for more than the
+                histograms decomposes the weights once.
 
         Returns:
-            The histograms, per attention module (per projection for the norms) and, with ``full_spectrum``,
-            per weight.
+            The histograms, per attention module (per projection for the norms) and, with
+            ``singular_values``, per weight.
         """
         if self._latest_histograms is None or self._latest_histograms[0] != step:
             self.measure(step)
         assert self._latest_histograms is not None
         records = list(self._latest_histograms[1])
-        if full_spectrum:
-            targets = [NormTarget(layer, None, matrix) for layer, matrix in self.named_matrices()]
-            spectra = full_spectra(targets)
+        if singular_values is not None:
             records.extend(
-                Distribution(step, WEIGHT_FAMILY, "singular_values", target.layer, spectra[target.key])
-                for target in targets
+                Distribution(step, WEIGHT_FAMILY, "singular_values", layer, spectrum)
+                for layer, spectrum in singular_values.items()
             )
         return records
 

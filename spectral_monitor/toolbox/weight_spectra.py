@@ -10,7 +10,7 @@ from :mod:`spectral_monitor.metrics`: the MP edge of :func:`~spectral_monitor.me
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +21,7 @@ from torch import nn
 from spectral_monitor.metrics import marchenko_pastur_edge
 from spectral_monitor.metrics.spectra import energy_rank, marchenko_pastur_density, power_law_alpha
 from spectral_monitor.probes import WEIGHT_FAMILY, AttentionFamilies, WeightProbe
+from spectral_monitor.probes.weight_norms import NormTarget, full_spectra
 from spectral_monitor.records import Measurement
 
 __all__ = [
@@ -99,10 +100,13 @@ def weight_spectra(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
     attention_families: AttentionFamilies | None = None,
+    singular_values: Mapping[str, np.ndarray] | None = None,
 ) -> list[WeightSpectrum]:
     """The :class:`WeightSpectrum` of every weight ``WeightProbe(model, include=..., exclude=...)`` measures.
 
-    One batched ``torch.linalg.svdvals`` per weight shape, in float64 on detached copies.
+    The singular values are :meth:`~spectral_monitor.probes.WeightProbe.singular_values`': the eigenvalues
+    of each weight's smaller Gram matrix formed in float64, so each eigenvalue λᵢ = σᵢ² is within ~1e-16·σ₁²
+    and each σᵢ within ~1e-8·σ₁ of the exact one (float64 weights: ``svdvals``).
 
     Args:
         model: The model whose weights are read.
@@ -110,6 +114,9 @@ def weight_spectra(
         exclude: Patterns of weights left out.
         attention_families: Which attention modules' q, k and v are split out of packed weights (None:
             ``AttentionFamilies()``).
+        singular_values: Spectra of these weights already decomposed at this step (a ``WeightProbe``'s
+            :meth:`~spectral_monitor.probes.WeightProbe.singular_values` with the same patterns), by layer:
+            used instead of decomposing the weights again.
 
     Returns:
         One spectrum per weight, in the model's order.
@@ -131,15 +138,10 @@ def weight_spectra(
         model, include=include, exclude=exclude, per_head=False, attention_families=attention_families
     )
     named = list(probe.named_matrices())
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for index, (_, matrix) in enumerate(named):
-        by_shape.setdefault(tuple(matrix.shape), []).append(index)
-    singular_values: dict[int, torch.Tensor] = {}
-    for indices in by_shape.values():
-        stacked = torch.stack([named[i][1].detach().to(torch.float64) for i in indices])
-        for i, values in zip(indices, torch.linalg.svdvals(stacked), strict=True):
-            singular_values[i] = values
-    return [_spectrum(layer, *matrix.shape, singular_values[i]) for i, (layer, matrix) in enumerate(named)]
+    known = {} if singular_values is None else singular_values
+    missing = [NormTarget(layer, None, matrix) for layer, matrix in named if layer not in known]
+    spectra = {**known, **full_spectra(missing)}
+    return [_spectrum(layer, *matrix.shape, torch.from_numpy(spectra[layer])) for layer, matrix in named]
 
 
 def weight_spectrum_measurements(spectra: Sequence[WeightSpectrum], step: int) -> list[Measurement]:

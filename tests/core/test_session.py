@@ -120,6 +120,64 @@ def test_the_weights_written_are_their_largest_singular_values() -> None:
         assert written[layer] == pytest.approx(exact, rel=1e-4), layer
 
 
+def test_a_step_due_both_spectrum_histograms_and_weight_spectra_decomposes_the_weights_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The histograms of every singular value and the weight-spectrum metrics read one decomposition, and both
+    are the float64 singular values of the weights."""
+    from spectral_monitor.probes import WeightProbe
+    from spectral_monitor.toolbox import weight_spectra as toolbox
+
+    decompositions: list[int] = []
+    probe_singular_values = WeightProbe.singular_values
+    toolbox_full_spectra = toolbox.full_spectra
+
+    def counted_probe(self: WeightProbe) -> dict[str, np.ndarray]:
+        decompositions.append(len(list(self.named_matrices())))
+        return probe_singular_values(self)
+
+    def counted_toolbox(targets: list[Any]) -> dict[str, np.ndarray]:
+        if targets:
+            decompositions.append(len(targets))
+        return toolbox_full_spectra(targets)
+
+    monkeypatch.setattr(WeightProbe, "singular_values", counted_probe)
+    monkeypatch.setattr(toolbox, "full_spectra", counted_toolbox)
+    model, sink = tiny_model(), RecordingSink()
+    session = MonitorSession(
+        options(
+            families=["weights"],
+            every_n_steps=1,
+            histograms=True,
+            figures_every_n_logs=2,
+            weight_spectra_every_n_logs=1,
+        )
+    )
+    session.start(model, [sink])
+    run_steps(session, model, range(3))
+    session.close()
+
+    weights = {name: m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(decompositions) == 3 and len(set(decompositions)) == 1  # one per logging step
+    histograms = [
+        record
+        for call in sink.calls
+        if call[0] == "distributions"
+        for record in call[1]
+        if record.name == "singular_values"
+    ]
+    assert sorted({record.step for record in histograms}) == [0, 2]  # the figure steps
+    ranks = {(r.layer, r.step): r.value for r in sink.records() if r.metric == "energy_rank_99"}
+    assert {step for _, step in ranks} == {0, 1, 2}
+    checked = [record for record in histograms if record.layer in weights]
+    assert len(checked) >= 4
+    for record in checked:
+        exact = torch.linalg.svdvals(weights[record.layer].detach().double()).numpy()
+        assert np.abs(record.values - exact).max() <= 1e-7 * exact[0], record.layer
+        energy = np.cumsum(exact**2) / np.sum(exact**2)
+        assert ranks[record.layer, record.step] == 1 + int(np.sum(energy < 0.99 - 1e-12)), record.layer
+
+
 def test_each_output_reaches_only_the_sinks_that_keep_it_and_figures_are_drawn_only_for_them() -> None:
     model = tiny_model()
     everything, scalars_only = RecordingSink(), RecordingSink(frozenset({Capability.SCALARS}))

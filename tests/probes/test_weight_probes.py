@@ -97,7 +97,7 @@ def test_conv1d_weights_stored_transposed_track_float64_over_warm_logging_steps(
             assert estimate <= sigma * (1 + 1e-6)
             assert (sigma - estimate) / sigma <= residual + 1e-6
         perturb_(model, 0.05, generator)
-    histograms = probe.distributions(4, full_spectrum=True)
+    histograms = probe.distributions(4, singular_values=probe.singular_values())
     spectra = {record.layer: record.values for record in histograms if record.name == "singular_values"}
     for name, matrix in matrices.items():
         sigma = reference_singular_values(matrix)
@@ -453,7 +453,8 @@ def test_distributions_hold_the_per_head_values_and_on_request_the_exact_spectru
     model = nn.Sequential(nn.MultiheadAttention(12, 3), nn.Linear(12, 5))
     probe = WeightProbe(model)
     records = by_tag(probe.measure(4))
-    histograms = {record.tag: record for record in probe.distributions(4, full_spectrum=True)}
+    records_of_step = probe.distributions(4, singular_values=probe.singular_values())
+    histograms = {record.tag: record for record in records_of_step}
 
     per_head = histograms["weights/spectral_norm_per_head/0.q"].values
     np.testing.assert_array_equal(
@@ -474,7 +475,8 @@ def test_the_full_spectrum_of_a_large_weight_is_within_float32_rounding_of_sigma
     with torch.no_grad():
         model[0].weight[:, :8] *= 30  # a few large singular values above a bulk, as training makes them
     probe = WeightProbe(model)
-    histograms = {record.tag: record for record in probe.distributions(0, full_spectrum=True)}
+    records_of_step = probe.distributions(0, singular_values=probe.singular_values())
+    histograms = {record.tag: record for record in records_of_step}
     spectrum = histograms["weights/singular_values/0"].values
     reference = reference_singular_values(model[0].weight)
     assert np.abs(spectrum - reference).max() <= 2e-7 * reference[0]
@@ -497,7 +499,7 @@ def test_measuring_leaves_parameters_grads_buffers_optimizer_and_global_rng_unto
 
     probe = WeightProbe(model)
     probe.measure(0)
-    probe.distributions(1, full_spectrum=True)
+    probe.distributions(1, singular_values=probe.singular_values())
 
     assert torch.equal(torch.get_rng_state(), rng)
     for name, tensor in model.state_dict().items():

@@ -17,6 +17,7 @@ from spectral_monitor import SpectralMonitor
 from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 from spectral_monitor.metrics.heads import head_diversity, head_spectral_distances, most_redundant_head_pairs
 from spectral_monitor.metrics.spectra import energy_rank, marchenko_pastur_density, power_law_alpha
+from spectral_monitor.toolbox import weight_spectra as toolbox_weight_spectra
 from spectral_monitor.toolbox.compression import low_rank_linear
 from spectral_monitor.toolbox.preflight import architecture_preflight
 from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra
@@ -193,6 +194,36 @@ def test_weight_spectra_of_an_iid_layer_sit_at_the_marchenko_pastur_edge():
     assert spectrum.energy_rank_90 < spectrum.energy_rank_99 <= 128
     figure = esd_figure(spectrum)
     assert len(figure.axes[0].lines) >= 2  # the MP density and its edge
+
+
+def test_weight_spectra_match_float64_svd_and_reuse_spectra_given_to_them(monkeypatch):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(96, 192), nn.Linear(192, 40, bias=False))
+    with torch.no_grad():
+        model[0].weight[:, :4] *= 25  # spikes above the bulk, a heavier tail
+        model[1].weight[:, 20:] = 0  # rank 20 of 40
+    spectra = {spectrum.layer: spectrum for spectrum in weight_spectra(model)}
+    for layer, module in (("0", model[0]), ("1", model[1])):
+        exact = torch.linalg.svdvals(module.weight.detach().double())
+        spectrum = spectra[layer]
+        assert spectrum.singular_values.dtype == np.float64
+        assert np.abs(spectrum.singular_values - exact.numpy()).max() <= 1e-7 * float(exact[0])
+        fit = power_law_alpha(exact.square())
+        assert spectrum.alpha == pytest.approx(float(fit["alpha"]), rel=1e-6)
+        assert spectrum.energy_rank_99 == int(energy_rank(exact, 0.99))
+    assert spectra["0"].mp_spikes == 4
+
+    given = {"0": spectra["0"].singular_values}
+    decomposed = []
+    full_spectra = toolbox_weight_spectra.full_spectra
+    monkeypatch.setattr(
+        toolbox_weight_spectra,
+        "full_spectra",
+        lambda targets: decomposed.extend(targets) or full_spectra(targets),
+    )
+    again = weight_spectra(model, singular_values=given)
+    assert [target.key for target in decomposed] == ["1"]
+    assert np.shares_memory(again[0].singular_values, given["0"]) and again[0].alpha == spectra["0"].alpha
 
 
 def test_a_zero_initialised_weight_is_drawn_without_a_numerical_warning():
