@@ -179,9 +179,9 @@ class OutputOptions:
         figures_every_n_logs: on every k-th logging step, starting with the first, draw the figures (the
             singular values of the drawn head of each layer, the attention of that head in the first and
             last layer, a layer × head map of each metric in ``HEATMAP_METRICS``) and write histograms of
-            each weight's singular values (a full SVD of every weight); 0: never; None: the preset's (0 in
-            ``"light"``, else 10). TensorBoard shows 10 images per tag unless started with
-            ``--samples_per_plugin images=N``. The figures are kept and redrawn
+            each weight's singular values (a full eigendecomposition of each weight's Gram matrix); 0:
+            never; None: the preset's (0 in ``"light"``, else 10). TensorBoard shows 10 images per tag
+            unless started with ``--samples_per_plugin images=N``. The figures are kept and redrawn
             (``spectral_monitor.sinks.redrawn.RedrawnFigure``), so a later figure step costs less than the
             first.
         head_diversity_every_n_logs: on every k-th logging step, starting with the first, write
@@ -190,8 +190,9 @@ class OutputOptions:
             pair) and a text entry ``attention/redundant_heads`` listing each layer's closest head pairs
             (one ``svdvals`` per sampled head); 0: never; None: the preset's (0 in ``"light"``, 4 in
             ``"standard"``, 1 in ``"full"``).
-        weight_spectra_every_n_logs: on every k-th logging step, starting with the first, a full SVD of every
-            weight: ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
+        weight_spectra_every_n_logs: on every k-th logging step, starting with the first, every singular
+            value of every weight (one decomposition with the histograms where both are due):
+            ``weights/<metric>/<weight>`` for ``mp_edge``, ``mp_spikes``, ``alpha`` (power-law tail
             exponent of σ², WeightWatcher's convention), ``alpha_ks_distance``, ``energy_rank_90`` and
             ``energy_rank_99`` (compressible rank), and ESD-against-Marchenko–Pastur figures
             ``weights/figures/esd/<weight>``, with the "weights" family on; 0: never; None: the preset's (10

@@ -1,7 +1,7 @@
 """Full weight spectra of a model: singular values per layer, Marchenko–Pastur edge and spikes, power-law α,
 compressible rank, and the empirical spectral density drawn against the MP law.
 
-Meant for a slow cadence (a full SVD of every weight). Weights and names are those of
+Meant for a slow cadence (every singular value of every weight). Weights and names are those of
 :class:`~spectral_monitor.probes.WeightProbe` (q, k, v split out of packed projections). Every number comes
 from :mod:`spectral_monitor.metrics`: the MP edge of :func:`~spectral_monitor.metrics.marchenko_pastur_edge`
 (σ̂(√N + √M), σ̂² = ‖W‖_F²/(NM)), α of :func:`~spectral_monitor.metrics.spectra.power_law_alpha`
