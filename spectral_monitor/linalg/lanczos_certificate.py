@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -118,25 +119,32 @@ def stop_test(
         >>> test.verdict is None, test.relative_residual
         (True, tensor([[0.0100]]))
     """
-    magnitude = theta.abs().amax(dim=1).clamp_min(torch.finfo(theta.dtype).tiny)
-    wanted_residual = residual[:, -k:].flip(1)
-    judged_against = magnitude[:, None].expand(-1, k)
+    # The test's few dozen operations on (B, m) values run in numpy: as torch operations on tensors this
+    # small they cost as much as a Hessian-vector product of a small network.
+    device = theta.device
+    theta, residual = theta.detach().cpu().numpy(), residual.detach().cpu().numpy()
+    scale = scale.detach().cpu().numpy().astype(theta.dtype)
+    magnitude = np.maximum(np.abs(theta).max(axis=1), np.finfo(theta.dtype).tiny)
+    wanted_residual = residual[:, -k:][:, ::-1]
+    judged_against = np.broadcast_to(magnitude[:, None], wanted_residual.shape)
     if relative_to == "each":
-        judged_against = torch.maximum(theta[:, -k:].flip(1).abs(), EACH_FLOOR * judged_against)
+        judged_against = np.maximum(np.abs(theta[:, -k:][:, ::-1]), EACH_FLOOR * judged_against)
     # Below float rounding of the products no residual can be asserted: that is the tolerance's floor.
-    tolerance = torch.maximum(tol * judged_against, (ROUNDING_FLOOR * rounding * scale)[:, None])
-    relative = wanted_residual / magnitude[:, None]
+    tolerance = np.maximum(tol * judged_against, (ROUNDING_FLOOR * rounding * scale)[:, None]).astype(
+        theta.dtype
+    )
+    relative = torch.from_numpy(np.ascontiguousarray(wanted_residual / magnitude[:, None])).to(device)
     if not last and beyond_tolerance(theta, wanted_residual, tolerance, criterion):
         return StopTest(None, relative)
     verdict = judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability)
-    return StopTest(verdict, relative)
+    return StopTest(Verdict(verdict.met.to(device), verdict.least_degree.to(device)), relative)
 
 
 def judge(
-    theta: Tensor,
-    residual: Tensor,
+    theta: np.ndarray,
+    residual: np.ndarray,
     k: int,
-    tolerance: Tensor,
+    tolerance: np.ndarray,
     criterion: StopCriterion,
     degree: int,
     n: int,
@@ -182,10 +190,8 @@ def judge(
         Ritz values 1, 2, 5, all exact, in a space of size 3: the degree test at p = 0.01 needs a degree of
         at least 4.27 for the gap of 3 below the top.
 
-        >>> import torch
-        >>> theta = torch.tensor([[1.0, 2.0, 5.0]], dtype=torch.float64)
-        >>> exact = torch.zeros(1, 3, dtype=torch.float64)
-        >>> tolerance = torch.full((1, 1), 1e-3, dtype=torch.float64)
+        >>> import numpy as np
+        >>> theta, exact, tolerance = np.array([[1.0, 2.0, 5.0]]), np.zeros((1, 3)), np.full((1, 1), 1e-3)
         >>> judge(theta, exact, 1, tolerance, "residual", 2, 3, None).met
         tensor([True])
         >>> verdict = judge(theta, exact, 1, tolerance, "residual", 2, 3, 0.01)
@@ -195,57 +201,77 @@ def judge(
         tensor([True])
     """
     batch, m = theta.shape
-    tiny = torch.finfo(theta.dtype).tiny
-    wanted = theta[:, -k:].flip(1)
-    wanted_residual = residual[:, -k:].flip(1)
-    own = torch.arange(m - 1, m - k - 1, -1, device=theta.device)
-    centre_distance = (wanted[:, :, None] - theta[:, None, :]).abs()
+    tiny = np.finfo(theta.dtype).tiny
+    with np.errstate(all="ignore"):  # inf and NaN are values here, as in torch
+        met, least_degree = _judged(
+            theta, residual, k, tolerance, criterion, degree, n, failure_probability, tiny
+        )
+    return Verdict(torch.from_numpy(met), torch.from_numpy(least_degree))
+
+
+def _judged(
+    theta: np.ndarray,
+    residual: np.ndarray,
+    k: int,
+    tolerance: np.ndarray,
+    criterion: StopCriterion,
+    degree: int,
+    n: int,
+    failure_probability: float | None,
+    tiny: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`judge`'s ``met`` and ``least_degree`` as arrays."""
+    batch, m = theta.shape
+    wanted = theta[:, -k:][:, ::-1]
+    wanted_residual = residual[:, -k:][:, ::-1]
+    own = np.arange(m - 1, m - k - 1, -1)
+    centre_distance = np.abs(wanted[:, :, None] - theta[:, None, :])
     outside = centre_distance > tolerance[:, :, None]
-    outside[:, torch.arange(k, device=theta.device), own] = False
-    inf = torch.tensor(float("inf"), dtype=theta.dtype, device=theta.device)
-    interval_gap = torch.where(outside, centre_distance - residual[:, None, :], inf).amin(dim=2).clamp_min(0)
+    outside[:, np.arange(k), own] = False
+    inf = theta.dtype.type(np.inf)
+    interval_gap = np.maximum(np.where(outside, centre_distance - residual[:, None, :], inf).min(axis=2), 0)
 
     error = wanted_residual
     if criterion == "eigenvalue":
-        error = torch.minimum(wanted_residual, wanted_residual.square() / interval_gap.clamp_min(tiny))
-    met = (error <= tolerance).all(dim=1)
+        error = np.minimum(wanted_residual, np.square(wanted_residual) / np.maximum(interval_gap, tiny))
+    met = (error <= tolerance).all(axis=1)
 
     below = theta[:, : m - k]
     past = below < (wanted[:, -1:] - tolerance[:, -1:])
     if m > k:
-        index = torch.where(past, torch.arange(m - k, device=theta.device), -1).amax(dim=1)
+        index = np.where(past, np.arange(m - k), -1).max(axis=1)
         some = index >= 0
-        first = index.clamp_min(0)[:, None]
-        distance = wanted[:, -1] - below.gather(1, first)[:, 0]
-        resolved = residual.gather(1, first)[:, 0] <= torch.maximum(distance / 2, tolerance[:, -1])
+        first = np.maximum(index, 0)[:, None]
+        distance = wanted[:, -1] - np.take_along_axis(below, first, axis=1)[:, 0]
+        resolved = np.take_along_axis(residual, first, axis=1)[:, 0] <= np.maximum(
+            distance / 2, tolerance[:, -1]
+        )
         met &= ~some | resolved
     else:
-        met = torch.zeros_like(met)
-    least_degree = torch.zeros(batch, dtype=theta.dtype, device=theta.device)
-    if failure_probability is None:
-        return Verdict(met, least_degree)
-    if m <= k:
-        return Verdict(met, least_degree)
-    spread = (theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None].clamp_min(tiny)
+        met = np.zeros_like(met)
+    least_degree = np.zeros(batch, dtype=theta.dtype)
+    if failure_probability is None or m <= k:
+        return met, least_degree
+    spread = np.maximum((theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None], tiny)
     certain = 2 * n**0.5 / failure_probability
-    gap = torch.maximum(interval_gap, tolerance)
-    pulled = pulled_within(gap, tolerance).clamp_min(tiny)
-    needed = torch.acosh((certain * (spread / pulled).sqrt()).clamp_min(1))
-    certified = (degree * torch.acosh(1 + 2 * gap / spread) >= needed).all(dim=1)
+    gap = np.maximum(interval_gap, tolerance)
+    pulled = np.maximum(pulled_within(gap, tolerance), tiny)
+    needed = np.arccosh(np.maximum(certain * np.sqrt(spread / pulled), 1))
+    certified = (degree * np.arccosh(1 + 2 * gap / spread) >= needed).all(axis=1)
     # Once the error bounds are met the wanted values have converged; the Ritz values below them only rise
     # and the span only widens, so the gap to the next Ritz value's centre (plus the tolerance) and the span
     # of today's values bound the degree the test will ever need from below.
-    centre_gap = torch.where(outside, centre_distance, inf).amin(dim=2) + tolerance
-    bare_spread = (theta[:, -1] - theta[:, 0])[:, None].clamp_min(tiny)
-    lower = torch.acosh(
-        (certain * (bare_spread / pulled_within(centre_gap, tolerance).clamp_min(tiny)).sqrt()).clamp_min(1)
+    centre_gap = np.where(outside, centre_distance, inf).min(axis=2) + tolerance
+    bare_spread = np.maximum((theta[:, -1] - theta[:, 0])[:, None], tiny)
+    lower = np.arccosh(
+        np.maximum(certain * np.sqrt(bare_spread / np.maximum(pulled_within(centre_gap, tolerance), tiny)), 1)
     )
-    least = (lower / torch.acosh(1 + 2 * centre_gap / bare_spread)).amax(dim=1)
-    least_degree = torch.where(met & ~certified, least, least_degree)
-    return Verdict(met & certified, torch.nan_to_num(least_degree, nan=0.0, posinf=float(2**31)))
+    least = (lower / np.arccosh(1 + 2 * centre_gap / bare_spread)).max(axis=1)
+    least_degree = np.where(met & ~certified, least, least_degree).astype(theta.dtype)
+    return met & certified, np.nan_to_num(least_degree, nan=0.0, posinf=float(2**31))
 
 
-def pulled_within(gap: Tensor, tolerance: Tensor) -> Tensor:
+def pulled_within(gap: np.ndarray, tolerance: np.ndarray) -> np.ndarray:
     """How close (B, k) the degree test must pull a Ritz value to an unseen eigenvalue δᵢ or more above θᵢ.
 
     The top value needs only δ₁: a Ritz value pulled within δ₁ of an eigenvalue δ₁ or more above θ₁ would lie
@@ -261,15 +287,15 @@ def pulled_within(gap: Tensor, tolerance: Tensor) -> Tensor:
         (B, k): δ₁ for the top value, τᵢ for the others.
 
     Examples:
-        >>> import torch
-        >>> pulled_within(torch.tensor([[3.0, 2.0]]), torch.tensor([[0.1, 0.1]]))
-        tensor([[3.0000, 0.1000]])
+        >>> import numpy as np
+        >>> pulled_within(np.array([[3.0, 2.0]]), np.array([[0.1, 0.1]]))
+        array([[3. , 0.1]])
     """
-    return torch.cat([gap[:, :1], tolerance[:, 1:]], dim=1)
+    return np.concatenate([gap[:, :1], tolerance[:, 1:]], axis=1)
 
 
 def beyond_tolerance(
-    theta: Tensor, wanted_residual: Tensor, tolerance: Tensor, criterion: StopCriterion
+    theta: np.ndarray, wanted_residual: np.ndarray, tolerance: np.ndarray, criterion: StopCriterion
 ) -> bool:
     """Whether every batch element fails test 1 of :func:`judge` for certain, judged from bounds that cost a
     few operations instead of the whole test: the error bound min(r, r²/δ) is at least min(r, r²/S) with S
@@ -286,20 +312,21 @@ def beyond_tolerance(
         ``True`` only where the full test would fail test 1 for every batch element.
 
     Examples:
-        >>> import torch
-        >>> theta, tolerance = torch.tensor([[1.0, 2.0, 5.0]]), torch.full((1, 1), 1e-3)
-        >>> beyond_tolerance(theta, torch.tensor([[0.1]]), tolerance, "eigenvalue")
+        >>> import numpy as np
+        >>> theta, tolerance = np.array([[1.0, 2.0, 5.0]]), np.full((1, 1), 1e-3)
+        >>> beyond_tolerance(theta, np.array([[0.1]]), tolerance, "eigenvalue")
         True
-        >>> beyond_tolerance(theta, torch.tensor([[0.01]]), tolerance, "eigenvalue")
+        >>> beyond_tolerance(theta, np.array([[0.01]]), tolerance, "eigenvalue")
         False
     """
     if criterion == "residual":
-        return bool((wanted_residual > tolerance).any(dim=1).all())
+        return bool((wanted_residual > tolerance).any(axis=1).all())
     span = (theta[:, -1] - theta[:, 0])[:, None]
-    least_error = torch.minimum(
-        wanted_residual, wanted_residual.square() / span.clamp_min(torch.finfo(theta.dtype).tiny)
-    )
-    return bool(((least_error > tolerance) & (span > 2 * tolerance)).any(dim=1).all())
+    with np.errstate(all="ignore"):  # inf and NaN are values here, as in torch
+        least_error = np.minimum(
+            wanted_residual, np.square(wanted_residual) / np.maximum(span, np.finfo(theta.dtype).tiny)
+        )
+    return bool(((least_error > tolerance) & (span > 2 * tolerance)).any(axis=1).all())
 
 
 def least_degree(n: int, failure_probability: float) -> float:
