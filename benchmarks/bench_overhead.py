@@ -32,10 +32,15 @@ the monitor measuring it), and the hand-written alternative on the same batch (a
 attention probabilities, then each head's entropy and float64 ``torch.linalg.svdvals``; only up to
 ``--alternative-max-context`` tokens: at 4096 its float64 SVDs take minutes a layer). The first logging step,
 where every figure is drawn new, is reported apart. Medians over ``--rounds`` rounds, with their spread.
+``--cycle N`` runs N more logging steps after the rounds, each after a plain step, and adds the mean
+logging/plain ratio over every logging step after the first and the largest one: the median leaves out the
+steps that also draw the figures (every 10th logging step by default) and, in ``full``, write the weight
+spectra.
 
     python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
     python benchmarks/bench_overhead.py --external --contexts 4096 --rounds 1 --train-steps 10 \
         --presets light standard
+    python benchmarks/bench_overhead.py --external --contexts 256 --rounds 3 --cycle 17 --train-steps 0
 
 ``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every per-layer attention and
 token scalar of the catalogue for 6 layers (with the head spreads), written by the monitor's own sink, then
@@ -281,6 +286,8 @@ def external(args: argparse.Namespace) -> None:
                         for _ in range(steps):
                             run.train_step(logging=False)
                         cells = run.measured(args.rounds, every, context <= args.alternative_max_context)
+                        if args.cycle:
+                            cells += run.cycle(args.cycle)
                         rows.append([preset, name, str(layers), str(context), state, *cells])
                         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                     run.monitor.close()
@@ -298,6 +305,7 @@ def external(args: argparse.Namespace) -> None:
                 "hand-written (s)",
                 "monitor's extra / hand-written",
                 f"amortised at every {every}",
+                *([f"mean over logging steps 1–{args.rounds + args.cycle}", "largest"] if args.cycle else []),
             ],
             rows,
         )
@@ -322,9 +330,15 @@ class _ExternalRun:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
         self.tokens = token_batch(2, context, device=args.device)
         self.monitor = Monitor(
-            self.model, logdir=tempfile.mkdtemp(), every_n_steps=1, optimizer=self.optimizer, preset=preset
+            self.model,
+            logdir=tempfile.mkdtemp(),
+            every_n_steps=1,
+            optimizer=self.optimizer,
+            preset=preset,
+            loss_fn=self.loss_of,  # full's curvature probe needs it; the other presets leave it unused
         )
         self.steps = 0
+        self.logging_ratios: list[float] = []
 
     def clock(self) -> float:
         import torch
@@ -370,6 +384,7 @@ class _ExternalRun:
             logged.append(self.train_step(logging=True))
             if alternative:
                 alternatives.append(self.hand_written())
+        self.logging_ratios = [log / off for log, off in zip(logged, plain, strict=True)]
         extra = [log - off for log, off in zip(logged, plain, strict=True)]
         amortised = 100 * statistics.median(extra) / (every * statistics.median(plain))
         return [
@@ -382,6 +397,14 @@ class _ExternalRun:
             else "not timed",
             f"{amortised:.1f}%",
         ]
+
+    def cycle(self, logging_steps: int) -> list[str]:
+        """The cycle cells: ``logging_steps`` more logging steps, each after a plain one, then the mean
+        logging/plain ratio over them and the rounds' (every logging step after the first) and the largest."""
+        for _ in range(logging_steps):
+            plain = self.train_step(logging=False)
+            self.logging_ratios.append(self.train_step(logging=True) / plain)
+        return [f"{statistics.mean(self.logging_ratios):.2f}×", f"{max(self.logging_ratios):.2f}×"]
 
 
 def report_time(logging_steps: int) -> None:
@@ -469,6 +492,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["standard"], choices=["light", "standard", "full"])
     parser.add_argument("--alternative-max-context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cycle", type=int, default=0, metavar="N", help="N more logging steps (docstring)")
     parser.add_argument("--train-steps", type=int, default=30, help="steps before the 'trained' rows")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
