@@ -140,6 +140,7 @@ def stop_test(
     return StopTest(Verdict(verdict.met.to(device), verdict.least_degree.to(device)), relative)
 
 
+@np.errstate(all="ignore")  # inf and NaN are values here, as in torch
 def judge(
     theta: np.ndarray,
     residual: np.ndarray,
@@ -200,27 +201,7 @@ def judge(
         >>> judge(theta, exact, 1, tolerance, "residual", 5, 3, 0.01).met
         tensor([True])
     """
-    batch, m = theta.shape
     tiny = np.finfo(theta.dtype).tiny
-    with np.errstate(all="ignore"):  # inf and NaN are values here, as in torch
-        met, least_degree = _judged(
-            theta, residual, k, tolerance, criterion, degree, n, failure_probability, tiny
-        )
-    return Verdict(torch.from_numpy(met), torch.from_numpy(least_degree))
-
-
-def _judged(
-    theta: np.ndarray,
-    residual: np.ndarray,
-    k: int,
-    tolerance: np.ndarray,
-    criterion: StopCriterion,
-    degree: int,
-    n: int,
-    failure_probability: float | None,
-    tiny: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`judge`'s ``met`` and ``least_degree`` as arrays."""
     batch, m = theta.shape
     wanted = theta[:, -k:][:, ::-1]
     wanted_residual = residual[:, -k:][:, ::-1]
@@ -251,7 +232,7 @@ def _judged(
         met = np.zeros_like(met)
     least_degree = np.zeros(batch, dtype=theta.dtype)
     if failure_probability is None or m <= k:
-        return met, least_degree
+        return Verdict(torch.from_numpy(met), torch.from_numpy(least_degree))
     spread = np.maximum((theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None], tiny)
     certain = 2 * n**0.5 / failure_probability
     gap = np.maximum(interval_gap, tolerance)
@@ -268,7 +249,8 @@ def _judged(
     )
     least = (lower / np.arccosh(1 + 2 * centre_gap / bare_spread)).max(axis=1)
     least_degree = np.where(met & ~certified, least, least_degree).astype(theta.dtype)
-    return met & certified, np.nan_to_num(least_degree, nan=0.0, posinf=float(2**31))
+    least_degree = np.nan_to_num(least_degree, nan=0.0, posinf=float(2**31))
+    return Verdict(torch.from_numpy(met & certified), torch.from_numpy(least_degree))
 
 
 def pulled_within(gap: np.ndarray, tolerance: np.ndarray) -> np.ndarray:
