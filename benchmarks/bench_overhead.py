@@ -305,7 +305,11 @@ def external(args: argparse.Namespace) -> None:
                 "hand-written (s)",
                 "monitor's extra / hand-written",
                 f"amortised at every {every}",
-                *([f"mean over logging steps 1–{args.rounds + args.cycle}", "largest"] if args.cycle else []),
+                *(
+                    [f"mean of the {args.rounds + args.cycle} logging steps after the first", "largest"]
+                    if args.cycle
+                    else []
+                ),
             ],
             rows,
         )
