@@ -40,7 +40,8 @@ spectra.
     python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
     python benchmarks/bench_overhead.py --external --contexts 4096 --rounds 1 --train-steps 10 \
         --presets light standard
-    python benchmarks/bench_overhead.py --external --contexts 256 --rounds 3 --cycle 17 --train-steps 0
+    python benchmarks/bench_overhead.py --external --contexts 256 --rounds 3 --cycle 17 --train-steps 10 \
+        --presets standard full
 
 ``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every per-layer attention and
 token scalar of the catalogue for 6 layers (with the head spreads), written by the monitor's own sink, then

@@ -276,6 +276,7 @@ def pulled_within(gap: np.ndarray, tolerance: np.ndarray) -> np.ndarray:
     return np.concatenate([gap[:, :1], tolerance[:, 1:]], axis=1)
 
 
+@np.errstate(all="ignore")  # inf and NaN are values here, as in torch
 def beyond_tolerance(
     theta: np.ndarray, wanted_residual: np.ndarray, tolerance: np.ndarray, criterion: StopCriterion
 ) -> bool:
@@ -304,10 +305,9 @@ def beyond_tolerance(
     if criterion == "residual":
         return bool((wanted_residual > tolerance).any(axis=1).all())
     span = (theta[:, -1] - theta[:, 0])[:, None]
-    with np.errstate(all="ignore"):  # inf and NaN are values here, as in torch
-        least_error = np.minimum(
-            wanted_residual, np.square(wanted_residual) / np.maximum(span, np.finfo(theta.dtype).tiny)
-        )
+    least_error = np.minimum(
+        wanted_residual, np.square(wanted_residual) / np.maximum(span, np.finfo(theta.dtype).tiny)
+    )
     return bool(((least_error > tolerance) & (span > 2 * tolerance)).any(axis=1).all())
 
 
