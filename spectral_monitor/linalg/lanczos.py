@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -378,14 +379,14 @@ def lanczos_eigsh(
         wanted_vectors = ritz[:, :, -k:].flip(2)
         every_residual = (next_coupling @ ritz[:, -width_now:, :]).norm(dim=1)
         test = stop_test(
-            theta,
-            every_residual,
+            theta.detach().cpu().numpy(),
+            every_residual.detach().cpu().numpy(),
             k=k,
             tol=tol,
             relative_to=relative_to,
             criterion=criterion,
             rounding=rounding,
-            scale=scale,
+            scale=scale.detach().cpu().numpy(),
             degree=iteration - 1,
             n=n,
             failure_probability=failure_probability,
@@ -396,20 +397,21 @@ def lanczos_eigsh(
             q, coupling = next_q, next_coupling
             basis.append(next_q)
             continue
-        verdict = test.verdict
+        verdict_met = torch.from_numpy(test.verdict.met).to(op.device)
+        least = torch.from_numpy(test.verdict.least_degree).to(op.device)
         # Every product exactly zero: the random start lies in the operator's null space, which for a
         # non-zero operator has probability zero.
-        met = active_op.agreed(verdict.met | (scale == 0))
+        met = active_op.agreed(verdict_met | (scale == 0))
         # The budget is short only if it also cannot exhaust the space (which makes the answer exact).
         exhaustible = iteration + -(-room // max(next_q.shape[1], 1)) <= max_iters
-        unreachable = ~met & (verdict.least_degree > max_iters - 1) & (not exhausted and not exhaustible)
+        unreachable = ~met & (least > max_iters - 1) & (not exhausted and not exhaustible)
         finishing = (met | unreachable | last) & ~settled
 
         if bool(finishing.any()):
             done = active[finishing]
             values[done] = sign * wanted_theta[finishing]
             vectors[done] = basis.rows[finishing].mT @ wanted_vectors[finishing]
-            residual[done] = test.relative_residual[finishing]
+            residual[done] = torch.from_numpy(test.relative_residual).to(op.device)[finishing]
             iterations[done] = iteration
             converged[done] = met[finishing] | exhausted
             out_of_budget[done] = unreachable[finishing]
@@ -417,7 +419,7 @@ def lanczos_eigsh(
         if bool(settled.all()):
             break
         if failure_probability is not None:
-            waiting = verdict.least_degree[~settled]
+            waiting = least[~settled]
             next_check = iteration + 1
             if waiting.numel():
                 next_check = max(next_check, 1 + int(waiting.min().ceil()))
@@ -461,9 +463,12 @@ def _single_vector_lanczos(
 ) -> EigenResult:
     """:func:`lanczos_eigsh` for one operator and one start vector (n,): the same iteration, basis and stop
     test as the block loop there, with the three-term recurrence's scalars kept as Python floats and the
-    small eigenproblem and its test on the CPU: on a cheap operator (the Hessian of a small network) the
-    block loop's bookkeeping on (1, 1, n) tensors would cost as much as the products."""
+    small eigenproblem and its test in numpy. On a cheap operator (the Hessian of a small network) the block
+    loop's bookkeeping on (1, 1, n) tensors would cost as much as the products; on the CPU the vectors are
+    numpy views of the basis's storage as well, since a numpy call on a vector this short costs a fraction of
+    a torch one."""
     n, work, device = op.cols, start.dtype, op.device
+    as_array = _host_view if device.type == "cpu" else _same
     unit = torch.ones(1, dtype=work, device=device)
     first, _ = orthonormal_rows(start.view(1, 1, n), None, unit, generator)
     basis = GrowingRows(first, min(n, INITIAL_BASIS_BLOCKS))
@@ -479,11 +484,11 @@ def _single_vector_lanczos(
     iterations, converged, out_of_budget = 0, False, False
 
     for iteration in range(1, max_iters + 1):
-        rows = basis.rows[0]
-        w = op.matmat(rows[-1].view(1, n, 1).to(op.dtype))[0, :, 0].to(work)
-        w = w if sign > 0 else -w
+        basis_rows = basis.rows[0]
+        product = op.matmat(basis_rows[-1].view(1, n, 1).to(op.dtype))[0, :, 0].to(work)
+        rows, w = as_array(basis_rows), as_array(product if sign > 0 else -product)
         products += 1
-        norm = float(w.norm())
+        norm = _norm(w)
         if not math.isfinite(norm):  # a NaN in the operator: NaN values, not converged
             residual[:] = float("nan")
             iterations = iteration
@@ -493,17 +498,19 @@ def _single_vector_lanczos(
         # coefficient on the last row is the diagonal entry.
         coefficients = rows @ w
         diagonal.append(float(coefficients[-1]))
-        w = torch.addmv(w, rows.mT, coefficients, alpha=-1)
-        w = torch.addmv(w, rows.mT, rows @ w, alpha=-1)
+        w = w - rows.T @ coefficients
+        w = w - rows.T @ (rows @ w)
         room = n - basis.count
         coupling, next_row = 0.0, None
         if room > 0:
-            coupling = float(w.norm())
+            coupling = _norm(w)
             if coupling > threshold_per_scale * scale:
-                next_row = (w / coupling)[None, None]
+                next_row = _tensor(w / coupling).view(1, 1, n)
             else:  # an invariant Krylov space: a random direction orthogonal to it, as in the block loop
                 scales = torch.full((1,), scale, dtype=work, device=device)
-                next_row, filler_coupling = orthonormal_rows(w.view(1, 1, n), rows[None], scales, generator)
+                next_row, filler_coupling = orthonormal_rows(
+                    _tensor(w).view(1, 1, n), basis_rows[None], scales, generator
+                )
                 coupling = float(filler_coupling)
         exhausted = room <= 0
         last = exhausted or iteration == max_iters
@@ -513,35 +520,36 @@ def _single_vector_lanczos(
             off_diagonal.append(coupling)
             continue
 
-        tridiagonal = torch.diag(torch.tensor(diagonal, dtype=torch.float64))
+        tridiagonal = np.diag(diagonal)
         if off_diagonal:
-            couplings = torch.tensor(off_diagonal, dtype=torch.float64)
-            tridiagonal += torch.diag(couplings, 1) + torch.diag(couplings, -1)
-        theta, ritz = torch.linalg.eigh(tridiagonal)
+            tridiagonal += np.diag(off_diagonal, 1) + np.diag(off_diagonal, -1)
+        theta, ritz = np.linalg.eigh(tridiagonal)
         test = stop_test(
             theta[None],
-            (coupling * ritz[-1]).abs()[None],
+            np.abs(coupling * ritz[-1])[None],
             k=k,
             tol=tol,
             relative_to=relative_to,
             criterion=criterion,
             rounding=rounding,
-            scale=torch.tensor([scale], dtype=torch.float64),
+            scale=np.array([scale]),
             degree=iteration - 1,
             n=n,
             failure_probability=failure_probability,
             last=last,
         )
         verdict = test.verdict
-        flags = undecided if verdict is None else (verdict.met | (scale == 0)).to(device)
-        met = bool(op.agreed(flags)[0])
+        # Every product exactly zero: the random start lies in the operator's null space (probability zero).
+        met_here = (verdict is not None and bool(verdict.met[0])) or scale == 0
+        met = bool(op.agreed(torch.tensor([met_here], device=device))[0])
         # The budget is short only if it also cannot exhaust the space (which makes the answer exact).
         least = 0.0 if verdict is None else float(verdict.least_degree[0])
         unreachable = not met and least > max_iters - 1 and not (exhausted or iteration + room <= max_iters)
         if met or unreachable or last:
-            values[0] = sign * theta[-k:].flip(0)
-            vectors[0] = rows.mT @ ritz[:, -k:].flip(1).to(device=device, dtype=work)
-            residual[0] = test.relative_residual[0]
+            wanted = ritz[:, -k:][:, ::-1]
+            values[0] = torch.from_numpy(sign * theta[-k:][::-1].copy())
+            vectors[0] = basis_rows.mT @ torch.from_numpy(wanted.copy()).to(device=device, dtype=work)
+            residual[0] = torch.from_numpy(test.relative_residual[0])
             iterations, converged, out_of_budget = iteration, met or exhausted, unreachable
             break
         if failure_probability is not None:
@@ -557,6 +565,24 @@ def _single_vector_lanczos(
         out_of_budget=torch.tensor([out_of_budget], device=device),
     )
     return EigenResult(values=values, vectors=vectors, info=info)
+
+
+def _host_view(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().numpy()
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _tensor(vector: np.ndarray | Tensor) -> Tensor:
+    return torch.from_numpy(vector) if isinstance(vector, np.ndarray) else vector
+
+
+def _norm(vector: np.ndarray | Tensor) -> float:
+    """‖v‖₂ as a float: one dot product; where the sum of squares overflows, torch's norm, which scales."""
+    norm = math.sqrt(float(vector @ vector))
+    return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(_tensor(vector)))
 
 
 def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:

@@ -1,6 +1,9 @@
 """The stop test of the Lanczos solvers: when a Ritz pair is an eigenpair to the tolerance, and when no
 eigenvalue above it can have hidden from the random start (what ``converged`` guarantees,
-:func:`~spectral_monitor.linalg.lanczos_eigsh`)."""
+:func:`~spectral_monitor.linalg.lanczos_eigsh`).
+
+The test's few dozen operations on (B, m) values run in numpy, on the host: as torch operations on arrays this
+small they would cost as much as a Hessian-vector product of a small network."""
 
 from __future__ import annotations
 
@@ -9,8 +12,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import torch
-from torch import Tensor
 
 StopCriterion = Literal["residual", "eigenvalue"]
 
@@ -39,13 +40,13 @@ class Verdict:
             passed.
 
     Examples:
-        >>> import torch
-        >>> Verdict(met=torch.tensor([True]), least_degree=torch.zeros(1)).met
-        tensor([True])
+        >>> import numpy as np
+        >>> Verdict(met=np.array([True]), least_degree=np.zeros(1)).met
+        array([ True])
     """
 
-    met: Tensor
-    least_degree: Tensor
+    met: np.ndarray
+    least_degree: np.ndarray
 
 
 @dataclass
@@ -58,25 +59,25 @@ class StopTest:
         relative_residual: (B, k) the wanted Ritz pairs' residuals relative to max |θ|, largest θ first.
 
     Examples:
-        >>> import torch
-        >>> StopTest(verdict=None, relative_residual=torch.tensor([[0.5]])).verdict is None
+        >>> import numpy as np
+        >>> StopTest(verdict=None, relative_residual=np.array([[0.5]])).verdict is None
         True
     """
 
     verdict: Verdict | None
-    relative_residual: Tensor
+    relative_residual: np.ndarray
 
 
 def stop_test(
-    theta: Tensor,
-    residual: Tensor,
+    theta: np.ndarray,
+    residual: np.ndarray,
     *,
     k: int,
     tol: float,
     relative_to: str,
     criterion: StopCriterion,
     rounding: float,
-    scale: Tensor,
+    scale: np.ndarray,
     degree: int,
     n: int,
     failure_probability: float | None,
@@ -109,35 +110,30 @@ def stop_test(
         A top Ritz value 5 with residual 0.05 and the next Ritz value 3 below it: the Kato–Temple bound
         0.05²/3 is within 2·10⁻⁴ of 5, the residual itself is not.
 
-        >>> import torch
-        >>> theta, residual = torch.tensor([[1.0, 2.0, 5.0]]), torch.tensor([[0.0, 0.0, 0.05]])
-        >>> common = dict(k=1, tol=2e-4, relative_to="largest", rounding=1e-7, scale=torch.tensor([5.0]))
+        >>> import numpy as np
+        >>> theta, residual = np.array([[1.0, 2.0, 5.0]]), np.array([[0.0, 0.0, 0.05]])
+        >>> common = dict(k=1, tol=2e-4, relative_to="largest", rounding=1e-7, scale=np.array([5.0]))
         >>> more = dict(degree=5, n=3, failure_probability=None, last=False)
         >>> stop_test(theta, residual, criterion="eigenvalue", **common, **more).verdict.met
-        tensor([True])
+        array([ True])
         >>> test = stop_test(theta, residual, criterion="residual", **common, **more)
         >>> test.verdict is None, test.relative_residual
-        (True, tensor([[0.0100]]))
+        (True, array([[0.01]]))
     """
-    # The test's few dozen operations on (B, m) values run in numpy: as torch operations on tensors this
-    # small they cost as much as a Hessian-vector product of a small network.
-    device = theta.device
-    theta, residual = theta.detach().cpu().numpy(), residual.detach().cpu().numpy()
-    scale = scale.detach().cpu().numpy().astype(theta.dtype)
+    scale = scale.astype(theta.dtype)
     magnitude = np.maximum(np.abs(theta).max(axis=1), np.finfo(theta.dtype).tiny)
     wanted_residual = residual[:, -k:][:, ::-1]
-    judged_against = np.broadcast_to(magnitude[:, None], wanted_residual.shape)
+    judged_against = np.repeat(magnitude[:, None], k, axis=1)
     if relative_to == "each":
         judged_against = np.maximum(np.abs(theta[:, -k:][:, ::-1]), EACH_FLOOR * judged_against)
     # Below float rounding of the products no residual can be asserted: that is the tolerance's floor.
     tolerance = np.maximum(tol * judged_against, (ROUNDING_FLOOR * rounding * scale)[:, None]).astype(
         theta.dtype
     )
-    relative = torch.from_numpy(np.ascontiguousarray(wanted_residual / magnitude[:, None])).to(device)
+    relative = wanted_residual / magnitude[:, None]
     if not last and beyond_tolerance(theta, wanted_residual, tolerance, criterion):
         return StopTest(None, relative)
-    verdict = judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability)
-    return StopTest(Verdict(verdict.met.to(device), verdict.least_degree.to(device)), relative)
+    return StopTest(judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability), relative)
 
 
 @np.errstate(all="ignore")  # inf and NaN are values here, as in torch
@@ -194,12 +190,12 @@ def judge(
         >>> import numpy as np
         >>> theta, exact, tolerance = np.array([[1.0, 2.0, 5.0]]), np.zeros((1, 3)), np.full((1, 1), 1e-3)
         >>> judge(theta, exact, 1, tolerance, "residual", 2, 3, None).met
-        tensor([True])
+        array([ True])
         >>> verdict = judge(theta, exact, 1, tolerance, "residual", 2, 3, 0.01)
         >>> verdict.met, round(verdict.least_degree.item(), 2)
-        (tensor([False]), 4.27)
+        (array([False]), 4.27)
         >>> judge(theta, exact, 1, tolerance, "residual", 5, 3, 0.01).met
-        tensor([True])
+        array([ True])
     """
     tiny = np.finfo(theta.dtype).tiny
     batch, m = theta.shape
@@ -222,17 +218,15 @@ def judge(
     if m > k:
         index = np.where(past, np.arange(m - k), -1).max(axis=1)
         some = index >= 0
-        first = np.maximum(index, 0)[:, None]
-        distance = wanted[:, -1] - np.take_along_axis(below, first, axis=1)[:, 0]
-        resolved = np.take_along_axis(residual, first, axis=1)[:, 0] <= np.maximum(
-            distance / 2, tolerance[:, -1]
-        )
+        elements, first = np.arange(batch), np.maximum(index, 0)
+        distance = wanted[:, -1] - below[elements, first]
+        resolved = residual[elements, first] <= np.maximum(distance / 2, tolerance[:, -1])
         met &= ~some | resolved
     else:
         met = np.zeros_like(met)
     least_degree = np.zeros(batch, dtype=theta.dtype)
     if failure_probability is None or m <= k:
-        return Verdict(torch.from_numpy(met), torch.from_numpy(least_degree))
+        return Verdict(met, least_degree)
     spread = np.maximum((theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None], tiny)
     certain = 2 * n**0.5 / failure_probability
     gap = np.maximum(interval_gap, tolerance)
@@ -248,9 +242,9 @@ def judge(
         np.maximum(certain * np.sqrt(bare_spread / np.maximum(pulled_within(centre_gap, tolerance), tiny)), 1)
     )
     least = (lower / np.arccosh(1 + 2 * centre_gap / bare_spread)).max(axis=1)
+    least = np.where(np.isnan(least), 0.0, np.minimum(least, 2.0**31))
     least_degree = np.where(met & ~certified, least, least_degree).astype(theta.dtype)
-    least_degree = np.nan_to_num(least_degree, nan=0.0, posinf=float(2**31))
-    return Verdict(torch.from_numpy(met & certified), torch.from_numpy(least_degree))
+    return Verdict(met & certified, least_degree)
 
 
 def pulled_within(gap: np.ndarray, tolerance: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spectral_monitor.linalg import FunctionOperator, lanczos_eigsh, top_singular
+from spectral_monitor.linalg import FunctionOperator, lanczos, lanczos_eigsh, top_singular
 from spectral_monitor.linalg.krylov_basis import GrowingRows
 from spectral_monitor.linalg.operators import gaussian
 
@@ -321,3 +321,41 @@ def test_the_top_eigenvalue_certifies_from_the_least_start_component_it_assumes(
         assert bool(result.info.converged[0])
         assert float(result.values[0, 0]) == pytest.approx(hidden, rel=1e-4)
         assert result.info.products <= most_products
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rank_one", [False, True])
+def test_single_vector_lanczos_takes_the_same_steps_on_torch_vectors_as_on_numpy_views(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rank_one: bool
+) -> None:
+    """On the CPU the single-vector loop works on numpy views of its basis; off it (CUDA) on the tensors
+    themselves. Forcing the tensor route here must change no step: the same products, Ritz values,
+    vectors and certificate (rank one: the filler directions of an invariant Krylov space too)."""
+    if rank_one:
+        u = torch.nn.functional.normalize(
+            torch.randn(60, 1, generator=torch.Generator().manual_seed(2)), dim=0
+        )
+        matrix = (7.0 * u @ u.mT).to(dtype)[None]
+    else:
+        matrix = indefinite_batch(1, 60, seed=6).to(dtype)
+
+    def solve() -> object:
+        return lanczos_eigsh(matrix, 3, block_size=1, tol=1e-5, generator=torch.Generator().manual_seed(7))
+
+    on_numpy = solve()
+    monkeypatch.setattr(lanczos, "_host_view", lambda tensor: tensor)
+    on_torch = solve()
+    assert on_numpy.info.products == on_torch.info.products
+    assert bool(on_numpy.info.converged.all()) and bool(on_torch.info.converged.all())
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(on_torch.values, on_numpy.values, atol=tolerance * 7, rtol=0)
+    # The rank-one matrix's second and third eigenvalues are both 0: any basis of that null space is right.
+    distinct = 1 if rank_one else 3
+    torch.testing.assert_close(
+        on_torch.vectors[..., :distinct].abs(),
+        on_numpy.vectors[..., :distinct].abs(),
+        atol=tolerance * 100,
+        rtol=0,
+    )
+    expected = torch.linalg.eigvalsh(matrix.double())[0, -3:].flip(0)
+    torch.testing.assert_close(on_numpy.values[0].double(), expected, atol=1e-4 * 7, rtol=0)
