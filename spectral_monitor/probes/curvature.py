@@ -137,12 +137,14 @@ class HessianOperator(BatchedOperator):
             torch.zeros_like(p) if g is None else g for g, p in zip(gradients, space.parameters, strict=True)
         ]
         self.gradient = self._averaged(space.flatten([g.detach()[None] for g in self._gradients])[0])
-        # A space of whole, distinct parameters maps a flat vector to them by views (split, no copies), and
-        # a single product is then one backward with nothing around it, as a hand-written one is.
-        self._whole = len(space.parameters) == len(space.coordinates) and all(
+        self._live = [i for i, g in enumerate(self._gradients) if g.requires_grad]
+        # Over a space of whole, distinct parameters the flat gradient is their gradients concatenated, in the
+        # graph: a single product is then one backward from it with the flat vector as the cotangent (the
+        # graph's concatenation splits it), and one concatenation of the parameters' gradients after.
+        whole = len(space.parameters) == len(space.coordinates) and all(
             c.rows is None for c in space.coordinates
         )
-        self._live = [i for i, g in enumerate(self._gradients) if g.requires_grad]
+        self._flat_gradient = torch.cat([g.reshape(-1) for g in self._gradients]) if whole else None
 
     def matmat(self, x: Tensor) -> Tensor:
         """H X for a block of k vectors: k products, added to ``products``.
@@ -153,6 +155,9 @@ class HessianOperator(BatchedOperator):
         Returns:
             (1, size, k) in ``x``'s dtype, detached (averaged over the ranks with ``average_over_ranks``).
         """
+        if self.method == "autograd" and self._live and self._flat_gradient is not None and x.shape[2] == 1:
+            self.products += 1
+            return self._averaged(self._single_product(x.reshape(-1))).view(1, -1, 1).to(x.dtype)
         vectors = x[0].transpose(0, 1)  # (k, n)
         if self.method == "func" and vectors.shape[0] == 1:  # vmap over one vector only adds overhead
             cotangents = self.space.unflatten(vectors)
@@ -162,8 +167,6 @@ class HessianOperator(BatchedOperator):
             products = self.space.flatten(list(torch.func.vmap(self._vjp)(tuple(cotangents))[0]))
         elif not self._live:  # a loss linear in these parameters
             products = torch.zeros_like(vectors)
-        elif self._whole and vectors.shape[0] == 1:
-            products = self._single_product(vectors[0])[None]
         else:
             cotangents = self.space.unflatten(vectors)
             pairs = [(g, v) for g, v in zip(self._gradients, cotangents, strict=True) if g.requires_grad]
@@ -185,19 +188,18 @@ class HessianOperator(BatchedOperator):
         return on_every_rank(flags) if self.average_over_ranks else flags
 
     def _single_product(self, vector: Tensor) -> Tensor:
-        """H v for one flat vector (size,) over a space of whole parameters: views in, one backward."""
-        pieces = vector.split(self.space.sizes)
+        """H v for one flat vector (size,) over whole parameters: one backward and one concatenation."""
         products = torch.autograd.grad(
-            [self._gradients[i] for i in self._live],
+            self._flat_gradient,
             self.space.parameters,
-            grad_outputs=[pieces[i].view_as(self._gradients[i]) for i in self._live],
+            grad_outputs=vector,
             retain_graph=True,
             allow_unused=True,
         )
         return torch.cat(
             [
-                piece.new_zeros(piece.shape) if g is None else g.reshape(-1)
-                for g, piece in zip(products, pieces, strict=True)
+                parameter.new_zeros(parameter.numel()) if g is None else g.reshape(-1)
+                for g, parameter in zip(products, self.space.parameters, strict=True)
             ]
         )
 
