@@ -149,6 +149,48 @@ def test_warm_state_converges_within_two_iterations_where_a_cold_start_cannot() 
     assert float(cold.info.residual[0, 0]) > 10 * 1e-3
 
 
+def test_a_cold_start_that_does_not_certify_within_its_trial_takes_the_exact_top_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh layer's top singular values crowd at the edge of a random bulk: the cold Lanczos trial cannot
+    certify σ₁ there and the Gram matrix's dense top eigenpair is taken, exact, its vector the warm start;
+    a weight whose σ₁ stands well clear of the rest certifies within the trial and is not decomposed."""
+    generator = torch.Generator().manual_seed(4)
+    crowded = nn.Linear(80, 96, bias=False)  # σ spread evenly over [0.5, 1]: neighbours 0.6% apart
+    spiked = nn.Linear(80, 96, bias=False)
+    with torch.no_grad():
+        crowded.weight.copy_(clustered_spectrum_weight(96, 80, generator))
+        bulk = clustered_spectrum_weight(96, 80, generator).double()
+        u, _, vh = torch.linalg.svd(bulk)
+        spiked.weight.copy_((bulk + 4.0 * u[:, :1] @ vh[:1]).float())
+    decomposed = []
+    dense_route = weight_norms._top_singular_pairs
+    monkeypatch.setattr(
+        weight_norms, "_top_singular_pairs", lambda m: decomposed.append(m.shape[0]) or dense_route(m)
+    )
+    probe = WeightProbe(
+        nn.ModuleDict({"crowded": crowded, "spiked": spiked}), iterations_per_step=2, tol=1e-3
+    )
+    records = by_tag(probe.measure(0))
+    assert decomposed == [1]  # the crowded one alone
+    crowded_sigma = reference_singular_values(crowded.weight)[0]
+    assert records["weights/spectral_norm/crowded"] == pytest.approx(crowded_sigma, rel=1e-6)
+    assert records["weights/spectral_norm_residual/crowded"] == 0.0
+    assert records["weights/spectral_norm/spiked"] == pytest.approx(
+        reference_singular_values(spiked.weight)[0], rel=1e-3
+    )
+    assert records["weights/spectral_norm_residual/spiked"] > 0.0  # certified by Lanczos, not decomposed
+    # The exact top vector is a warm start as good as a converged one: after a small step, two iterations
+    # are within tol again, with nothing decomposed.
+    perturb_(crowded, 1e-3, generator)
+    records = by_tag(probe.measure(1))
+    assert decomposed == [1]
+    assert records["weights/spectral_norm_residual/crowded"] <= 1e-3
+    assert records["weights/spectral_norm/crowded"] == pytest.approx(
+        reference_singular_values(crowded.weight)[0], rel=1e-4
+    )
+
+
 def test_state_dict_round_trip_gives_identical_next_estimates() -> None:
     torch.manual_seed(3)
     model = nn.TransformerEncoderLayer(48, 2, 64, batch_first=True)
