@@ -18,10 +18,11 @@ the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov 
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller): some singular value
 lies within about half of it (relative) of the estimate. A cold start is certified to be σ₁ (the
 Kaniel–Paige–Saad test of :func:`~spectral_monitor.linalg.lanczos_eigsh`, failure probability 1% over its
-random start), or exact where the dense route took over (residual 0). A warm estimate runs a fixed ``iterations_per_step`` and is not certified
-(``docs/curvature.md`` says what a certified solve costs); its error is bounded on one side: it never exceeds
-σ₁ (a Ritz value of the Gram matrix is at most its top eigenvalue) and lies within its residual of some
-singular value, so after two singular values cross it can follow the one that was on top, from below.
+random start), or exact where the dense route took over (residual 0). A warm estimate runs a fixed
+``iterations_per_step`` and is not certified (``docs/curvature.md`` says what a certified solve costs); its
+error is bounded on one side: it never exceeds σ₁ (a Ritz value of the Gram matrix is at most its top
+eigenvalue) and lies within its residual of some singular value, so after two singular values cross it can
+follow the one that was on top, from below.
 
 Every function works on detached float32 copies (float64 stays float64), each scaled by a power of two so
 that no sum of squares overflows, and scales the norms back in float64: the matrices given are never
@@ -349,7 +350,7 @@ def _solve(
                 for position, element in enumerate(elements):
                     sigma[item][element] = top_values[position]
                     residual[item][element] = 0.0
-                    vectors[waiting[item][0][element].key] = top_vectors[position]
+                    vectors[waiting[item][0][element].key] = top_vectors[position].clone()
     estimates: dict[str, NormEstimate] = {}
     for item, (group, _, frobenius, scale) in enumerate(waiting):
         estimates.update(_estimates_of(group, sigma[item], frobenius, residual[item], scale))
