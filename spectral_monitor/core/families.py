@@ -41,8 +41,9 @@ from spectral_monitor.probes import ResidualCapture, ResidualRecording, Residual
 from spectral_monitor.probes.output_logits import OutputLogitCapture, OutputLogitSample
 from spectral_monitor.records import Measurement
 from spectral_monitor.sinks import Capability
+from spectral_monitor.sinks.figures import EsdImages
 from spectral_monitor.toolbox.preflight import architecture_preflight, preflight_markdown
-from spectral_monitor.toolbox.weight_spectra import esd_figure, weight_spectra, weight_spectrum_measurements
+from spectral_monitor.toolbox.weight_spectra import esd_drawing, weight_spectra, weight_spectrum_measurements
 
 __all__ = [
     "CaptureFamily",
@@ -269,6 +270,9 @@ class WeightFamily(ProbeFamily):
         self._parked = _ParkedState("weight_probe", WeightProbe)
         self._probe: WeightProbe | None = None
         self._run: Run | None = None
+        # The ESD figures, kept from one weight-spectrum step to the next and redrawn while their axes hold (a
+        # redraw costs a fraction of a new figure, and full draws one per weight).
+        self._esd_images = EsdImages()
 
     def start(self, run: Run) -> None:
         self._run = run
@@ -317,10 +321,13 @@ class WeightFamily(ProbeFamily):
                 )
                 progress.measurements += weight_spectrum_measurements(spectra, progress.step)
                 if run.kept(Capability.FIGURES):
+                    self._esd_images.next_step()
                     progress.figures += [
                         (
                             f"weights/figures/esd/{spectrum.layer}",
-                            lambda spectrum=spectrum: esd_figure(spectrum),
+                            lambda spectrum=spectrum, images=self._esd_images: images.image(
+                                esd_drawing(spectrum)
+                            ),
                         )
                         for spectrum in spectra
                     ]
@@ -329,6 +336,7 @@ class WeightFamily(ProbeFamily):
         if self._probe is not None:
             self._parked.state = self._probe.state_dict()
         self._probe = self._run = None
+        self._esd_images = EsdImages()
 
     def state_dict(self) -> dict[str, Any]:
         return self._parked.state_dict(self._probe)

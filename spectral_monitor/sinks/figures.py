@@ -20,7 +20,7 @@ by TensorBoard with each image, so it is not in the titles.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import matplotlib
@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-from spectral_monitor.sinks.redrawn import KeptFigure
+from spectral_monitor.sinks.redrawn import KeptFigure, RedrawnFigure
 
 ENERGY_LEVEL = 0.99
 """The cumulative-energy level marked on spectrum figures: the threshold rank's definition."""
@@ -634,3 +634,217 @@ def spectral_density_figure(nodes: np.ndarray, weights: np.ndarray, title: str) 
     axes.set_ylabel("density")
     axes.set_title(title, fontsize="medium")
     return figure
+
+
+@dataclass(frozen=True)
+class EsdDrawing:
+    """What an empirical-spectral-density figure draws of one weight: plain numbers, and the reference law
+    as a function.
+
+    Attributes:
+        eigenvalues: λ = σ² of WᵀW, in any order, each >= 0.
+        mp_edge: The Marchenko–Pastur bulk edge of σ; its square is marked.
+        law: The Marchenko–Pastur density at given λ (a 1-D array in, one out), or None for no curve.
+        alpha: The fitted power-law exponent.
+        alpha_xmin: The power law's λ_min, marked; NaN for no fit.
+        title: The axes' title.
+
+    Examples:
+        >>> import numpy as np
+        >>> drawing = EsdDrawing(np.array([4.0, 1.0]), 1.5, None, float("nan"), float("nan"), "w")
+        >>> esd_drawing_figure(drawing).axes[0].get_title()
+        'w'
+    """
+
+    eigenvalues: np.ndarray
+    mp_edge: float
+    law: Callable[[np.ndarray], np.ndarray] | None
+    alpha: float
+    alpha_xmin: float
+    title: str
+
+
+def esd_drawing_figure(drawing: EsdDrawing) -> Figure:
+    """A density histogram of the eigenvalues against the reference law, with the MP bulk edge and the
+    power law's λ_min marked. The x axis is logarithmic, from decade to decade, when the positive eigenvalues
+    span more than two decades (zero eigenvalues then left out); the y axis ends at a 1-2-5 number above the
+    highest density, so figures of successive steps compare and :class:`EsdImages` can redraw one.
+
+    Args:
+        drawing: What to draw.
+
+    Returns:
+        The figure; release it with :func:`~spectral_monitor.sinks.release_figure` once written.
+
+    Examples:
+        >>> import numpy as np
+        >>> figure = esd_drawing_figure(
+        ...     EsdDrawing(np.geomspace(1e-4, 1.0, 50), 0.5, None, 2.0, 1e-2, "w (50×50), 1 spikes")
+        ... )
+        >>> axes = figure.axes[0]
+        >>> axes.get_xscale(), [float(limit) for limit in axes.get_xlim()], float(axes.get_ylim()[1])
+        ('log', [0.0001, 1.0], 2000.0)
+    """
+    return _Esd(drawing).figure
+
+
+class EsdImages:
+    """:func:`esd_drawing_figure` of many weights over successive steps as RGBA images. Weights whose axes
+    agree (the x scale and decades, the top of the y axis, the curves listed) share one kept figure, redrawn
+    for each (:class:`~spectral_monitor.sinks.redrawn.RedrawnFigure`); :meth:`next_step` lets go of the
+    figures the last step did not draw, so what is held is one figure per kind of axes in use (about 2 MiB
+    each).
+
+    Examples:
+        >>> import numpy as np
+        >>> images = EsdImages()
+        >>> drawing = EsdDrawing(np.array([4.0, 1.0]), 1.5, None, float("nan"), float("nan"), "w")
+        >>> images.image(drawing).shape, images.held
+        ((320, 500, 4), 1)
+        >>> images.next_step(); images.next_step(); images.held
+        0
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[Hashable, tuple[_Esd, RedrawnFigure]] = {}
+        self._drawn: set[Hashable] = set()
+
+    @property
+    def held(self) -> int:
+        """How many figures are kept."""
+        return len(self._kept)
+
+    def image(self, drawing: EsdDrawing) -> np.ndarray:
+        """The figure of one weight at this step.
+
+        Args:
+            drawing: What to draw.
+
+        Returns:
+            The figure as an (height, width, 4) uint8 RGBA array.
+        """
+        key = _Esd.static_key(drawing)
+        kept = self._kept.get(key)
+        if kept is None:
+            parts = _Esd(drawing)
+            kept = self._kept[key] = (parts, RedrawnFigure(parts.figure, parts.changing()))
+        else:
+            kept[0].update(drawing)
+        self._drawn.add(key)
+        return kept[1].render()
+
+    def next_step(self) -> None:
+        """Start another step: the figures the last one did not draw are let go."""
+        self._kept = {key: kept for key, kept in self._kept.items() if key in self._drawn}
+        self._drawn = set()
+
+
+class _Esd:
+    _BINS = 60
+
+    def __init__(self, drawing: EsdDrawing) -> None:
+        wide, x_limits, y_top, has_law, has_alpha = self.static_key(drawing)
+        figure = Figure(figsize=(5.0, 3.2), dpi=_DPI)
+        figure.subplots_adjust(left=0.13, right=0.97, bottom=0.15, top=0.9)
+        axes = figure.subplots()
+        if wide:
+            axes.set_xscale("log")
+            axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axes.xaxis.set_minor_locator(NullLocator())
+        axes.set_xlim(*x_limits)
+        axes.set_ylim(0.0, y_top)
+        self.histogram = axes.stairs(
+            np.zeros(1), np.array([0.0, 1.0]), fill=True, alpha=0.6, label="ESD of WᵀW"
+        )
+        self.law = (
+            axes.plot([], [], color="tab:red", label="Marchenko–Pastur (same ‖W‖_F)")[0] if has_law else None
+        )
+        self.edge = axes.axvline(1.0, color="tab:red", linestyle="--", linewidth=1.0, label="MP edge")
+        self.power_law = (
+            axes.axvline(1.0, color="tab:green", linestyle=":", label="power-law λ_min")
+            if has_alpha
+            else None
+        )
+        axes.set_xlabel("eigenvalue λ = σ²")
+        axes.set_ylabel("density")
+        # A fixed corner: the best one is searched for by measuring every artist at every draw.
+        self.legend = axes.legend(fontsize="x-small", loc="upper right")
+        self.title = axes.set_title("", fontsize="medium")
+        self.spines = list(axes.spines.values())
+        self.wide = wide
+        self.figure = figure
+        self.update(drawing)
+
+    @staticmethod
+    def static_key(drawing: EsdDrawing) -> tuple[bool, tuple[float, float], float, bool, bool]:
+        """What a redrawn figure cannot change: the x scale and limits (whole decades on a log axis), the top
+        of the y axis (a 1-2-5 number) and which curves the legend lists."""
+        eigenvalues = drawing.eigenvalues
+        positive = eigenvalues[eigenvalues > 0]
+        edge = drawing.mp_edge**2
+        wide = bool(positive.size > 1 and positive.max() / positive.min() > 100)
+        if wide:
+            marks = [value for value in (edge, drawing.alpha_xmin) if np.isfinite(value) and value > 0]
+            low = math.floor(math.log10(min(positive.min(), *marks)))
+            high = math.ceil(math.log10(max(positive.max(), *marks)))
+            x_limits = (10.0**low, 10.0 ** max(high, low + 1))
+        else:
+            x_limits = (0.0, _nice_ceiling(max(float(eigenvalues.max()), edge) * 1.05))
+        bins, density, grid, law = _Esd.curves(drawing, wide)
+        highest = max(float(density.max()), float(np.nanmax(law, initial=0.0)) if law is not None else 0.0)
+        return (
+            wide,
+            x_limits,
+            _nice_ceiling(highest),
+            drawing.law is not None,
+            bool(np.isfinite(drawing.alpha_xmin)),
+        )
+
+    @staticmethod
+    def curves(
+        drawing: EsdDrawing, wide: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The histogram's bin edges and densities, and the law's grid and values (None without a law)."""
+        eigenvalues = drawing.eigenvalues
+        if wide:
+            positive = eigenvalues[eigenvalues > 0]
+            bins = np.geomspace(positive.min(), positive.max(), _Esd._BINS)
+            density, _ = np.histogram(positive, bins=bins, density=True)
+            grid = np.geomspace(bins[0], bins[-1], 400)
+        else:  # an all-zero weight (a zero-initialised projection) still gets bins of some width
+            top = max(float(eigenvalues.max()), drawing.mp_edge**2) * 1.05 or 1.0
+            bins = np.linspace(0.0, top, _Esd._BINS)
+            density, _ = np.histogram(eigenvalues, bins=bins, density=True)
+            grid = np.linspace(bins[0], bins[-1], 400)
+        law = (
+            None
+            if drawing.law is None
+            else np.where(np.isfinite(values := drawing.law(grid)), values, np.nan)
+        )
+        return bins, density, grid, law
+
+    def changing(self) -> list[Artist]:
+        lines = [line for line in (self.law, self.edge, self.power_law) if line is not None]
+        # The spines are drawn after the curves, as a fresh figure draws them: the histogram and the marks
+        # touch the axes' edges.
+        return [self.histogram, *lines, *self.spines, self.legend, self.title]
+
+    def update(self, drawing: EsdDrawing) -> None:
+        bins, density, grid, law = self.curves(drawing, self.wide)
+        self.histogram.set_data(density, bins)
+        if self.law is not None and law is not None:
+            self.law.set_data(grid, law)
+        edge = drawing.mp_edge**2
+        self.edge.set_xdata([edge, edge])
+        if self.power_law is not None:
+            self.power_law.set_xdata([drawing.alpha_xmin, drawing.alpha_xmin])
+        self.title.set_text(drawing.title)
+
+
+def _nice_ceiling(value: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten at or above ``value`` (1 for a value that is not
+    positive)."""
+    if not value > 0 or not math.isfinite(value):
+        return 1.0
+    decade = 10.0 ** math.floor(math.log10(value))
+    return next(step * decade for step in (1.0, 2.0, 5.0, 10.0) if step * decade >= value * (1 - 1e-12))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullLocator
 from torch import nn
 
 from spectral_monitor.metrics import marchenko_pastur_edge
@@ -24,10 +23,12 @@ from spectral_monitor.metrics.spectra import energy_rank, marchenko_pastur_densi
 from spectral_monitor.probes import WEIGHT_FAMILY, AttentionFamilies, WeightProbe
 from spectral_monitor.probes.weight_norms import NormTarget, full_spectra
 from spectral_monitor.records import Measurement
+from spectral_monitor.sinks.figures import EsdDrawing, esd_drawing_figure
 
 __all__ = [
     "SPECTRUM_METRICS",
     "WeightSpectrum",
+    "esd_drawing",
     "esd_figure",
     "weight_spectra",
     "weight_spectrum_measurements",
@@ -179,12 +180,13 @@ def esd_figure(spectrum: WeightSpectrum, title: str | None = None) -> Figure:
     """The empirical spectral density of one weight, drawn against the Marchenko–Pastur law.
 
     A density histogram of the eigenvalues λ = σ² of WᵀW against the MP density of an iid matrix of the same
-    ‖W‖_F, with the MP bulk edge (``mp_edge``²) and the fitted power-law λ_min marked. The x axis is
-    logarithmic (zero eigenvalues left out) when the positive eigenvalues span more than two decades.
+    ‖W‖_F, with the MP bulk edge (``mp_edge``²) and the fitted power-law λ_min marked
+    (:func:`~spectral_monitor.sinks.figures.esd_drawing_figure`). The x axis is logarithmic (zero
+    eigenvalues left out) when the positive eigenvalues span more than two decades.
 
     Args:
         spectrum: What to draw.
-        title: The axes' title; None: the weight's name, shape and spike count.
+        title: The axes' title; None: the weight's name, shape, spike count and α (:func:`esd_drawing`).
 
     Returns:
         A new matplotlib ``Figure`` (not attached to pyplot, so nothing to close).
@@ -197,47 +199,48 @@ def esd_figure(spectrum: WeightSpectrum, title: str | None = None) -> Figure:
         ...     _ = model[0].weight.copy_(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])))
         >>> figure = esd_figure(weight_spectra(model)[0])
         >>> figure.axes[0].get_title(), figure.axes[0].get_xscale()
-        ('0 (4×4), 0 spikes', 'linear')
+        ('0 (4×4), 0 spikes, α = 1.63', 'linear')
+    """
+    return esd_drawing_figure(esd_drawing(spectrum, title))
+
+
+def esd_drawing(spectrum: WeightSpectrum, title: str | None = None) -> EsdDrawing:
+    """What :func:`esd_figure` draws of ``spectrum``, as :class:`~spectral_monitor.sinks.figures.EsdImages`
+    takes it to redraw a kept figure.
+
+    Args:
+        spectrum: What to draw.
+        title: The axes' title; None: the weight's name, shape and spike count, and α where a power law was
+            fitted.
+
+    Returns:
+        The eigenvalues, the MP edge and density (of an iid matrix of the same ‖W‖_F), the power-law fit and
+        the title.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4, bias=False))
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.copy_(torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0])))
+        >>> drawing = esd_drawing(weight_spectra(model)[0], title="layer 0")
+        >>> sorted(drawing.eigenvalues.round(6).tolist()), drawing.title
+        ([1.0, 4.0, 9.0, 16.0], 'layer 0')
     """
     eigenvalues = spectrum.eigenvalues
-    variance = float(np.sum(eigenvalues) / (spectrum.rows * spectrum.cols))
-    # Fixed margins, one step patch for the histogram, plain tick labels and no minor ticks: a constrained
-    # layout, a bar per bin, mathtext labels and minor ticks on the log axis made each figure take about
-    # 0.3 s to build and render, and the full preset draws one per weight.
-    figure = Figure(figsize=(5.0, 3.2), dpi=100)
-    figure.subplots_adjust(left=0.13, right=0.97, bottom=0.15, top=0.9)
-    axes = figure.subplots()
-    positive = eigenvalues[eigenvalues > 0]
-    wide = positive.size > 1 and positive.max() / positive.min() > 100
-    if wide:
-        bins = np.geomspace(positive.min(), positive.max(), 60)
-        axes.set_xscale("log")
-        axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-        axes.xaxis.set_minor_locator(NullLocator())
-    else:  # an all-zero weight (a zero-initialised projection) still gets bins of some width
-        bins = np.linspace(0.0, max(float(eigenvalues.max()), spectrum.mp_edge**2) * 1.05 or 1.0, 60)
-    density, _ = np.histogram(positive if wide else eigenvalues, bins=bins, density=True)
-    axes.stairs(density, bins, fill=True, alpha=0.6, label="ESD of WᵀW")
+    rows, cols = spectrum.rows, spectrum.cols
+    variance = float(np.sum(eigenvalues) / (rows * cols))
+    law = None
     if variance > 0:
-        grid = np.geomspace(bins[0], bins[-1], 400) if wide else np.linspace(bins[0], bins[-1], 400)
-        law = marchenko_pastur_density(torch.from_numpy(grid), spectrum.rows, spectrum.cols, variance)
-        axes.plot(grid, law.numpy(), color="tab:red", label="Marchenko–Pastur (same ‖W‖_F)")
-    axes.axvline(spectrum.mp_edge**2, color="tab:red", linestyle="--", linewidth=1.0, label="MP edge")
-    if np.isfinite(spectrum.alpha_xmin):
-        axes.axvline(
-            spectrum.alpha_xmin,
-            color="tab:green",
-            linestyle=":",
-            label=f"power-law λ_min (α = {spectrum.alpha:.2f})",
-        )
-    axes.set_xlabel("eigenvalue λ = σ²")
-    axes.set_ylabel("density")
-    axes.legend(fontsize="x-small")
-    axes.set_title(
-        title or f"{spectrum.layer} ({spectrum.rows}×{spectrum.cols}), {spectrum.mp_spikes} spikes",
-        fontsize="medium",
-    )
-    return figure
+
+        def law(points: np.ndarray) -> np.ndarray:
+            return marchenko_pastur_density(torch.from_numpy(points), rows, cols, variance).numpy()
+
+    if title is None:
+        title = f"{spectrum.layer} ({rows}×{cols}), {spectrum.mp_spikes} spikes"
+        if np.isfinite(spectrum.alpha_xmin):
+            title += f", α = {spectrum.alpha:.2f}"
+    return EsdDrawing(eigenvalues, spectrum.mp_edge, law, spectrum.alpha, spectrum.alpha_xmin, title)
 
 
 def _spectrum(layer: str, rows: int, cols: int, singular_values: torch.Tensor) -> WeightSpectrum:

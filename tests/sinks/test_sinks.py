@@ -38,7 +38,14 @@ from spectral_monitor.sinks import (
     spectrum_figure,
     with_margin_chart,
 )
-from spectral_monitor.sinks.figures import AttentionHeatmapImages, LayerHeadHeatmapImages, SpectrumImages
+from spectral_monitor.sinks.figures import (
+    AttentionHeatmapImages,
+    EsdDrawing,
+    EsdImages,
+    LayerHeadHeatmapImages,
+    SpectrumImages,
+    esd_drawing_figure,
+)
 from spectral_monitor.sinks.layout import MARGIN, MULTILINE, check_layout
 from spectral_monitor.sinks.tensorboard import equal_width_histogram
 
@@ -195,6 +202,21 @@ def _spectra(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     return {f"blocks.{layer}.attention": 1.5 * rng.random(n) ** 3 + 1e-3 for layer in range(3)}
 
 
+def _esd(rng: np.random.Generator, n: int) -> EsdDrawing:
+    """Eigenvalues over the same decades at one n (moved by 1% from draw to draw), decades that differ
+    between n = 32 and 64; the law, the marks and the title move with the data."""
+    eigenvalues = np.geomspace(1.5e-3, 0.8, n) * (64 / n) ** 3 * (1 + 0.01 * rng.random(n))
+    scale = 1 + 0.01 * rng.random()
+    return EsdDrawing(
+        eigenvalues,
+        0.5 * scale,
+        lambda points: 0.2 * scale / points,
+        2.0 + rng.random(),
+        2e-2 * scale * (64 / n) ** 3,
+        f"w ({n}×{2 * n}), α = {rng.random():.2f}",
+    )
+
+
 REDRAWN_KINDS = {
     # kind: (images class, arguments of one step from a generator and a size, the fresh figure of them)
     "spectrum": (
@@ -212,6 +234,7 @@ REDRAWN_KINDS = {
         lambda rng, n: (rng.random((4, n // 8)), [f"blocks.{i}" for i in range(4)], f"ratio {n}", 0.0, 1.0),
         layer_head_heatmap_figure,
     ),
+    "esd": (EsdImages, lambda rng, n: (_esd(rng, n),), esd_drawing_figure),
     "layer_head_heatmap_own_scale": (
         LayerHeadHeatmapImages,
         lambda rng, n: (
@@ -238,6 +261,20 @@ def test_a_redrawn_figure_is_pixel_for_pixel_the_fresh_figure_of_the_same_data(k
         assert np.array_equal(image, expected), (
             f"{kind} at n={n}: {(image != expected).any(axis=2).sum()} pixels differ"
         )
+
+
+def test_esd_figures_with_agreeing_axes_share_one_kept_figure_and_undrawn_ones_are_let_go() -> None:
+    rng = np.random.default_rng(5)
+    images = EsdImages()
+    images.image(_esd(rng, 64))
+    images.image(_esd(rng, 64))
+    assert images.held == 1  # the same decades and density scale: one figure, redrawn
+    images.image(_esd(rng, 32))  # eigenvalues 8 times larger: other decades, a figure of its own
+    assert images.held == 2
+    images.next_step()
+    images.image(_esd(rng, 32))
+    images.next_step()
+    assert images.held == 1  # the 64s were not drawn in the last step
 
 
 def test_write_image_rejects_what_is_not_an_rgb_or_rgba_byte_image(writer: SummaryWriter) -> None:
