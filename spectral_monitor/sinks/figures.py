@@ -700,7 +700,7 @@ class EsdImages:
         >>> images = EsdImages()
         >>> drawing = EsdDrawing(np.array([4.0, 1.0]), 1.5, None, float("nan"), float("nan"), "w")
         >>> images.image(drawing).shape, images.held
-        ((320, 500, 4), 1)
+        ((320, 640, 4), 1)
         >>> images.next_step(); images.next_step(); images.held
         0
     """
@@ -744,8 +744,9 @@ class _Esd:
 
     def __init__(self, drawing: EsdDrawing) -> None:
         wide, x_limits, y_top, has_law, has_alpha = self.static_key(drawing)
-        figure = Figure(figsize=(5.0, 3.2), dpi=_DPI)
-        figure.subplots_adjust(left=0.13, right=0.97, bottom=0.15, top=0.9)
+        figure = Figure(figsize=(6.4, 3.2), dpi=_DPI)
+        # The right margin holds the legend, clear of the histogram, so it is drawn once with the axes.
+        figure.subplots_adjust(left=0.1, right=0.7, bottom=0.15, top=0.9)
         axes = figure.subplots()
         if wide:
             axes.set_xscale("log")
@@ -757,7 +758,7 @@ class _Esd:
             np.zeros(1), np.array([0.0, 1.0]), fill=True, alpha=0.6, label="ESD of WᵀW"
         )
         self.law = (
-            axes.plot([], [], color="tab:red", label="Marchenko–Pastur (same ‖W‖_F)")[0] if has_law else None
+            axes.plot([], [], color="tab:red", label="MP law (same ‖W‖_F)")[0] if has_law else None
         )
         self.edge = axes.axvline(1.0, color="tab:red", linestyle="--", linewidth=1.0, label="MP edge")
         self.power_law = (
@@ -767,8 +768,7 @@ class _Esd:
         )
         axes.set_xlabel("eigenvalue λ = σ²")
         axes.set_ylabel("density")
-        # A fixed corner: the best one is searched for by measuring every artist at every draw.
-        self.legend = axes.legend(fontsize="x-small", loc="upper right")
+        figure.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(0.705, 0.5), frameon=False)
         self.title = axes.set_title("", fontsize="medium")
         self.spines = list(axes.spines.values())
         self.wide = wide
@@ -827,7 +827,7 @@ class _Esd:
         lines = [line for line in (self.law, self.edge, self.power_law) if line is not None]
         # The spines are drawn after the curves, as a fresh figure draws them: the histogram and the marks
         # touch the axes' edges.
-        return [self.histogram, *lines, *self.spines, self.legend, self.title]
+        return [self.histogram, *lines, *self.spines, self.title]
 
     def update(self, drawing: EsdDrawing) -> None:
         bins, density, grid, law = self.curves(drawing, self.wide)
