@@ -1,4 +1,4 @@
-"""The figures the monitor draws: spectra, attention maps and layer × head summaries.
+"""The figures the monitor draws: spectra, attention maps, layer × head summaries and weight ESDs.
 
 Figures are built on ``matplotlib.figure.Figure`` directly, never through ``pyplot``: no figure is
 registered globally, nothing has to be closed to be freed, and the user's backend is left alone
@@ -9,12 +9,12 @@ and use no mathtext: the constrained layout engine and TeX-like labels cost more
 lay out (benchmarks/README.md).
 
 A monitor draws the same figures every few hundred steps with new data. :class:`SpectrumImages`,
-:class:`AttentionHeatmapImages` and :class:`LayerHeadHeatmapImages` keep each figure and redraw only what
-changes over its rendered axes, ticks and labels (:class:`~spectral_monitor.sinks.redrawn.RedrawnFigure`):
-the text of ticks and labels is paid once. For that the spectrum's legend
-sits beside its panels rather than over the curves, and the titles of the spectrum and layer × head
-figures are part of what is kept (a new title makes a new figure): the step a figure belongs to is shown
-by TensorBoard with each image, so it is not in the titles.
+:class:`AttentionHeatmapImages`, :class:`LayerHeadHeatmapImages` and :class:`EsdImages` keep each figure and
+redraw only what changes over its rendered axes, ticks and labels
+(:class:`~spectral_monitor.sinks.redrawn.RedrawnFigure`): the text of ticks and labels is paid once. For that
+the spectrum's and the ESD's legends sit beside their panels rather than over the curves, and the titles of
+the spectrum and layer × head figures are part of what is kept (a new title makes a new figure): the step a
+figure belongs to is shown by TensorBoard with each image, so it is not in the titles.
 """
 
 from __future__ import annotations
