@@ -757,9 +757,7 @@ class _Esd:
         self.histogram = axes.stairs(
             np.zeros(1), np.array([0.0, 1.0]), fill=True, alpha=0.6, label="ESD of WᵀW"
         )
-        self.law = (
-            axes.plot([], [], color="tab:red", label="MP law (same ‖W‖_F)")[0] if has_law else None
-        )
+        self.law = axes.plot([], [], color="tab:red", label="MP law (same ‖W‖_F)")[0] if has_law else None
         self.edge = axes.axvline(1.0, color="tab:red", linestyle="--", linewidth=1.0, label="MP edge")
         self.power_law = (
             axes.axvline(1.0, color="tab:green", linestyle=":", label="power-law λ_min")
