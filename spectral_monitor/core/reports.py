@@ -28,7 +28,7 @@ class Reports:
         writes: whether this process warns (the writing rank only); True until the session says otherwise.
         step: the step that failures are filed under.
         failed_steps: what failed → the steps it failed at, ascending, each once; cleared by
-            :meth:`end_of_run`, which also forgets which kinds were reported.
+            :meth:`end_of_run`.
 
     Examples:
         >>> import warnings
@@ -71,8 +71,7 @@ class Reports:
 
     def end_of_run(self, sinks: Sequence[Sink]) -> None:
         """One warning listing every part that failed, at which steps, and what each sink could not write;
-        nothing when nothing was lost. The failures, and which kinds were reported, are forgotten afterwards:
-        the next run (another ``fit`` with the same callback) reports each kind again.
+        nothing when nothing was lost. The failures are forgotten afterwards.
 
         Args:
             sinks: the run's sinks; a sink's ``losses``, where it has them, say what it could not write.
@@ -86,7 +85,6 @@ class Reports:
         if lines:
             self.warn("SpectralMonitor: end of the run; lost to failures: " + "; ".join(lines) + ".")
         self.failed_steps = {}
-        self._reported = set()
 
     def problem(self, kind: str, message: str) -> None:
         """A measurement that came out wrong (non-finite): raised when strict, else reported once.

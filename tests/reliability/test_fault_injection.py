@@ -139,20 +139,6 @@ def test_a_probe_that_raises_is_reported_once_and_the_other_families_go_on(
             assert expected and written_steps(logger.log_dir, prefix) == expected, other.family
 
 
-def test_a_second_fit_with_the_same_callback_reports_a_failure_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _, entry_point = PROBE_ENTRY_POINTS[0].values
-    break_entry_point(monkeypatch, entry_point)
-    monitor = quiet_monitor()
-    reported = []
-    for run in range(2):
-        with monitor_reports() as reports:
-            fit(TinyEncoder(), [monitor], tensorboard_logger(tmp_path, version=run), STEPS)
-        reported.append(reports.count("injected failure"))
-    assert reported == [1, 1]
-
-
 @pytest.mark.parametrize(("configuration", "entry_point"), PROBE_ENTRY_POINTS)
 def test_strict_mode_raises_what_a_probe_raised(
     configuration, entry_point: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
