@@ -12,7 +12,7 @@ changed, starts cold and is solved to ``tol``; where that has not certified σ�
 and its smaller side is at most 768, the top eigenpair of its Gram matrix is computed densely instead (exact,
 and its vector the next call's warm start). Freshly initialised weights are why: their top singular values
 sit at the soft edge of a Marchenko–Pastur bulk, a few percent apart, and certifying the top one by Lanczos
-took 16 to 60 block iterations on GPT-2's 384-wide layers (3 to 5 times the dense decomposition's time).
+took 16 to 60 block iterations on GPT-2's 384-wide layers (4 to 5 times the dense decomposition's time).
 A matrix with a side of at most 32 (a head of width d_k ≤ 32, a small layer) gets its exact σ₁ instead, from
 the top eigenvalue of its small Gram matrix (residual 0, no warm state): Krylov iteration buys nothing there.
 The residual is ‖WᵀW v − σ₁² v‖ / σ₁² (or its WWᵀ form, whichever matrix is smaller): some singular value
