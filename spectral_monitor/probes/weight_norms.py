@@ -402,19 +402,22 @@ def _largest_singular_values(matrices: Tensor, finite: Tensor) -> Tensor:
     """
     sigma = matrices.new_full(matrices.shape[:1], math.nan)
     if finite.any():
-        kept = matrices[finite]
-        gram = kept.transpose(1, 2) @ kept if kept.shape[2] <= kept.shape[1] else kept @ kept.transpose(1, 2)
-        sigma[finite] = torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0).sqrt()
+        sigma[finite] = torch.linalg.eigvalsh(_smaller_gram(matrices[finite]))[:, -1].clamp_min(0).sqrt()
     return sigma
 
 
 def _top_singular_pairs(matrices: Tensor) -> tuple[Tensor, Tensor]:
-    """σ₁ of each finite matrix of a (batch, rows, cols) stack and its singular vector on the smaller side
+    """σ₁ of each matrix of a finite (batch, rows, cols) stack and its singular vector on the smaller side
     ((batch, side, 1), unit length, the side the Lanczos runs' Gram operators act on), from the top eigenpair
     of the smaller Gram matrix: exact to rounding, relative to σ₁."""
-    gram = matrices.mT @ matrices if matrices.shape[2] <= matrices.shape[1] else matrices @ matrices.mT
-    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    eigenvalues, eigenvectors = torch.linalg.eigh(_smaller_gram(matrices))
     return eigenvalues[:, -1].clamp_min(0).sqrt(), eigenvectors[:, :, -1:].contiguous()
+
+
+def _smaller_gram(matrices: Tensor) -> Tensor:
+    """WᵀW of each matrix of a (batch, rows, cols) stack, or WWᵀ where that is smaller, as
+    :class:`~spectral_monitor.linalg.operators.GramOperator` chooses (WᵀW for a square matrix)."""
+    return matrices.mT @ matrices if matrices.shape[2] <= matrices.shape[1] else matrices @ matrices.mT
 
 
 def _batches(targets: list[NormTarget]) -> Iterator[list[NormTarget]]:

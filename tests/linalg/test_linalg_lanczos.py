@@ -345,7 +345,9 @@ def test_single_vector_lanczos_takes_the_same_steps_on_torch_vectors_as_on_numpy
     on_numpy = solve()
     monkeypatch.setattr(lanczos, "_host_view", lambda tensor: tensor)
     on_torch = solve()
-    assert on_numpy.info.products == on_torch.info.products
+    # float32 dot products round differently in numpy's BLAS and torch's: a stop decision on the edge may
+    # move by one product; in float64 the steps are the same.
+    assert abs(on_numpy.info.products - on_torch.info.products) <= (1 if dtype == torch.float32 else 0)
     assert bool(on_numpy.info.converged.all()) and bool(on_torch.info.converged.all())
     tolerance = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(on_torch.values, on_numpy.values, atol=tolerance * 7, rtol=0)

@@ -78,8 +78,8 @@ def test_spectral_norms_track_float64_svd_over_warm_logging_steps() -> None:
 
 def test_conv1d_weights_stored_transposed_track_float64_over_warm_logging_steps() -> None:
     """Hugging Face GPT-2 keeps (in, out) weights: the probe measures them as they lie in memory, its square
-    c_proj included. The cold first step is certified; the warm ones (σ₂/σ₁ ≈ 0.98 in a fresh GPT-2, so two
-    iterations do not resolve σ₁) stay below σ₁ and within their residual of it."""
+    c_proj included. The cold first step is certified or exact (the dense route); the warm ones (σ₂/σ₁ ≈ 0.98
+    in a fresh GPT-2, so two iterations do not resolve σ₁) stay below σ₁ and within their residual of it."""
     model = tiny_gpt2(seed=3, n_layer=1, n_embd=64, n_positions=16, vocab_size=40)
     generator = torch.Generator().manual_seed(4)
     probe = WeightProbe(model, iterations_per_step=2)
