@@ -667,8 +667,11 @@ class EsdDrawing:
 def esd_drawing_figure(drawing: EsdDrawing) -> Figure:
     """A density histogram of the eigenvalues against the reference law, with the MP bulk edge and the
     power law's λ_min marked. The x axis is logarithmic, from decade to decade, when the positive eigenvalues
-    span more than two decades (zero eigenvalues then left out); the y axis ends at a 1-2-5 number above the
-    highest density, so figures of successive steps compare and :class:`EsdImages` can redraw one.
+    span more than two decades (zero eigenvalues then left out), and the density is then per decade of λ
+    (histogram and law alike), so equal areas hold equal shares of the eigenvalues: per unit λ, the narrow
+    bins of the few smallest eigenvalues of a near-square weight would tower over its bulk. The y axis ends
+    at a 1-2-5 number above the highest density, so figures of successive steps compare and
+    :class:`EsdImages` can redraw one.
 
     Args:
         drawing: What to draw.
@@ -682,8 +685,10 @@ def esd_drawing_figure(drawing: EsdDrawing) -> Figure:
         ...     EsdDrawing(np.geomspace(1e-4, 1.0, 50), 0.5, None, 2.0, 1e-2, "w (50×50), 1 spikes")
         ... )
         >>> axes = figure.axes[0]
-        >>> axes.get_xscale(), [float(limit) for limit in axes.get_xlim()], float(axes.get_ylim()[1])
-        ('log', [0.0001, 1.0], 2000.0)
+        >>> axes.get_xscale(), [float(limit) for limit in axes.get_xlim()], axes.get_ylabel()
+        ('log', [0.0001, 1.0], 'density per decade of λ')
+        >>> float(axes.get_ylim()[1])  # 50 eigenvalues spread evenly over 4 decades: about 0.25 per decade
+        0.5
     """
     return _Esd(drawing).figure
 
@@ -692,8 +697,8 @@ class EsdImages:
     """:func:`esd_drawing_figure` of many weights over successive steps as RGBA images. Weights whose axes
     agree (the x scale and decades, the top of the y axis, the curves listed) share one kept figure, redrawn
     for each (:class:`~spectral_monitor.sinks.redrawn.RedrawnFigure`); :meth:`next_step` lets go of the
-    figures the last step did not draw, so what is held is one figure per kind of axes in use (13 for a
-    freshly initialised GPT-2's 37 weights, 6 MiB).
+    figures the last step did not draw, so what is held is one figure per kind of axes in use (9 for a
+    freshly initialised GPT-2's 37 weights).
 
     Examples:
         >>> import numpy as np
@@ -765,7 +770,9 @@ class _Esd:
             else None
         )
         axes.set_xlabel("eigenvalue λ = σ²")
-        axes.set_ylabel("density")
+        axes.set_ylabel("density per decade of λ" if wide else "density")
+        # A large density gets a power-of-ten factor above the axis, not tick labels wider than the margin.
+        axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         figure.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(0.705, 0.5), frameon=False)
         self.title = axes.set_title("", fontsize="medium")
         self.spines = list(axes.spines.values())
@@ -802,22 +809,25 @@ class _Esd:
     def curves(
         drawing: EsdDrawing, wide: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """The histogram's bin edges and densities, and the law's grid and values (None without a law)."""
+        """The histogram's bin edges and densities, and the law's grid and values (None without a law): per
+        decade of λ on a logarithmic axis, per unit λ on a linear one."""
         eigenvalues = drawing.eigenvalues
         if wide:
             positive = eigenvalues[eigenvalues > 0]
             bins = np.geomspace(positive.min(), positive.max(), _Esd._BINS)
-            density, _ = np.histogram(positive, bins=bins, density=True)
+            density, _ = np.histogram(np.log10(positive), bins=np.log10(bins), density=True)
             grid = np.geomspace(bins[0], bins[-1], 400)
+            per_unit_of_axis = grid * math.log(10)  # dλ / d(log₁₀ λ)
         else:  # an all-zero weight (a zero-initialised projection) still gets bins of some width
             top = max(float(eigenvalues.max()), drawing.mp_edge**2) * 1.05 or 1.0
             bins = np.linspace(0.0, top, _Esd._BINS)
             density, _ = np.histogram(eigenvalues, bins=bins, density=True)
             grid = np.linspace(bins[0], bins[-1], 400)
+            per_unit_of_axis = np.ones_like(grid)
         law = (
             None
             if drawing.law is None
-            else np.where(np.isfinite(values := drawing.law(grid)), values, np.nan)
+            else np.where(np.isfinite(values := drawing.law(grid) * per_unit_of_axis), values, np.nan)
         )
         return bins, density, grid, law
 

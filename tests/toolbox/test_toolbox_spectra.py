@@ -196,6 +196,29 @@ def test_weight_spectra_of_an_iid_layer_sit_at_the_marchenko_pastur_edge():
     assert len(figure.axes[0].lines) >= 2  # the MP density and its edge
 
 
+def test_the_esd_of_a_square_iid_weight_on_a_log_axis_is_per_decade_and_follows_its_law():
+    # A square iid weight's smallest eigenvalues reach ~1e-7 of its largest: the axis is logarithmic, and
+    # per unit λ the narrow bins down there would tower over the bulk while the law diverges at 0.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 384, bias=False))
+    nn.init.normal_(model[0].weight, std=0.02)
+    (spectrum,) = weight_spectra(model)
+    axes = esd_figure(spectrum).axes[0]
+    assert axes.get_xscale() == "log" and axes.get_ylabel() == "density per decade of λ"
+    (histogram,) = axes.patches
+    density, edges, _ = histogram.get_data()
+    assert float(np.sum(density * np.diff(np.log10(edges)))) == pytest.approx(1.0)
+    law = next(line for line in axes.lines if line.get_label().startswith("MP law"))
+    law_density, decades = law.get_ydata(), np.log10(law.get_xdata())
+    # The law per decade integrates to 1 over the eigenvalues' span, less what lies above the largest one.
+    area = np.sum((law_density[1:] + law_density[:-1]) / 2 * np.diff(decades))
+    assert float(area) == pytest.approx(1.0, abs=0.03)
+    # The histogram follows the law where most eigenvalues are, and the axis is scaled to both.
+    assert float(density.max()) == pytest.approx(float(np.nanmax(law_density)), rel=0.25)
+    top = axes.get_ylim()[1]
+    assert float(density.max()) <= top <= 2.5 * float(density.max())
+
+
 def test_weight_spectra_match_float64_svd_and_reuse_spectra_given_to_them(monkeypatch):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(96, 192), nn.Linear(192, 40, bias=False))
