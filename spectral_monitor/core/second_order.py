@@ -260,6 +260,11 @@ class SecondOrderProbes:
             started = time.perf_counter()
             with self._failures_of(f"measuring the {family} family"):
                 getattr(self, f"_measure_{family}")(module, batches, step, event, optimizer)
+            if family not in self.families:
+                # Refused for the run before measuring anything: no event to time, nor a cadence to stretch.
+                if family == "curvature":
+                    self._stretched = None
+                continue
             elapsed = time.perf_counter() - started
             if family == "curvature" and self._stretched is not None:
                 self._stretched.measured(step, elapsed)
