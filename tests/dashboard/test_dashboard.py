@@ -8,6 +8,8 @@ run would write (the alert tables included) in a fraction of a second.
 
 from __future__ import annotations
 
+import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -282,6 +284,23 @@ def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
     # The collapsing run comes first, and its charts were drawn, one line per layer.
     assert dom.index(f'data-run="{COLLAPSING}"') < dom.index(f'data-run="{HEALTHY}"')
     assert dom.count(f'data-layer="{COLLAPSING_LAYER}"') >= 2
+    charts = [chart.split("</svg>")[0] for chart in dom.split('class="chart"')[1:]]
+    assert charts
+    for chart in charts:
+        for anchor in ("end", "middle"):  # the value axis, then the step axis
+            labels = re.findall(rf'text-anchor="{anchor}" class="tick">([^<]*)</text>', chart)
+            _assert_round_ticks([float(label) for label in labels])
+
+
+def _assert_round_ticks(values: list[float]) -> None:
+    """At least two ticks, evenly spaced by 1, 2, 2.5 or 5 times a power of ten, each a multiple of it."""
+    assert len(values) >= 2, values
+    step = (values[-1] - values[0]) / (len(values) - 1)
+    mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
+    assert any(math.isclose(mantissa, m, rel_tol=1e-6) for m in (1, 2, 2.5, 5)), values
+    for value, following in zip(values[:-1], values[1:], strict=True):
+        assert math.isclose(following - value, step, rel_tol=1e-6), values
+    assert all(math.isclose(value / step, round(value / step), abs_tol=1e-6) for value in values), values
 
 
 @pytest.mark.slow

@@ -85,6 +85,21 @@ function extent(lines, thresholds) {
   return [low - pad, high + pad];
 }
 
+// Round values inside [low, high], 1, 2, 2.5 or 5 times a power of ten apart, at most `most` intervals of
+// the range (at least `least` apart: 1 for steps), with the decimals that step needs.
+function roundTicks(low, high, most, least = 0) {
+  const raw = Math.max((high - low) / most, least);
+  const power = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * power).find((s) => s >= raw * (1 - 1e-9));
+  const ticks = [];
+  for (let i = Math.ceil(low / step - 1e-9); i * step <= high + step * 1e-9; i++) ticks.push(i * step);
+  let decimals = 0;  // as many as the step has: 0.25 apart, 2; 250 apart, none
+  while (decimals < 3 && Math.abs(Math.round(step * 10 ** decimals) - step * 10 ** decimals) > 1e-6) decimals++;
+  const exponential = step < 1e-3 || Math.max(Math.abs(low), Math.abs(high)) >= 1e6;
+  const label = (value) => (exponential ? (value === 0 ? "0" : value.toExponential(1)) : value.toFixed(decimals));
+  return ticks.map((value) => [value, label(value)]);
+}
+
 function lineChart(chart) {
   const width = 560, height = 260, left = 56, right = 12, top = 10, bottom = 28;
   const lines = chart.lines;
@@ -110,16 +125,15 @@ function lineChart(chart) {
     label.textContent = `${t.rule}: collapsed ${op} ${t.collapsed}, watch ${op} ${t.watch}`;
     root.append(label);
   }
-  for (let i = 0; i <= 4; i++) {
-    const value = y0 + ((y1 - y0) * i) / 4;
+  for (const [value, text] of roundTicks(y0, y1, 5)) {
     root.append(svg("line", {x1: left, x2: width - right, y1: y(value), y2: y(value), class: "grid"}));
     const tick = svg("text", {x: left - 4, y: y(value) + 4, "text-anchor": "end", class: "tick"});
-    tick.textContent = number(value);
+    tick.textContent = text;
     root.append(tick);
   }
-  for (const step of [x0, Math.round((x0 + x1) / 2), x1]) {
+  for (const [step, text] of roundTicks(x0, x1, 5, 1)) {
     const tick = svg("text", {x: x(step), y: height - 8, "text-anchor": "middle", class: "tick"});
-    tick.textContent = step;
+    tick.textContent = text;
     root.append(tick);
   }
   lines.forEach((line, index) => {
