@@ -258,23 +258,29 @@ def chromium() -> str:
     return found
 
 
-@pytest.mark.slow
-def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
-    logdir: Path, tmp_path: Path
-) -> None:
+def rendered_tab(logdir: Path, run: str, tmp_path: Path) -> str:
+    """The tab's DOM as headless Chromium renders it from a TensorBoard serving ``logdir``, once ``run`` is
+    judged."""
     browser = chromium()
     with tensorboard_server(logdir, "false", tmp_path / "tensorboard.log") as server:
         poll(
-            lambda: server.get_json("/data/plugin/spectral_monitor/verdicts").get(HEALTHY),
+            lambda: server.get_json("/data/plugin/spectral_monitor/verdicts").get(run),
             LOAD_TIMEOUT_S,
             lambda: "the runs did not load",
         )
-        dom = subprocess.run(
+        return subprocess.run(
             [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", "--virtual-time-budget=20000",
              f"{server.base_url}/data/plugin_entry.html?name=spectral_monitor"],
             capture_output=True, text=True, timeout=120, check=True,
         ).stdout  # fmt: skip
+
+
+@pytest.mark.slow
+def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
+    logdir: Path, tmp_path: Path
+) -> None:
+    dom = rendered_tab(logdir, HEALTHY, tmp_path)
     overall = f"COLLAPSED: rank collapse in {COLLAPSING_LAYER}"
     assert f'data-run="{COLLAPSING}"' in dom and f'data-run="{HEALTHY}"' in dom
     assert overall in dom
@@ -290,6 +296,25 @@ def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
         for anchor in ("end", "middle"):  # the value axis, then the step axis
             labels = re.findall(rf'text-anchor="{anchor}" class="tick">([^<]*)</text>', chart)
             _assert_round_ticks([float(label) for label in labels])
+
+
+@pytest.mark.slow
+def test_headless_chromium_draws_many_layers_as_a_heatmap_captioned_with_their_extreme_readings(
+    tmp_path: Path,
+) -> None:
+    sink = TensorBoardSink(str(tmp_path / "runs" / "wide"))
+    for step in STEPS:  # 13 weights: more layers than a line chart draws
+        sink.write_measurements(
+            [Measurement(step, "weights", "spectral_norm", f"blocks.{i}.mlp", 1 + i / 10 + step / 1000)
+             for i in range(13)]
+        )  # fmt: skip
+    sink.close()
+    dom = rendered_tab(tmp_path / "runs", "wide", tmp_path)
+    card = dom[dom.index('data-metric="weights/spectral_norm"') :]
+    card = card[: card.index("</svg>")]
+    assert card.count('class="tick">blocks.') == 13  # a row per weight
+    # The darkest and lightest readings themselves, not a padded axis's ends (a negative norm).
+    assert "dark = 1.000, light = 2.245" in card
 
 
 def _assert_round_ticks(values: list[float]) -> None:

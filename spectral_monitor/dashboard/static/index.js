@@ -68,7 +68,8 @@ function verdictTable(verdicts) {
     el("tbody", {}, ...rows));
 }
 
-function extent(lines, thresholds) {
+// The smallest and largest value of the lines and levels: [0, 1] for none.
+function range(lines, thresholds) {
   let low = Infinity;
   let high = -Infinity;
   for (const line of lines) {
@@ -79,7 +80,12 @@ function extent(lines, thresholds) {
   for (const t of thresholds) {
     for (const level of [t.collapsed, t.watch]) { low = Math.min(low, level); high = Math.max(high, level); }
   }
-  if (!Number.isFinite(low)) return [0, 1];
+  return Number.isFinite(low) ? [low, high] : [0, 1];
+}
+
+// A chart's value axis: the range, padded by 5% each side.
+function extent(lines, thresholds) {
+  const [low, high] = range(lines, thresholds);
   if (low === high) return [low - 0.5, high + 0.5];
   const pad = 0.05 * (high - low);
   return [low - pad, high + pad];
@@ -153,7 +159,7 @@ function heatmap(chart) {
   const lines = chart.lines;
   const steps = [...new Set(lines.flatMap((line) => line.steps))].sort((a, b) => a - b);
   const column = new Map(steps.map((step, index) => [step, index]));
-  const [low, high] = extent(lines, []);
+  const [low, high] = range(lines, []);  // unpadded: the caption names the darkest and lightest readings
   const height = top + rowHeight * lines.length + 24;
   const root = svg("svg", {viewBox: `0 0 ${width} ${height}`, class: "chart"});
   const cell = (width - left - right) / Math.max(steps.length, 1);
