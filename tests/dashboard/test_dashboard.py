@@ -313,6 +313,9 @@ def test_headless_chromium_draws_many_layers_as_a_heatmap_captioned_with_their_e
     card = dom[dom.index('data-metric="weights/spectral_norm"') :]
     card = card[: card.index("</svg>")]
     assert card.count('class="tick">blocks.') == 13  # a row per weight
+    legend = dom[dom.index('data-metric="weights/spectral_norm"') :].split('class="legend"')[1]
+    legend = legend[: legend.index("</div>")]
+    assert legend.count('class="legend-item"') == 13 and 'class="swatch"' not in legend  # no line colours
     # The darkest and lightest readings themselves, not a padded axis's ends (a negative norm).
     assert "dark = 1.000, light = 2.245" in card
 

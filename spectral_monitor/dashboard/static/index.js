@@ -180,10 +180,12 @@ function heatmap(chart) {
   return root;
 }
 
-function legend(chart, onLayer) {
+// A button per layer (its heads on click), with the layer's line colour where lines are drawn.
+function legend(chart, onLayer, swatches = true) {
   return el("div", {class: "legend"}, ...chart.lines.map((line, index) => el("button", {
     class: "legend-item", title: "per head", onclick: () => onLayer(line.name)},
-    el("span", {class: "swatch", style: `background:${colour(index, chart.lines.length)}`}), line.name)));
+    swatches ? el("span", {class: "swatch", style: `background:${colour(index, chart.lines.length)}`}) : null,
+    line.name)));
 }
 
 async function chartCard(run, metric, judgedRules) {
@@ -202,7 +204,8 @@ async function chartCard(run, metric, judgedRules) {
           "no per-head scalars: SpectralMonitor(per_head=True) writes them (the histograms hold them otherwise)"),
         perHead.lines.length ? legend(perHead, () => {}) : null);
     };
-    const redraw = () => body.replaceChildren(asHeatmap ? heatmap(chart) : lineChart(chart), legend(chart, showHeads));
+    const redraw = () => body.replaceChildren(asHeatmap ? heatmap(chart) : lineChart(chart),
+      legend(chart, showHeads, !asHeatmap));
     const toggle = el("button", {class: "toggle", onclick: () => { asHeatmap = !asHeatmap; redraw(); }}, "lines / heatmap");
     redraw();
     card.replaceChildren(el("h4", {}, metric, " ", toggle), el("div", {class: "meaning"}, chart.meaning), body, heads);
