@@ -54,7 +54,8 @@ class LayerReference:
     """One attention layer of one batch from an independent source.
 
     ``probs`` (B, H, n, m); ``real_queries`` (B, n) and ``real_keys`` (B, m) bool; ``causal``: query i may
-    attend keys j <= i only (on top of ``real_keys``); ``logit_inputs``: q and k, where the source gives them.
+    attend keys j <= i only (on top of ``real_keys``); ``logit_inputs``: q and k, where the source gives them;
+    ``window``: a sliding window, query i attends keys j > i - window only.
     """
 
     layer: str
@@ -63,6 +64,17 @@ class LayerReference:
     real_keys: np.ndarray
     causal: bool
     logit_inputs: LogitInputs | None = None
+    window: int | None = None
+
+    def attendable(self) -> np.ndarray:
+        """(B, n, m) bool: the keys each query may attend."""
+        sequences, _, n, m = self.probs.shape
+        attendable = np.broadcast_to(self.real_keys[:, None, :], (sequences, n, m)).copy()
+        if self.causal:
+            attendable &= np.tri(n, m, dtype=bool)
+        if self.window is not None:
+            attendable &= ~np.tri(n, m, -self.window, dtype=bool)
+        return attendable
 
 
 @dataclass
@@ -251,12 +263,9 @@ def expected_values(
 def _attention_per_head(reference: LayerReference) -> dict[str, np.ndarray]:
     """Each metric per head: the mean over the sequences that have a value (NaN where none has)."""
     probs = reference.probs
-    sequences, heads, n, m = probs.shape
-    attendable = np.broadcast_to(reference.real_keys[:, None, :], (sequences, n, m)).copy()
-    if reference.causal:
-        attendable &= np.tri(n, m, dtype=bool)
-    queries = reference.real_queries & attendable.any(axis=2)
-    keys = (attendable & queries[:, :, None]).any(axis=1)
+    sequences, heads = probs.shape[:2]
+    attendable = reference.attendable()
+    queries, keys = _measured_queries_and_keys(reference)
     values = {metric: np.full((sequences, heads), np.nan) for metric in ATTENTION_METRICS}
     for sequence in range(sequences):
         if not queries[sequence].any():
@@ -298,10 +307,7 @@ def _max_logit_per_head(reference: LayerReference) -> np.ndarray | None:
 
 def _measured_queries_and_keys(reference: LayerReference) -> tuple[np.ndarray, np.ndarray]:
     """(B, n) real queries with an attendable key and (B, m) keys some such query may attend."""
-    sequences, n, m = reference.probs.shape[0], *reference.probs.shape[2:]
-    attendable = np.broadcast_to(reference.real_keys[:, None, :], (sequences, n, m)).copy()
-    if reference.causal:
-        attendable &= np.tri(n, m, dtype=bool)
+    attendable = reference.attendable()
     queries = reference.real_queries & attendable.any(axis=2)
     return queries, (attendable & queries[:, :, None]).any(axis=1)
 

@@ -22,7 +22,7 @@ from conformance_harness import (
     as_float64,
     sharpen_attention,
 )
-from helpers.hf_models import tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+from helpers.hf_models import tiny_bert, tiny_gpt2, tiny_llama, tiny_mistral, tiny_t5
 from torch import Tensor, nn
 
 from spectral_monitor.probes import AttentionInputs
@@ -80,10 +80,17 @@ def _eager_twin(model: nn.Module, **options: object) -> nn.Module:
 
 
 def _hf_causal_lm_family(
-    name: str, model: nn.Module, blocks: str, attention: str, seed: int, qkv_projection: str | None = None
+    name: str,
+    model: nn.Module,
+    blocks: str,
+    attention: str,
+    seed: int,
+    qkv_projection: str | None = None,
+    window: int | None = None,
 ) -> Family:
     """``qkv_projection``: the attention's fused q, k, v projection (GPT-2's ``c_attn``), whose output gives
-    the reference q and k of the logit metrics; without it they are not checked."""
+    the reference q and k of the logit metrics; without it they are not checked. ``window``: the model's
+    sliding window (query i attends keys j > i − window)."""
     twin = _eager_twin(model)
     block_modules = [(f"model.{blocks}.{index}", module) for index, module in enumerate(_get(twin, blocks))]
     projections = (
@@ -115,6 +122,7 @@ def _hf_causal_lm_family(
                 logit_inputs=None
                 if qkv_projection is None
                 else _fused_logit_inputs(projected[str(index)], probs.shape[1]),
+                window=window,
             )
             for index, probs in enumerate(attentions)
         ]
@@ -150,6 +158,14 @@ def llama_family() -> Family:
     model = tiny_llama(head="causal_lm", vocab_size=VOCAB)
     sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 25.0)
     return _hf_causal_lm_family("llama", model, "model.layers", "self_attn", 2)
+
+
+def mistral_family() -> Family:
+    """A sliding window of 3 keys over 6 tokens: the eager twin's masks, not the monitor's, say which keys a
+    row attends."""
+    model = tiny_mistral(head="causal_lm", vocab_size=VOCAB)
+    sharpen_attention(model, ("q_proj.weight", "k_proj.weight"), 25.0)
+    return _hf_causal_lm_family("mistral", model, "model.layers", "self_attn", 9, window=3)
 
 
 def bert_family() -> Family:
@@ -618,6 +634,7 @@ def extractor_family() -> Family:
 FAMILIES = {
     "GPT-2 (HF sdpa)": gpt2_family,
     "Llama (HF sdpa, GQA, RoPE)": llama_family,
+    "Mistral (HF sdpa, sliding window)": mistral_family,
     "BERT (HF sdpa)": bert_family,
     "T5 (HF sdpa, relative bias)": t5_family,
     "ViT (HF sdpa)": vit_family,

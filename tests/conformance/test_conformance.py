@@ -30,6 +30,7 @@ from conformance_models import (
     extractor_family,
     gpt2_family,
     llama_family,
+    mistral_family,
     nanogpt_family,
     nn_transformer_family,
     t5_family,
@@ -44,6 +45,7 @@ FAMILIES = {
     # name: (builder, padding cases, built with Hugging Face transformers)
     "gpt2": (gpt2_family, EVERY_CASE, True),
     "llama": (llama_family, EVERY_CASE, True),
+    "mistral": (mistral_family, EVERY_CASE, True),
     "bert": (bert_family, NO_LEFT_PADDING, True),
     "t5": (t5_family, NO_LEFT_PADDING, True),
     "vit": (vit_family, ("no_padding",), True),

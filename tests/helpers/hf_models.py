@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models built offline, one factory per family: GPT-2, LLaMA, BERT, DistilBERT and T5.
+"""Tiny Hugging Face models built offline, one factory per family: GPT-2, LLaMA, Mistral, BERT, DistilBERT
+and T5.
 
 Each factory owns its family's defaults (two layers of width 32 with four heads, a vocabulary of 64, 32
 positions, special token ids inside that vocabulary, no dropout, ``sdpa`` attention, seed 0) and takes any
@@ -115,6 +116,26 @@ def tiny_llama(
     query heads sharing 2 key heads, a vocabulary of 64, 32 positions, bos, eos and pad id 0 (the pad id's
     embedding row starts at zero; ``pad_token_id=None`` keeps it random)."""
     return _build(_LLAMA, head, attention, dropout, seed, config)
+
+
+_MISTRAL = _Family(
+    "MistralConfig",
+    {None: "MistralModel", "causal_lm": "MistralForCausalLM"},
+    {**_LLAMA.defaults, "sliding_window": 3},
+    ("attention_dropout",),
+)
+
+
+def tiny_mistral(
+    head: str | None = None,
+    attention: str = "sdpa",
+    dropout: float = 0.0,
+    seed: int | None = 0,
+    **config: Any,
+) -> nn.Module:
+    """``MistralModel``, or ``MistralForCausalLM`` with ``head="causal_lm"``: LLaMA's shape (4 query heads
+    sharing 2 key heads) with a sliding window of 3 keys (query i attends keys i − 2 … i)."""
+    return _build(_MISTRAL, head, attention, dropout, seed, config)
 
 
 _BERT = _Family(
