@@ -21,6 +21,12 @@ a logging step is armed from inside the forward:
   checkpoints (``args.should_save``: the world process zero);
 - ``on_train_end``: ``close``.
 
+``TrainingArguments(torch_compile=True)``: the Trainer compiles the model inside itself, where the pre-hook
+would run traced into the compiled graph (and adding and removing it each step would recompile it). The
+callback then measures nothing, installs nothing on the model, and says so once with a warning naming the
+ways that do measure a compiled model: a plain loop's ``Monitor`` or the Lightning callback, whose probe
+forward runs the model eagerly on the step's batch.
+
 Resuming (``trainer.train(resume_from_checkpoint=...)``): the Trainer's ``ExportableState`` keeps JSON only,
 and a callback is not told which folder the run resumed from, so ``on_train_begin`` of a run that starts at
 ``global_step`` g > 0 reads the state file of ``args.resume_from_checkpoint`` when that names a folder, else
@@ -58,6 +64,14 @@ from spectral_monitor.sinks import TensorBoardSink
 
 __all__ = ["STATE_FILE_NAME", "SpectralMonitorCallback", "model_output_loss", "tensorboard_run_directory"]
 
+COMPILED_BY_THE_TRAINER = (
+    "SpectralMonitorCallback: TrainingArguments(torch_compile=True) compiles the model inside the Trainer, "
+    "which gives callbacks no batch outside the compiled forward, so nothing is measured in this run and "
+    "nothing is installed on the model. A compiled model is measured by spectral_monitor.Monitor in a plain "
+    "loop or by the Lightning callback (an eager probe forward on each logging step's batch); or train with "
+    "torch_compile=False."
+)
+"""The warning of a run whose Trainer compiles the model (world process zero, once a run)."""
 _HF_STEP_OFFSET = 1
 """The Trainer files a batch's scalars under ``global_step`` after its update: one past the batch's index."""
 STATE_FILE_NAME = "spectral_monitor.pt"
@@ -126,6 +140,7 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         self._session = MonitorSession(self.options)
         self._arming_hook: torch.utils.hooks.RemovableHandle | None = None
         self._stop_requested = False
+        self._compiled_by_trainer = False
 
     def on_train_begin(
         self,
@@ -150,6 +165,11 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
         """
         self._stop_requested = False
         writes = state.is_world_process_zero
+        self._compiled_by_trainer = bool(getattr(args, "torch_compile", False))
+        if self._compiled_by_trainer:
+            if writes:
+                warnings.warn(COMPILED_BY_THE_TRAINER, RuntimeWarning, stacklevel=2)
+            return
         # A session that did not start fails each step's start, which is then skipped.
         with self._session.failures_of("starting the monitor"):
             sinks = []
@@ -190,6 +210,8 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
             **kwargs: The Trainer's other event arguments, unused.
         """
         self._remove_arming_hook()
+        if self._compiled_by_trainer:
+            return
         step = state.global_step + _HF_STEP_OFFSET
         with self._session.failures_of("installing the monitor's forward pre-hook"):
             self._arming_hook = model.register_forward_pre_hook(
@@ -216,6 +238,8 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
             ``control``.
         """
         self._remove_arming_hook()  # a step whose forward did not go through the model
+        if self._compiled_by_trainer:
+            return control
         self._session.end_step()
         if self._stop_requested:
             control.should_training_stop = True

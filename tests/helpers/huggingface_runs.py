@@ -77,15 +77,16 @@ def training_arguments(output_dir: Path, **overrides: Any) -> transformers.Train
 def hf_train(
     model: nn.Module,
     arguments: transformers.TrainingArguments,
-    monitor: SpectralMonitorCallback,
+    monitor: SpectralMonitorCallback | None,
     count: int,
 ) -> transformers.Trainer:
-    """Trains ``model`` on the first ``count`` padded examples with AdamW and ``monitor`` as a callback."""
+    """Trains ``model`` on the first ``count`` padded examples with AdamW and ``monitor`` as a callback (None:
+    unmonitored)."""
     trainer = transformers.Trainer(
         model=model,
         args=arguments,
         train_dataset=padded_examples(count),
-        callbacks=[monitor],
+        callbacks=[] if monitor is None else [monitor],
         optimizers=(adamw(model), None),
     )
     trainer.train()

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +36,7 @@ pytest.importorskip("accelerate")
 from spectral_monitor import AlertConfig, CurvatureOptions, MonitorSession, Rule, SpectralMonitor  # noqa: E402
 from spectral_monitor.alerts import Condition  # noqa: E402
 from spectral_monitor.integrations.huggingface import (  # noqa: E402
+    COMPILED_BY_THE_TRAINER,
     SpectralMonitorCallback,
     model_output_loss,
     tensorboard_run_directory,
@@ -232,6 +234,35 @@ def test_a_failing_monitor_leaves_training_going_with_one_warning_and_strict_rai
     assert hook_count(model) == 0
     with pytest.raises(RuntimeError, match="probe exploded"):
         hf_train(trainer_gpt2(), arguments, SpectralMonitorCallback(strict=True), count=2 * BATCH)
+
+
+@pytest.mark.slow
+def test_a_model_the_trainer_compiles_is_left_untouched_with_one_warning(
+    tmp_path: Path, one_thread: None
+) -> None:
+    # Hooks added and removed around a compiled forward each step would recompile it, and a pre-hook inside
+    # it would be traced: the callback must leave such a run exactly as it is without it.
+    compiles, losses = {}, {}
+    for name, monitor in (("alone", None), ("monitored", SpectralMonitorCallback(every_n_steps=1))):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = trainer_gpt2()
+        arguments = training_arguments(
+            tmp_path / name, max_steps=3, logging_steps=1, report_to=[], torch_compile=True
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = hf_train(model, arguments, monitor, count=3 * BATCH)
+        compiles[name] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        losses[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        ours = [warning for warning in caught if "SpectralMonitor" in str(warning.message)]
+        assert [str(warning.message) for warning in ours] == (
+            [] if monitor is None else [COMPILED_BY_THE_TRAINER]
+        )
+        assert hook_count(model) == 0
+    assert compiles["monitored"] == compiles["alone"] > 0
+    assert losses["monitored"] == losses["alone"] and len(losses["alone"]) == 3
+    assert monitor.run_directory is None  # nothing written
 
 
 @pytest.mark.slow
