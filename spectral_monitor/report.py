@@ -7,8 +7,8 @@ reads them, past any damage to the files, each cut named (:mod:`spectral_monitor
 Per run, the verdict first: one overall line (the worst verdict, its diagnosis and layers), then a verdict
 per diagnosis (healthy / watch / collapsed / not measured, with the layers and the reading that decided it),
 the alerts that fired with their steps and layers, and the per-layer details (latest, min, trend of the key
-metrics); under ``--out``, PNG plots (each metric by layer over steps, with the thresholds of the metrics
-that have one; a layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
+metrics); under ``--out``, PNG plots (each metric by layer over steps, with its thresholds of the rules the
+run is judged on; a layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
 """
 
 from __future__ import annotations
@@ -379,7 +379,9 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
         print(_text_table(rows))
         if convergence := _text_convergence(run):
             print(convergence)
-        plots = _write_plots(run, folder)
+        plots = _write_plots(
+            run, folder, {entry.diagnosis.rule for entry in judged if entry.verdict != NOT_MEASURED}
+        )
         markdown = folder / "report.md"
         markdown.write_text(_markdown(path, judged, rows, alerts, fired, plots, folder))
         print(f"report: {markdown} ({len(plots)} plots)")
@@ -504,7 +506,9 @@ def _markdown(
     return "\n".join(lines) + "\n"
 
 
-def _write_plots(run: RunScalars, folder: Path) -> list[Path]:
+def _write_plots(run: RunScalars, folder: Path, judged_rules: set[str]) -> list[Path]:
+    """Every metric's plot, with the levels of the rules in ``judged_rules`` (those the run is judged on: a
+    causal model's entropy near 1 is not uniform attention), and the effective-rank heatmap."""
     plots_folder = folder / "plots"
     plots_folder.mkdir(exist_ok=True)
     plots = []
@@ -518,16 +522,19 @@ def _write_plots(run: RunScalars, folder: Path) -> list[Path]:
     for metric, by_layer in sorted(run.series.items()):
         if _AGGREGATE.search(metric):
             continue
-        figure = _metric_by_layer(metric, by_layer, figure)
+        figure = _metric_by_layer(metric, by_layer, judged_rules, figure)
         plots.append(_save(figure, plots_folder / _plot_file_name(metric)))
     return plots
 
 
 def _metric_by_layer(
-    metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]], figure: Figure | None = None
+    metric: str,
+    by_layer: dict[str, tuple[np.ndarray, np.ndarray]],
+    judged_rules: set[str],
+    figure: Figure | None = None,
 ) -> Figure:
-    """The plot of ``metric``, each layer a line, with its thresholds: drawn on ``figure`` (one this function
-    drew before, its lines and legend replaced) or on a new one."""
+    """The plot of ``metric``, each layer a line, with the thresholds of the rules in ``judged_rules``: drawn
+    on ``figure`` (one this function drew before, its lines and legend replaced) or on a new one."""
     import matplotlib
 
     if figure is None:
@@ -546,7 +553,7 @@ def _metric_by_layer(
             axes.plot(steps, values, color=color, label=layer)
         else:
             axes.plot(*_envelope(steps, values, _ENVELOPE_BUCKETS), color=color, label=layer)
-    for threshold in _plotted_thresholds(metric):
+    for threshold in _plotted_thresholds(metric, judged_rules):
         watch = threshold.clear if threshold.clear is not None else threshold.threshold
         for verdict, level in (("collapsed", threshold.threshold), ("watch", watch)):
             axes.axhline(
@@ -596,15 +603,19 @@ def _envelope(steps: np.ndarray, values: np.ndarray, buckets: int) -> tuple[np.n
     return steps[indices], values[indices]
 
 
-def _plotted_thresholds(metric: str) -> list[AlertThreshold]:
+def _plotted_thresholds(metric: str, judged_rules: set[str]) -> list[AlertThreshold]:
     """The thresholds of ``metric`` on its own values (relative ones compare a ratio, not the plotted
-    value)."""
+    value), of the rules in ``judged_rules``."""
     family, _, name = metric.partition("/")
     try:
         info = metric_info(family, name)
     except KeyError:
         return []
-    return [t for t in info.thresholds if t.op in (">=", "<=") and t.relative_to == "value"]
+    return [
+        t
+        for t in info.thresholds
+        if t.op in (">=", "<=") and t.relative_to == "value" and t.rule in judged_rules
+    ]
 
 
 def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:

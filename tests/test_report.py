@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from spectral_monitor.alerts import default_rules
 from spectral_monitor.judging import overall_line
 from spectral_monitor.report import NOT_MEASURED, RunScalars, verdicts
 
@@ -191,11 +192,14 @@ def test_report_on_a_logdir_without_monitor_scalars_is_an_error(tmp_path: Path, 
     assert "spectral-monitor report: error:" in result.stderr
 
 
+EVERY_RULE = {rule.name for rule in default_rules()}
+
+
 def test_a_plot_draws_the_collapsed_and_watch_levels_of_its_metric() -> None:
     from spectral_monitor.report import _metric_by_layer
 
     series = {"blocks.0": (np.array(STEPS), np.array([0.3, 0.2, 0.004]))}
-    (axes,) = _metric_by_layer("attention/effective_rank_ratio_max", series).axes
+    (axes,) = _metric_by_layer("attention/effective_rank_ratio_max", series, EVERY_RULE).axes
     levels = {
         line.get_label(): line.get_ydata()[0] for line in axes.get_lines() if line.get_label() != "blocks.0"
     }
@@ -203,8 +207,44 @@ def test_a_plot_draws_the_collapsed_and_watch_levels_of_its_metric() -> None:
         "rank_collapse: collapsed at or below 0.01": 0.01,
         "rank_collapse: watch at or below 0.02": 0.02,
     }
-    (axes,) = _metric_by_layer("attention/dobrushin", series).axes
+    (axes,) = _metric_by_layer("attention/dobrushin", series, EVERY_RULE).axes
     assert [line.get_label() for line in axes.get_lines()] == ["blocks.0"]  # no threshold: nothing drawn
+
+
+def test_a_plot_draws_the_levels_of_the_rules_the_run_is_judged_on_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spectral_monitor import report as report_module
+
+    # A causal model writes no eigen_gap: uniform attention is not judged, so its levels (entropy at or
+    # above 0.95) would paint a healthy causal layer's entropy near 1 as collapsed.
+    entropy = {"blocks.0": (np.array(STEPS), np.array([1.0, 0.99, 0.98]))}
+    labels = [
+        line.get_label()
+        for line in report_module._metric_by_layer(
+            "attention/entropy", entropy, EVERY_RULE - {"uniform_attention"}
+        )
+        .axes[0]
+        .get_lines()
+    ]
+    assert labels == [
+        "blocks.0",
+        "entropy_collapse: collapsed at or below 0.05",
+        "entropy_collapse: watch at or below 0.1",
+    ]
+    drawn_with = []
+    metric_by_layer = report_module._metric_by_layer
+    monkeypatch.setattr(
+        report_module,
+        "_metric_by_layer",
+        lambda metric, by_layer, rules, figure=None: (
+            drawn_with.append(rules) or metric_by_layer(metric, by_layer, rules, figure)
+        ),
+    )
+    write_events(tmp_path / "logs")  # SERIES: no eigen_gap, max_logit, curvature or Jacobian
+    report_module.write_report(tmp_path / "logs", tmp_path / "out")
+    judged = {"rank_collapse", "entropy_collapse", "token_collapse", "weight_runaway", "non_finite"}
+    assert drawn_with and all(rules == judged for rules in drawn_with)
 
 
 def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() -> None:
@@ -215,7 +255,7 @@ def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() 
     values[1234] = 0.97  # a one-reading spike
     values[1500] = 0.01
     values[300:340] = np.nan  # a stretch without finite readings
-    (axes,) = _metric_by_layer("attention/dobrushin", {"blocks.0": (steps, values)}).axes
+    (axes,) = _metric_by_layer("attention/dobrushin", {"blocks.0": (steps, values)}, EVERY_RULE).axes
     (line,) = axes.get_lines()
     drawn_steps, drawn = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
     assert len(drawn) <= 2 * _ENVELOPE_BUCKETS
@@ -236,8 +276,10 @@ def test_a_figure_redrawn_for_another_metric_shows_that_metric_alone() -> None:
         "blocks.1": (np.array(STEPS), np.ones(3)),
     }
     small = {"blocks.0": (np.array(STEPS), np.array([0.3, 0.2, 0.004]))}
-    redrawn = _metric_by_layer("attention/effective_rank_ratio_max", small, _metric_by_layer("x/y", large))
-    fresh = _metric_by_layer("attention/effective_rank_ratio_max", small)
+    redrawn = _metric_by_layer(
+        "attention/effective_rank_ratio_max", small, EVERY_RULE, _metric_by_layer("x/y", large, EVERY_RULE)
+    )
+    fresh = _metric_by_layer("attention/effective_rank_ratio_max", small, EVERY_RULE)
     (axes,), (fresh_axes,) = redrawn.axes, fresh.axes
     assert [line.get_label() for line in axes.get_lines()] == [
         line.get_label() for line in fresh_axes.get_lines()
