@@ -7,8 +7,9 @@ reads them, past any damage to the files, each cut named (:mod:`spectral_monitor
 Per run, the verdict first: one overall line (the worst verdict, its diagnosis and layers), then a verdict
 per diagnosis (healthy / watch / collapsed / not measured, with the layers and the reading that decided it),
 the alerts that fired with their steps and layers, and the per-layer details (latest, min, trend of the key
-metrics); under ``--out``, PNG plots (each metric by layer over steps, with its thresholds of the rules the
-run is judged on; a layer × step heatmap of effective rank / n) and a Markdown summary embedding them.
+metrics); under ``--out``, PNG plots (each metric by layer over steps with the thresholds of the rules the
+run is judged on, or past 12 layers as a layer × step heatmap; and the heatmap of effective rank / n) and a
+Markdown summary embedding them.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ _AGGREGATE = re.compile(r"_(min|max)$")
 _DPI = 100
 _MARKED_POINTS = 200
 """Series up to this many readings are drawn with a marker at each; longer ones as a line only."""
+_LINES_AT_MOST = 12
+"""A metric of more layers is drawn as a layer × step heatmap: past a dozen, lines are told apart by neither
+colour nor legend (the tab switches at the same count)."""
 _ENVELOPE_BUCKETS = 125
 """Series longer than twice this are drawn through their envelope (:func:`_envelope`) in this many runs,
 about one per four pixel columns of a plot's axes."""
@@ -514,13 +518,18 @@ def _write_plots(run: RunScalars, folder: Path, judged_rules: set[str]) -> list[
     plots = []
     heatmap = run.series.get(HEATMAP_METRIC)
     if heatmap:
-        figure = _layer_step_heatmap(HEATMAP_METRIC, heatmap)
+        figure = _layer_step_heatmap(HEATMAP_METRIC, heatmap, (0.0, 1.0))
         plots.append(_save(figure, plots_folder / "heatmap_effective_rank.png"))
         figure.clear()
     # One figure redrawn for every metric: its axes, ticks and text objects are made once, not per plot.
     figure = None
     for metric, by_layer in sorted(run.series.items()):
         if _AGGREGATE.search(metric):
+            continue
+        if len(by_layer) > _LINES_AT_MOST:
+            many = _layer_step_heatmap(metric, by_layer)
+            plots.append(_save(many, plots_folder / _plot_file_name(metric)))
+            many.clear()
             continue
         figure = _metric_by_layer(metric, by_layer, judged_rules, figure)
         plots.append(_save(figure, plots_folder / _plot_file_name(metric)))
@@ -568,8 +577,7 @@ def _metric_by_layer(
     axes.autoscale_view()
     # A title at a given height: placing it automatically measured every tick label at every draw.
     axes.set_title(metric, y=1.0, pad=6.0)
-    if len(by_layer) <= 12:
-        axes.legend(fontsize="x-small")
+    axes.legend(fontsize="x-small")
     return figure
 
 
@@ -618,11 +626,17 @@ def _plotted_thresholds(metric: str, judged_rules: set[str]) -> list[AlertThresh
     ]
 
 
-def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
+def _layer_step_heatmap(
+    metric: str,
+    by_layer: dict[str, tuple[np.ndarray, np.ndarray]],
+    limits: tuple[float, float] | None = None,
+) -> Figure:
+    """``metric`` as a layer × step image, layers in model order, coloured over ``limits`` (None: from its
+    smallest to its largest finite reading)."""
     import matplotlib
     from matplotlib.figure import Figure
 
-    layers = sorted(by_layer)
+    layers = sorted(by_layer, key=natural_order)
     steps = sorted({int(step) for steps, _ in by_layer.values() for step in steps})
     column = {step: index for index, step in enumerate(steps)}
     grid = np.full((len(layers), len(steps)), np.nan)
@@ -630,14 +644,20 @@ def _layer_step_heatmap(metric: str, by_layer: dict[str, tuple[np.ndarray, np.nd
         layer_steps, values = by_layer[layer]
         for step, value in zip(layer_steps, values, strict=True):
             grid[row, column[int(step)]] = value
-    figure = Figure(figsize=(7.2, 0.5 * len(layers) + 2.0), dpi=_DPI, layout="constrained")
+    # Half an inch a row, the whole at most 18 in; past 32 rows the labels shrink to their rows' height.
+    height = min(2.0 + 0.5 * len(layers), 18.0)
+    label_points = min(10.0, 0.7 * 72 * (height - 2.0) / len(layers))
+    figure = Figure(figsize=(7.2, height), dpi=_DPI, layout="constrained")
     axes = figure.subplots()
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-    image = axes.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
+    if limits is None:
+        finite = grid[np.isfinite(grid)]
+        limits = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    image = axes.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=limits[0], vmax=limits[1], aspect="auto",
                         interpolation="nearest")  # fmt: skip
     ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int))
     axes.set_xticks(ticks, [str(steps[index]) for index in ticks])
-    axes.set_yticks(range(len(layers)), layers)
+    axes.set_yticks(range(len(layers)), layers, fontsize=label_points)
     axes.set_xlabel("step")
     axes.set_title(f"{metric} (layer × step)")
     figure.colorbar(image, ax=axes)

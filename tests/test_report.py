@@ -131,9 +131,9 @@ def test_the_worst_head_is_read_where_the_spread_is_written_else_the_mean() -> N
     assert (rank.verdict, rank.reading.split()[0]) == ("collapsed", "attention/rank_one_residual")
 
 
-def write_events(logdir: Path) -> None:
+def write_events(logdir: Path, series: dict[str, dict[str, list[float]]] = SERIES) -> None:
     writer = SummaryWriter(str(logdir))
-    for metric, by_layer in SERIES.items():
+    for metric, by_layer in series.items():
         for layer, values in by_layer.items():
             for step, value in zip(STEPS, values, strict=True):
                 writer.add_scalar(f"{metric}/{layer}", value, step)
@@ -245,6 +245,32 @@ def test_a_plot_draws_the_levels_of_the_rules_the_run_is_judged_on_only(
     report_module.write_report(tmp_path / "logs", tmp_path / "out")
     judged = {"rank_collapse", "entropy_collapse", "token_collapse", "weight_runaway", "non_finite"}
     assert drawn_with and all(rules == judged for rules in drawn_with)
+
+
+def test_a_metric_of_more_than_a_dozen_layers_is_drawn_as_a_heatmap_over_its_own_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spectral_monitor import report as report_module
+
+    norms = {
+        f"blocks.{i}.mlp": [1.0 + i, 2.0 + i, 3.0 + i] for i in (10, 2, 0, 3, 1, 4, 5, 6, 7, 8, 9, 11, 12)
+    }
+    write_events(tmp_path / "logs", {**SERIES, "weights/spectral_norm": norms})
+    heatmaps = {}
+    layer_step_heatmap = report_module._layer_step_heatmap
+
+    def drawn(metric, by_layer, limits=None):  # what the figure shows, read before it is saved and cleared
+        figure = layer_step_heatmap(metric, by_layer, limits)
+        axes = figure.axes[0]
+        heatmaps[metric] = ([label.get_text() for label in axes.get_yticklabels()], axes.images[0].get_clim())
+        return figure
+
+    monkeypatch.setattr(report_module, "_layer_step_heatmap", drawn)
+    report_module.write_report(tmp_path / "logs", tmp_path / "out")
+    # Layers in model order (blocks.2 before blocks.10), the colours from the smallest reading to the largest.
+    assert heatmaps["weights/spectral_norm"] == ([f"blocks.{i}.mlp" for i in range(13)], (1.0, 15.0))
+    assert (tmp_path / "out" / "plots" / "weights__spectral_norm.png").stat().st_size > 0
+    assert "attention/entropy" not in heatmaps  # two layers: lines
 
 
 def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() -> None:
