@@ -318,6 +318,7 @@ class WeightFamily(ProbeFamily):
                     exclude=capture.exclude,
                     attention_families=capture.attention_families,
                     singular_values=singular_values,
+                    warn=_said_by_the_weight_probe,
                 )
                 progress.measurements += weight_spectrum_measurements(spectra, progress.step)
                 if run.kept(Capability.FIGURES):
@@ -406,6 +407,7 @@ class SecondOrderFamily(ProbeFamily):
                 options.probe_data,
                 self.reports.failures_of,
                 warn=self.reports.warn,
+                strict=self.reports.strict,
                 default_loss=run.default_loss,
                 step_offset=run.step_offset,
             )
@@ -460,3 +462,8 @@ def _output_logit_measurements(step: int, sample: OutputLogitSample) -> list[Mea
         Measurement(step, "outputs", "max_logit", "model", float(largest)),
         Measurement(step, "outputs", "log_partition", "model", float(log_partition)),
     ]
+
+
+def _said_by_the_weight_probe(message: str) -> None:
+    """The weight spectra read the weights through a probe of their own, whose warnings (a fused q/k/v
+    projection it cannot split) the weight family's probe has already given once."""

@@ -151,6 +151,8 @@ class SecondOrderProbes:
             checkpointing of the probe batch (the session's: a failure is reported once and skipped, or
             re-raised in strict mode).
         warn: How a one-time warning reaches the user.
+        strict: Whether a probe refused for its memory raises (the ``ValueError`` of the warning's text)
+            instead of being warned of.
         default_loss: ``default_loss(module, batch)``, the loss when ``data.loss_fn`` is not given (None:
             ``loss_fn`` is required).
         step_offset: How far the steps given to :meth:`measure_due` run ahead of the optimizer steps taken
@@ -189,6 +191,7 @@ class SecondOrderProbes:
         data: ProbeDataOptions,
         failures_of: Callable[[str], Any],
         warn: Callable[[str], None] = warnings.warn,
+        strict: bool = False,
         default_loss: LossFn | None = None,
         step_offset: int = 0,
     ) -> None:
@@ -197,6 +200,7 @@ class SecondOrderProbes:
         self.curvature, self.jacobian, self.ntk, self.data = curvature, jacobian, ntk, data
         self._failures_of = failures_of
         self._warn = warn
+        self._strict = strict
         self._default_loss = default_loss
         self._step_offset = step_offset
         self._device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
@@ -423,6 +427,8 @@ class SecondOrderProbes:
         if not self._memory_checked:
             self._memory_checked = True
             self._refuse_if_too_large(module, batches, optimizer)
+            if "curvature" not in self.families:
+                return
         for layer, space in self._spaces.items():
             estimate = measure_curvature(
                 module,
@@ -458,8 +464,9 @@ class SecondOrderProbes:
     def _refuse_if_too_large(
         self, module: nn.Module, batches: list[Any], optimizer: torch.optim.Optimizer | None
     ) -> None:
-        """Turn the curvature family off, with a ValueError naming the estimate and the options that lower
-        it, when its estimated peak memory exceeds ``max_memory_ratio`` times a training step's."""
+        """Turn the curvature family off when its estimated peak memory exceeds ``max_memory_ratio`` times a
+        training step's, with a warning (strict: a ValueError) naming the estimate and the options that lower
+        it. A refusal is the option's decision, not a failure: the end-of-run report does not list it."""
         options = self.curvature
         if options.max_memory_ratio is None or not self._spaces:
             return
@@ -470,7 +477,10 @@ class SecondOrderProbes:
         # Under DDP every rank measures or none does: the products are averaged over the ranks.
         if any_rank([memory.refused(options.max_memory_ratio)])[0]:
             self.families = [family for family in self.families if family != "curvature"]
-            raise ValueError(memory.refusal(options.max_memory_ratio, options.max_products))
+            refusal = memory.refusal(options.max_memory_ratio, options.max_products)
+            if self._strict:
+                raise ValueError(refusal)
+            self._warn(f"SpectralMonitor: {refusal}.")
 
     def _measure_jacobian(
         self,

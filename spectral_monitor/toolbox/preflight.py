@@ -21,6 +21,9 @@ Checks (the correct versions of the survey's; its thresholds are not used):
   uniform rows (normalised entropy ≈ 1 − s²/(2 log n)) and, without a causal mask, nearly rank-one attention
   (σ₂ ≈ (s/√d_k)(1 + √(d_k/n))², :func:`~spectral_monitor.metrics.baselines.random_attention_sigma2`).
   A warning when that σ₂ is below ``RANK_ONE_SIGMA2`` for attention not known to be causal.
+- ``qkv_layout``: an attention module type whose q, k and v are fused in one projection in a layout none of
+  the :class:`~spectral_monitor.probes.AttentionFamilies` splits, so its weights are measured whole, without
+  per-head metrics; reported as information, with the layout to give.
 """
 
 from __future__ import annotations
@@ -109,7 +112,8 @@ def architecture_preflight(
         isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 2
     ):
         raise ValueError(f"context_length must be an int >= 2 or None, got {context_length!r}")
-    probe = WeightProbe(model, per_head=False, attention_families=attention_families)
+    unsplit: list[str] = []  # what the weight probe would warn of: filed as findings instead
+    probe = WeightProbe(model, per_head=False, attention_families=attention_families, warn=unsplit.append)
     findings = _head_counts(model, probe.attention_families)
     attention = probe.attention_weights()
     for name, weights in attention:
@@ -118,6 +122,10 @@ def architecture_preflight(
             findings += _logit_scale(model, name, weights, context_length)
     findings += _depth(model)
     findings += _init_scale(probe)
+    findings += [
+        Finding("qkv_layout", "info", "model", message.removeprefix("SpectralMonitor: ").rstrip("."))
+        for message in unsplit
+    ]
     return findings
 
 

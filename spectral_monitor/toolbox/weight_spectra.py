@@ -10,7 +10,7 @@ from :mod:`spectral_monitor.metrics`: the MP edge of :func:`~spectral_monitor.me
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +103,7 @@ def weight_spectra(
     exclude: Sequence[str] | None = None,
     attention_families: AttentionFamilies | None = None,
     singular_values: Mapping[str, np.ndarray] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> list[WeightSpectrum]:
     """The :class:`WeightSpectrum` of every weight ``WeightProbe(model, include=..., exclude=...)`` measures.
 
@@ -119,6 +120,8 @@ def weight_spectra(
         singular_values: Spectra of these weights already decomposed at this step (a ``WeightProbe``'s
             :meth:`~spectral_monitor.probes.WeightProbe.singular_values` with the same patterns), by layer:
             used instead of decomposing the weights again.
+        warn: What to do with the weight probe's warnings (a fused q/k/v projection it cannot split);
+            None: a ``RuntimeWarning``.
 
     Returns:
         One spectrum per weight, in the model's order.
@@ -137,7 +140,12 @@ def weight_spectra(
         [('0', [4.0, 3.0, 2.0, 1.0])]
     """
     probe = WeightProbe(
-        model, include=include, exclude=exclude, per_head=False, attention_families=attention_families
+        model,
+        include=include,
+        exclude=exclude,
+        per_head=False,
+        attention_families=attention_families,
+        warn=warn,
     )
     named = list(probe.named_matrices())
     known = {} if singular_values is None else singular_values

@@ -3,8 +3,11 @@ the estimate and the options named when it is too large), and a cadence stretche
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -104,7 +107,13 @@ class Failures:
             self.raised.append((what, error))
 
 
-def probes_of(model: nn.Module, curvature: CurvatureOptions, failures: Failures) -> SecondOrderProbes:
+def probes_of(
+    model: nn.Module,
+    curvature: CurvatureOptions,
+    failures: Callable[[str], Any],
+    warn: Callable[[str], None] = warnings.warn,
+    strict: bool = False,
+) -> SecondOrderProbes:
     return SecondOrderProbes(
         model,
         ["curvature"],
@@ -113,20 +122,23 @@ def probes_of(model: nn.Module, curvature: CurvatureOptions, failures: Failures)
         NTKOptions(),
         ProbeDataOptions(loss_fn=lambda module, batch: module(batch).square().mean()),
         failures,
+        warn=warn,
+        strict=strict,
     )
 
 
 def test_a_probe_estimated_over_its_memory_ratio_is_refused_before_its_graph_with_what_to_change() -> None:
     wide = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024))  # 2.1 M parameters
     optimizer = torch.optim.AdamW(wide.parameters())
-    failures = Failures()
-    probes = probes_of(wide, CurvatureOptions(max_memory_ratio=2.0, max_overhead_percent=10.0), failures)
+    failures, warned = Failures(), []
+    options = CurvatureOptions(max_memory_ratio=2.0, max_overhead_percent=10.0)
+    probes = probes_of(wide, options, failures, warn=warned.append)
     for step in range(3):
         # Nothing of the family is written: no overhead of an event, no stretched cadence.
         assert probes.measure_due(wide, torch.randn(4, 1024), step, optimizer).measurements == []
-    ((what, error),) = failures.raised  # once: the family is off for the rest of the run
-    assert what == "measuring the curvature family" and isinstance(error, ValueError)
-    message = str(error)
+    assert failures.raised == []  # a refusal is the option's decision: no failure for the end-of-run report
+    (message,) = warned  # once: the family is off for the rest of the run
+    assert message.startswith("SpectralMonitor: the curvature probe is off for this run: ")
     # 246 vectors of 2,099,200 float32 numbers (the basis at 128 products, the top-1 Ritz vector and the
     # working vectors), 1.92 GiB, with the parameters, AdamW's two moments and two warm vectors (each one
     # parameter-sized, 0.04 GiB in all): far over twice a training step's 32 MiB.
@@ -135,6 +147,9 @@ def test_a_probe_estimated_over_its_memory_ratio_is_refused_before_its_graph_wit
                    "max_memory_ratio=None"):  # fmt: skip
         assert option in message
     assert probes.families == []
+    strict = probes_of(wide, options, lambda what: contextlib.nullcontext(), strict=True)
+    with pytest.raises(ValueError, match="^the curvature probe is off for this run: "):
+        strict.measure_due(wide, torch.randn(4, 1024), 0, optimizer)
 
 
 def test_a_small_model_is_measured_whatever_its_ratio_and_a_large_one_when_allowed() -> None:

@@ -185,6 +185,46 @@ def test_preflight_reads_structure_and_initialisation():
         architecture_preflight(iid, context_length=1)
 
 
+class FusedQKVBlock(nn.Module):
+    """Attention whose q, k and v come out of one projection, ``qkv``, in a layout no family names."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = (
+            t.view(batch, tokens, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(width, dim=2)
+        )
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, width))
+
+
+def test_a_fused_projection_no_layout_splits_is_a_preflight_finding_and_one_warning_in_a_run(tmp_path):
+    from spectral_monitor import Monitor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedQKVBlock(), FusedQKVBlock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the preflight files it, and says nothing
+        findings = architecture_preflight(model)
+    (finding,) = [finding for finding in findings if finding.check == "qkv_layout"]
+    assert finding.severity == "info" and 'fuses q, k and v in "qkv"' in finding.message
+    # In a run: the preflight, the weight probe and the weight spectra each read the weights; one warning.
+    x = torch.randn(2, 8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = Monitor(model, logdir=str(tmp_path), every_n_steps=1, weight_spectra_every_n_logs=1)
+        for step in range(2):
+            with monitor.step(step, batch=x):
+                model(x)
+        monitor.close()
+    assert sum('fuses q, k and v in "qkv"' in str(warning.message) for warning in caught) == 1
+
+
 def test_weight_spectra_of_an_iid_layer_sit_at_the_marchenko_pastur_edge():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256))
