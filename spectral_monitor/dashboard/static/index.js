@@ -100,8 +100,11 @@ function roundTicks(low, high, most, least = 0) {
   const ticks = [];
   for (let i = Math.ceil(low / step - 1e-9); i * step <= high + step * 1e-9; i++) ticks.push(i * step);
   let decimals = 0;  // as many as the step has: 0.25 apart, 2; 250 apart, none
-  while (decimals < 3 && Math.abs(Math.round(step * 10 ** decimals) - step * 10 ** decimals) > 1e-6) decimals++;
-  const exponential = step < 1e-3 || Math.max(Math.abs(low), Math.abs(high)) >= 1e6;
+  while (decimals < 9 && Math.abs(Math.round(step * 10 ** decimals) - step * 10 ** decimals) > 1e-6) decimals++;
+  // Exponents for values too small or too large to read in fixed notation; a narrow range around 12.5 keeps
+  // its decimals (12.5001, 12.5002, ...), which exponents of two digits would print alike.
+  const largest = Math.max(Math.abs(low), Math.abs(high));
+  const exponential = largest < 1e-3 || largest >= 1e6;
   const label = (value) => (exponential ? (value === 0 ? "0" : value.toExponential(1)) : value.toFixed(decimals));
   return ticks.map((value) => [value, label(value)]);
 }
