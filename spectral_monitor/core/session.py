@@ -20,7 +20,7 @@ failure reporting :mod:`spectral_monitor.core.reports`'. Nothing here imports a 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -118,6 +118,7 @@ class MonitorSession:
         self._compiled = CompiledForwards()
         self._in_progress: LoggingStep | None = None
         self._last_logged_step = -1
+        self._logged_before = -1
         self._logging_steps_done = 0
 
     def start(
@@ -171,8 +172,9 @@ class MonitorSession:
             default_loss=default_loss,
             step_offset=step_offset,
         )
-        for family in self._families:
-            family.start(run)
+        with _autocast_off():
+            for family in self._families:
+                family.start(run)
         self._writer.write_texts(self._sinks, run.texts, step)
 
     def begin_step(self, step: int, batch: Any, *, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -197,6 +199,10 @@ class MonitorSession:
         self.abandon()  # a step whose end never came
         if self._model is None:
             raise RuntimeError("MonitorSession.begin_step was called before start")
+        with _autocast_off():
+            return self._begin_step(step, batch, optimizer)
+
+    def _begin_step(self, step: int, batch: Any, optimizer: torch.optim.Optimizer | None) -> bool:
         self._reports.step = step
         logging_step = self._is_logging_step(step)
         figures_due = logging_step and self._figures_cadence.due(self._logging_steps_done)
@@ -213,7 +219,7 @@ class MonitorSession:
                 self._stop_if_asked(self._evaluate_alerts(progress))
                 self._writer.write(self._sinks, progress)
             return False
-        self._last_logged_step = step
+        self._logged_before, self._last_logged_step = self._last_logged_step, step
         self._in_progress = progress
         for family in self._families:
             family.before_forward(progress)
@@ -260,11 +266,12 @@ class MonitorSession:
         progress, self._in_progress = self._in_progress, None
         if progress is None:
             return []
-        with torch.no_grad():
-            for family in self._families:
-                family.measure(progress)  # the recordings are not kept past this
-        stopping = self._stop_if_asked(self._evaluate_alerts(progress))
-        self._writer.write(self._sinks, progress)
+        with _autocast_off():
+            with torch.no_grad():
+                for family in self._families:
+                    family.measure(progress)  # the recordings are not kept past this
+            stopping = self._stop_if_asked(self._evaluate_alerts(progress))
+            self._writer.write(self._sinks, progress)
         self._logging_steps_done += 1
         return stopping
 
@@ -291,9 +298,12 @@ class MonitorSession:
                 raise
 
     def abandon(self) -> None:
-        """Drop the step in progress, if any: captures disarmed, recordings discarded, nothing written."""
+        """Drop the step in progress, if any: captures disarmed, recordings discarded, nothing written. A
+        dropped step was not measured: begun again (a loop retrying it), it is a logging step again."""
         self._remove_step_hooks()
         self._discard_recordings()
+        if self._in_progress is not None:
+            self._last_logged_step = self._logged_before
         self._in_progress = None
 
     def close(self) -> None:
@@ -396,3 +406,19 @@ class MonitorSession:
 
 def _no_stop() -> None:
     return None
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+@contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Autocast off while the monitor computes: a loop that runs its whole step under ``torch.autocast``, the
+    monitor's block included, would otherwise have the float32 products of the weights' and the metrics'
+    arithmetic made in half precision. The training forward, and a compiled model's probe forward, keep the
+    loop's autocast."""
+    with ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICE_TYPES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield

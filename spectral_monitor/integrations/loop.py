@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -65,8 +65,10 @@ class Monitor:
     restored, and measures that (``docs/scale.md``).
 
     If the block raises, the step is dropped (captures disarmed, recordings discarded, nothing written)
-    and the exception propagates as raised. A failure inside the monitor itself is reported once as a
-    warning and training goes on, unless ``strict=True``.
+    and the exception propagates as raised; the loop may retry the same step, which is then measured. A
+    failure inside the monitor itself is reported once as a warning and training goes on, unless
+    ``strict=True``. The monitor's own arithmetic runs with autocast off, inside a loop's ``torch.autocast``
+    too.
 
     Also a context manager: ``with Monitor(...) as monitor:`` closes it at the end.
 
@@ -149,30 +151,34 @@ class Monitor:
         """Whether a ``stop_on`` rule has fired (on any rank): the loop should end after this step."""
         return self._stopping
 
-    @contextmanager
-    def step(self, step: int, *, batch: Any = None) -> Iterator[bool]:
-        """The block around the forward of training step ``step`` on ``batch``.
+    def step(self, step: int, *, batch: Any = None) -> _StepBlock:
+        """The block around the forward of training step ``step`` on ``batch``: ``with monitor.step(step):``.
 
         Args:
             step: the loop's own step, on the axis of its other TensorBoard scalars (a
                 ``SummaryWriter.add_scalar(..., global_step=step)`` of the same batch lands beside the
                 monitor's); an int in [0, 2⁶³ − 1] (what an event file stores), never smaller than the step
                 before. A step repeated is a further
-                micro-batch of one optimizer step (gradient accumulation), measured once, at its first.
+                micro-batch of one optimizer step (gradient accumulation), measured once, at its first; a
+                step repeated after its block raised is a retry, measured as if it came first.
             batch: the batch the forward takes. The ``token_mask`` option reads it; the second-order probes
                 compute their loss on it (``loss_fn(model, batch)``) and need it; a compiled model is
                 measured by a probe forward on it (``model(**batch)`` for a mapping, ``model(batch[0])`` for
                 a tuple or list, ``model(batch)`` otherwise) and needs it. Else it may be left out.
 
-        Yields:
-            Whether ``step`` is a logging step.
+        Returns:
+            The block; entering it yields whether ``step`` is a logging step. A block never entered (the call
+            without ``with``) measures nothing and warns when it is discarded.
 
         Raises:
-            RuntimeError: if the monitor is closed, a ``step`` block is already open, or the call comes
-                from a thread other than the one of the first ``step``.
-            ValueError: if ``step`` is not an int >= 0 or goes back, or ``batch`` is missing where the
-                second-order probes need it.
+            RuntimeError: on entering the block, if the monitor is closed, a ``step`` block is already open,
+                or the call comes from a thread other than the one of the first ``step``.
+            ValueError: on entering the block, if ``step`` is not an int >= 0 or goes back, or ``batch`` is
+                missing where the second-order probes need it.
         """
+        return _StepBlock(self, step, batch)
+
+    def _begin(self, step: int, batch: Any) -> bool:
         self._check_step(step, batch)
         if not self._started:
             self._session.start(
@@ -188,13 +194,18 @@ class Monitor:
         self._previous_step = step
         self._in_step = True
         try:
-            yield self._session.begin_step(step, batch, optimizer=self.optimizer)
+            return self._session.begin_step(step, batch, optimizer=self.optimizer)
         except BaseException:
-            self._session.abandon()
+            self._end(succeeded=False)
             raise
-        else:
-            self._session.end_forward()
-            self._session.end_step()
+
+    def _end(self, *, succeeded: bool) -> None:
+        try:
+            if succeeded:
+                self._session.end_forward()
+                self._session.end_step()
+            else:
+                self._session.abandon()
         finally:
             self._in_step = False
 
@@ -255,6 +266,32 @@ class Monitor:
         if batch is None and any(family in self.options.families for family in OPT_IN_FAMILIES):
             raise ValueError(
                 "batch must be given to Monitor.step: the second-order probes compute a loss on it"
+            )
+
+
+class _StepBlock:
+    """What :meth:`Monitor.step` returns: entering it begins the step, leaving it ends the step (or drops it,
+    if the block raised). One that is never entered says so when it is discarded, as a coroutine never
+    awaited does: ``monitor.step(step)`` without ``with`` would otherwise measure nothing in silence."""
+
+    def __init__(self, monitor: Monitor, step: int, batch: Any) -> None:
+        self._monitor, self._step, self._batch = monitor, step, batch
+        self._entered = False
+
+    def __enter__(self) -> bool:
+        self._entered = True
+        return self._monitor._begin(self._step, self._batch)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self._monitor._end(succeeded=exc_type is None)
+
+    def __del__(self) -> None:
+        if not self._entered:
+            warnings.warn(
+                f"Monitor.step({self._step!r}) was called but its block was never entered, so nothing was "
+                "measured: write `with monitor.step(step, batch=batch):` around the forward",
+                RuntimeWarning,
+                stacklevel=2,
             )
 
 

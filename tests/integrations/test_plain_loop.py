@@ -10,7 +10,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from helpers.events import read_back
+from helpers.events import read_back, scalar_series
 from helpers.models import hook_count
 from helpers.plain_loop_runs import DATA, MODEL, demo_batches, demo_loss, train_in_a_plain_loop
 from pytorch_lightning.loggers import TensorBoardLogger
@@ -97,6 +97,52 @@ def test_a_failing_step_leaves_nothing_armed_and_its_exception_untouched(tmp_pat
         loss.backward()
     steps = [event.step for event in monitor_events(tmp_path).Scalars(ENTROPY)]
     assert steps == [1]  # the failed step wrote nothing
+
+
+def test_a_step_retried_after_its_block_raised_is_measured(tmp_path: Path) -> None:
+    model = DemoTransformer(**MODEL)
+    batches = demo_batches()
+    with Monitor(model, tmp_path, every_n_steps=1, families=["attention"]) as monitor:
+        with pytest.raises(MemoryError), monitor.step(0, batch=batches[0]) as logging:
+            assert logging
+            raise MemoryError  # as an out-of-memory forward would
+        with monitor.step(0, batch=batches[0]) as logging:
+            demo_loss(model, batches[0])
+        assert logging
+        with monitor.step(0, batch=batches[1]) as logging:  # a further micro-batch of the retried step
+            demo_loss(model, batches[1])
+        assert not logging
+    assert [event.step for event in monitor_events(tmp_path).Scalars(ENTROPY)] == [0]
+
+
+def test_a_step_called_without_with_warns_that_nothing_was_measured(tmp_path: Path) -> None:
+    model = DemoTransformer(**MODEL)
+    batch = demo_batches()[0]
+    monitor = Monitor(model, tmp_path / "run", every_n_steps=1)
+    with pytest.warns(RuntimeWarning, match=r"Monitor.step\(0\) was called but its block was never entered"):
+        monitor.step(0, batch=batch)
+        demo_loss(model, batch)
+    monitor.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_autocast_around_the_block_leaves_the_monitors_arithmetic_in_float32(tmp_path: Path) -> None:
+    """A loop that wraps its whole step, block included, in bf16 autocast writes what one that wraps only
+    the forward writes: the weights measured on entry and the metrics computed on leaving run with autocast
+    off (under it the weights' float32 Gram products were made in bf16, 1e-3 off)."""
+    batch = demo_batches()[0]
+    written = {}
+    for around in (False, True):
+        torch.manual_seed(0)
+        model = DemoTransformer(**MODEL)
+        monitor = Monitor(model, tmp_path / str(around), every_n_steps=1, histograms=False)
+        outer = torch.autocast("cpu", dtype=torch.bfloat16, enabled=around)
+        with outer, monitor.step(0, batch=batch), torch.autocast("cpu", dtype=torch.bfloat16):
+            demo_loss(model, batch)
+        monitor.close()
+        written[around] = scalar_series(monitor_events(tmp_path / str(around)))
+    assert any(tag.startswith("weights/") for tag in written[False])
+    assert written[True] == written[False]
 
 
 def test_should_stop_once_a_stop_on_rule_fires(tmp_path: Path) -> None:
