@@ -496,7 +496,9 @@ def _captured_multi_head_attention(
     arguments = call.arguments
     query, key = arguments["query"], arguments["key"]
     attn_mask, key_padding_mask = arguments["attn_mask"], arguments["key_padding_mask"]
-    is_self_attention = query is key
+    # nn.MultiheadAttention with batch_first transposes query and key apart when value differs (q = k ≠ v, as
+    # DETR calls it): two views of one tensor, the same self-attention as one object.
+    is_self_attention = _same_view(query, key)
     if query.dim() == 2:  # unbatched (n, E): the kernel adds a batch dimension of one
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         if key_padding_mask is not None:
@@ -551,6 +553,17 @@ def _captured_multi_head_attention(
         mask = F.pad(mask, (0, extra_keys))
     inputs = AttentionInputs(q=q, k=k, mask=mask, causal=causal, scale=1.0 / math.sqrt(head_dim))
     return captured_attention(layer, inputs, sequences, token_masks, padded_queries)
+
+
+def _same_view(first: Tensor, second: Tensor) -> bool:
+    """Whether two tensors are the same elements: one object, or views of one storage with equal offset,
+    shape and strides."""
+    return first is second or (
+        first.dtype == second.dtype
+        and first.shape == second.shape
+        and first.stride() == second.stride()
+        and first.data_ptr() == second.data_ptr()
+    )
 
 
 def _module_with_fused_inference_path(model: nn.Module) -> str | None:

@@ -161,6 +161,9 @@ def multihead_attention_cases():
     )
     cross_key = torch.randn(BATCH, KEYS, 12, generator=g)
     cross_value = torch.randn(BATCH, KEYS, 10, generator=g)
+    other_value = torch.randn(
+        BATCH, QUERIES, EMBED, generator=g
+    )  # DETR's call: query = key = x + pos, value x
     return {
         "packed self-attention": ({}, (x, x, x), {}),
         "separate kdim/vdim cross-attention": ({"kdim": 12, "vdim": 10}, (x, cross_key, cross_value), {}),
@@ -179,6 +182,7 @@ def multihead_attention_cases():
         ),
         "float 3-D attn_mask": ({}, (x, x, x), {"attn_mask": float_3d}),
         "bool key_padding_mask": ({}, (x, x, x), {"key_padding_mask": padding}),
+        "q = k with another value, key padding": ({}, (x, x, other_value), {"key_padding_mask": padding}),
         "float key_padding_mask": (
             {},
             (x, x, x),
