@@ -330,6 +330,7 @@ class MonitorOptions:
             None: the preset's (in ``"full"``, ``CurvatureOptions(max_overhead_percent=10,
             max_memory_ratio=2)``, else off).
         jacobian: options of the block-Jacobian probe (:class:`JacobianOptions`); giving them turns it on.
+            None: off (an opt-in probe that is off stays None, so a copy of the options leaves it off).
         ntk: options of the empirical-NTK probe (:class:`NTKOptions`); giving them turns it on.
         probe_data: the batch and loss those three probes use (:class:`ProbeDataOptions`).
         preflight: at the start of training, run
@@ -436,30 +437,32 @@ class MonitorOptions:
                 value = PRESETS[self.preset][name]
                 setattr(self, name, value() if callable(value) else value)
         check_int("every_n_steps", self.every_n_steps, smallest=1)
-        named_opt_in = (
-            [name for name in self.families if name in OPT_IN_FAMILIES]
-            if isinstance(self.families, (list, tuple))
-            else []
-        )
-        if named_opt_in:
-            name = named_opt_in[0]
-            raise ValueError(
-                f"families names the opt-in family {name!r}; families are drawn from {list(FAMILIES)}, and "
-                f"{name} is turned on by its options: {name}={_OPTIONS_CLASSES[name].__name__}(...)"
-            )
-        families = tuple(dict.fromkeys(check_names("families", self.families, allowed=FAMILIES)))
+        given = {"curvature": self.curvature, "jacobian": self.jacobian, "ntk": self.ntk}
+        named = list(self.families) if isinstance(self.families, (list, tuple)) else self.families
+        if isinstance(named, list):
+            # An opt-in family is named in the families of options already made (a copy of them), with its
+            # options; named alone, it is refused.
+            unset = [name for name in named if name in OPT_IN_FAMILIES and given[name] is None]
+            if unset:
+                name = unset[0]
+                raise ValueError(
+                    f"families names the opt-in family {name!r}; families are drawn from {list(FAMILIES)}, "
+                    f"and {name} is turned on by its options: {name}={_OPTIONS_CLASSES[name].__name__}(...)"
+                )
+            named = [name for name in named if name not in OPT_IN_FAMILIES]
+        families = tuple(dict.fromkeys(check_names("families", named, allowed=FAMILIES)))
         check_bool("strict", self.strict)
         check_bool("log_first_step", self.log_first_step)
-        given = {"curvature": self.curvature, "jacobian": self.jacobian, "ntk": self.ntk}
         self.families = families + tuple(name for name, value in given.items() if value is not None)
         if not self.families:
             raise ValueError(
                 f"families must name at least one of {list(FAMILIES)} unless an opt-in probe's options are "
                 "given (curvature=, jacobian= or ntk=)"
             )
-        self.curvature = check_instance("curvature", self.curvature, CurvatureOptions)
-        self.jacobian = check_instance("jacobian", self.jacobian, JacobianOptions)
-        self.ntk = check_instance("ntk", self.ntk, NTKOptions)
+        # An opt-in probe that is off stays None, so that a copy (dataclasses.replace) leaves it off.
+        for name, value in given.items():
+            if value is not None:
+                setattr(self, name, check_instance(name, value, _OPTIONS_CLASSES[name]))
         self.probe_data = check_instance("probe_data", self.probe_data, ProbeDataOptions)
         check_bool("preflight", self.preflight)
         if self.preflight_context_length is not None:

@@ -143,9 +143,9 @@ class SecondOrderProbes:
         model: The outermost module trained (with Lightning ``trainer.strategy.model``); the probes
             themselves run on the module given to :meth:`measure_due`.
         families: The families asked for; those of ``OPT_IN_FAMILIES`` among them are run.
-        curvature: The curvature probe's options.
-        jacobian: The Jacobian probe's options.
-        ntk: The NTK probe's options.
+        curvature: The curvature probe's options (None where it is off).
+        jacobian: The Jacobian probe's options (None where it is off).
+        ntk: The NTK probe's options (None where it is off).
         data: What the probes compute their loss on.
         failures_of: ``failures_of(what)`` -> a context manager around each family's measurement and the
             checkpointing of the probe batch (the session's: a failure is reported once and skipped, or
@@ -185,9 +185,9 @@ class SecondOrderProbes:
         self,
         model: nn.Module,
         families: Sequence[str],
-        curvature: CurvatureOptions,
-        jacobian: JacobianOptions,
-        ntk: NTKOptions,
+        curvature: CurvatureOptions | None,
+        jacobian: JacobianOptions | None,
+        ntk: NTKOptions | None,
         data: ProbeDataOptions,
         failures_of: Callable[[str], Any],
         warn: Callable[[str], None] = warnings.warn,
@@ -303,7 +303,7 @@ class SecondOrderProbes:
         with self._failures_of("checkpointing the probe batch"):
             check_resumable(self._batches)
             state["probe_batches"] = list(self._batches)
-        if self.curvature.checkpoint_warm_vectors:
+        if self.curvature is not None and self.curvature.checkpoint_warm_vectors:
             state["curvature_warm"] = {
                 layer: {"layout": self._space_layouts[layer], **vectors_of(warm)}
                 for layer, warm in self._curvature_warm.items()

@@ -3,6 +3,7 @@ ValueError naming the option and what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,14 @@ from typing import Any
 import pytest
 from torch import nn
 
-from spectral_monitor import CaptureOptions, Monitor, MonitorOptions, OutputOptions, SpectralMonitor
+from spectral_monitor import (
+    CaptureOptions,
+    JacobianOptions,
+    Monitor,
+    MonitorOptions,
+    OutputOptions,
+    SpectralMonitor,
+)
 from spectral_monitor.integrations.huggingface import SpectralMonitorCallback
 
 ADAPTERS: dict[str, Callable[..., Any]] = {
@@ -58,3 +66,20 @@ def test_flat_keywords_and_whole_options_are_the_same_options_in_every_adapter(a
     assert flat.options == whole
     assert ADAPTERS[adapter](options=whole).options is whole
     assert flat.options.outputs.histograms is True  # the preset fills what was left at None
+
+
+@pytest.mark.parametrize("preset", ["standard", "full"])
+def test_a_copy_of_the_options_measures_the_same_families(preset: str) -> None:
+    """``dataclasses.replace`` (or ``MonitorOptions(**vars(options))``) makes the same options again: an
+    opt-in probe that was off stays off, one that was on stays on with its options."""
+    options = MonitorOptions(preset=preset)
+    copy = dataclasses.replace(options, every_n_steps=10)
+    assert copy.families == options.families
+    assert (copy.curvature, copy.jacobian, copy.ntk) == (options.curvature, options.jacobian, options.ntk)
+    assert options.jacobian is None and options.ntk is None
+    assert (options.curvature is None) == (preset == "standard")
+    with_jacobian = MonitorOptions(jacobian=JacobianOptions(every_n_steps=7))
+    assert dataclasses.replace(with_jacobian).families == ("attention", "tokens", "weights", "jacobian")
+    assert dataclasses.replace(with_jacobian).jacobian == JacobianOptions(every_n_steps=7)
+    with pytest.raises(ValueError, match="families names the opt-in family 'jacobian'"):
+        MonitorOptions(families=["attention", "jacobian"])
