@@ -177,7 +177,7 @@ class AlertEngine:
         """
         records = _converged_only(list(records))
         relative = self._relative_values(records)
-        lengths = _attention_lengths(records)
+        lengths, heads = _attention_lengths(records), _attention_heads(records)
         events = []
         by_metric: dict[str, list[Measurement]] = {}
         for record in records:
@@ -197,7 +197,9 @@ class AlertEngine:
             ]
             units_of = _units_of(rule, read, relative, self.conditions_reading)
             for (layer, head), (units, are_heads) in units_of.items():
-                events += self._advance(rule, step, layer, head, units, are_heads, lengths.get(layer))
+                events += self._advance(
+                    rule, step, layer, head, units, are_heads, lengths.get(layer), heads.get(layer)
+                )
         self.history = (self.history + events)[-HISTORY_LIMIT:]
         return events
 
@@ -285,6 +287,7 @@ class AlertEngine:
         units: list[_Unit],
         are_heads: bool,
         length: float | None,
+        layer_heads: int | None,
     ) -> list[AlertEvent]:
         verdicts = [_verdict(rule, unit) for unit in units]
         evaluated = [
@@ -319,6 +322,8 @@ class AlertEngine:
         readings = _readings(rule, triggered, held=None)
         subject.held = [index for index, _ in readings]
         heads = f"{len(triggered)}/{len(evaluated)}" if are_heads else None
+        if heads is not None and layer_heads is not None and layer_heads > len(units):
+            heads += f" measured of {layer_heads}"  # a cost budget measured some of the layer's heads
         return [self._event(rule, FIRED, step, layer, head, readings, subject.since, heads, length)]
 
     @staticmethod
@@ -518,19 +523,39 @@ def _readings(rule: Rule, units: list[_Unit], *, held: list[int] | None) -> list
     return named
 
 
+KEYS_METRIC = "keys"
+"""A judged-only attention record (never written): the layer's number of keys n, for ``{n}``."""
+HEADS_METRIC = "heads"
+"""A judged-only attention record (never written): the layer's number of heads, of which a cost budget may
+have measured fewer (an alert then says how many)."""
+
+
 def _attention_lengths(records: list[Measurement]) -> dict[str, float]:
-    """Each attention layer's number of keys n = effective_rank / effective_rank_ratio (for ``{n}``)."""
-    ranks, ratios = {}, {}
+    """Each attention layer's number of keys n (for ``{n}``): its ``keys`` record, else
+    effective_rank / effective_rank_ratio."""
+    keys, ranks, ratios = {}, {}, {}
     for record in records:
         if record.family == "attention" and record.head is None:
-            if record.metric == "effective_rank":
+            if record.metric == KEYS_METRIC:
+                keys[record.layer] = record.value
+            elif record.metric == "effective_rank":
                 ranks[record.layer] = record.value
             elif record.metric == "effective_rank_ratio":
                 ratios[record.layer] = record.value
-    return {
+    from_ranks = {
         layer: ranks[layer] / ratios[layer]
         for layer in ranks.keys() & ratios.keys()
         if math.isfinite(ranks[layer]) and math.isfinite(ratios[layer]) and ratios[layer] > 0
+    }
+    return from_ranks | keys
+
+
+def _attention_heads(records: list[Measurement]) -> dict[str, int]:
+    """Each attention layer's number of heads, from its ``heads`` record."""
+    return {
+        record.layer: int(record.value)
+        for record in records
+        if record.family == "attention" and record.head is None and record.metric == HEADS_METRIC
     }
 
 

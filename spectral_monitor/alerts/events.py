@@ -83,8 +83,8 @@ class AlertEvent:
         level: The threshold (fired) or the clear level (resolved).
         relative_to: What ``value`` is relative to.
         since: The first step of the streak that fired it.
-        heads: ``"k/h"``: k of the layer's h judged heads met the conditions; None for a per-head alert or a
-            metric without heads.
+        heads: ``"k/h"``: k of the layer's h judged heads met the conditions (``"k/h measured of H"`` where a
+            cost budget measured h of its H heads); None for a per-head alert or a metric without heads.
         remedy: What to try, ``{n}`` filled in; "" for none.
         also: The readings of the rule's other conditions named, in the rule's order, so a rule of several
             conditions says which ones it was.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spectral_monitor.alerts.engine import HEADS_METRIC, KEYS_METRIC
 from spectral_monitor.catalog import CATALOG, histogram_metrics
 from spectral_monitor.checkpoint_entries import StateEntries
 from spectral_monitor.core.attention_budget import LayerBudget
@@ -183,6 +184,11 @@ class AttentionFamily(CaptureFamily):
             progress.measurements += layer_records + self._max_logit_growth(
                 progress.step, captured.layer, per_head
             )
+            # The layer's shape, for the alerts' text: the n of their advice, the heads a budget left out.
+            progress.read_only += [
+                Measurement(progress.step, "attention", KEYS_METRIC, captured.layer, captured.k.shape[-2]),
+                Measurement(progress.step, "attention", HEADS_METRIC, captured.layer, layer.budget.num_heads),
+            ]
             if self.options.outputs.per_head:
                 progress.measurements += head_records
             else:

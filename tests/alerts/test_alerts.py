@@ -222,6 +222,22 @@ def test_the_message_says_where_what_against_what_and_the_remedy_with_the_curren
     assert "| uniform_attention | warning | blocks.0.attention (4/4 heads) | 1 | 2 |" in table
 
 
+def test_a_layer_measured_on_some_heads_says_so_and_takes_n_from_its_keys() -> None:
+    """Under a cost budget the effective rank (whence n came) may be left out and some heads unmeasured: the
+    attention family's judged-only ``keys`` and ``heads`` records give n and the layer's head count."""
+    engine = AlertEngine([RULES["uniform_attention"]])
+    broken = CASES["uniform_attention"][2]
+
+    def sampled(step: int) -> list[Measurement]:
+        return [*broken(step), *one(step, "attention", "keys", 512, LAYER),
+                *one(step, "attention", "heads", 12, LAYER)]  # fmt: skip
+
+    engine.evaluate(1, sampled(1))
+    (event,) = engine.evaluate(2, sampled(2))
+    assert event.where == "blocks.0.attention (4/4 measured of 12 heads)"
+    assert "(n=512, log n=6.24; " in event.message()
+
+
 def test_a_users_remedy_keeps_its_own_braces_and_fills_only_n_and_log_n() -> None:
     remedy = "set {config.scale} to 1/sqrt({n}) or {log_n}; a dict {'a': 1} and a stray { stay"
     rule = dataclasses.replace(RULES["uniform_attention"], remedy=remedy)
