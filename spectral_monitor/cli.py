@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import inspect
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -170,6 +172,17 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
 
     config = arguments.config
+    with contextlib.suppress(OSError, yaml.YAMLError):  # LightningCLI says what is wrong with those
+        with open(config) as file:
+            loaded = yaml.safe_load(file)
+        if not isinstance(loaded, dict) or not loaded:
+            got = "an empty file" if loaded is None else f"{type(loaded).__name__} {loaded!r}"
+            print(
+                f"spectral-monitor demo: error: {config}: a config is a mapping of trainer:, model: and "
+                f"data: (as configs/demo.yaml), got {got}",
+                file=sys.stderr,
+            )
+            return 2
     logger = {
         "class_path": "pytorch_lightning.loggers.TensorBoardLogger",
         "init_args": {"save_dir": str(arguments.logdir), "name": config.stem},
@@ -197,8 +210,11 @@ def _run_demo(arguments: argparse.Namespace) -> int:
                 subclass_mode_data=True,
                 args=cli_arguments,
                 run=False,
-                parser_kwargs={"prog": "spectral-monitor demo"},
+                parser_kwargs={"prog": "spectral-monitor demo", "exit_on_error": False},
             )
+        except argparse.ArgumentError as error:  # the config does not parse: a key or a value's type
+            print(f"spectral-monitor demo: error: {config}: {_config_problem(str(error))}", file=sys.stderr)
+            return 2
         except (ValueError, TypeError) as error:  # a class of the config refused its arguments
             print(f"spectral-monitor demo: error: {config}: {_first_cause(error)}", file=sys.stderr)
             return 2
@@ -323,7 +339,18 @@ def _run_sweep(arguments: argparse.Namespace) -> int:
         raise SystemExit("spectral-monitor sweep: error: --lengths must all be >= 2")
     longest = max(arguments.lengths)
     if arguments.checkpoint is not None:
-        model = DemoTransformer.load_from_checkpoint(arguments.checkpoint, map_location="cpu")
+        if not arguments.checkpoint.is_file():
+            raise SystemExit(
+                f"spectral-monitor sweep: error: --checkpoint {arguments.checkpoint}: no such file"
+            )
+        try:
+            model = DemoTransformer.load_from_checkpoint(arguments.checkpoint, map_location="cpu")
+        except Exception as error:  # not a checkpoint, or not one of a DemoTransformer
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise SystemExit(
+                f"spectral-monitor sweep: error: --checkpoint {arguments.checkpoint}: not a DemoTransformer "
+                f"Lightning checkpoint ({type(error).__name__}: {cause})"
+            ) from None
         if model.hparams.seq_len < longest:
             raise SystemExit(
                 f"spectral-monitor sweep: error: the checkpoint's model has seq_len={model.hparams.seq_len}, "
@@ -348,6 +375,57 @@ def _run_sweep(arguments: argparse.Namespace) -> int:
     print(table)
     print(f"\nTable and figure written to {arguments.out}/sweep.md and {arguments.out}/sweep.png")
     return 0
+
+
+# Lines of jsonargparse's error tree that only structure it, or that say a value is not the None of an
+# Optional or not some other alternative of a Union: never the problem itself.
+_STRUCTURE = re.compile(
+    r"^(- )?(Does not validate against|Subtypes:|Errors:|Given value|Expected a <class 'NoneType'>|"
+    r"Not a valid subclass|Subclass types expect|a class path|a dict |Problem with given class_path)"
+)
+_PARSER_KEY = re.compile(r'^(?:- )?Parser key "([^"]+)":\s*(.*)$')
+_NOT_ACCEPTED = re.compile(r"(?:Option '([^']+)' is not accepted|does not accept option '([^']+)')")
+_NOT_A_SUBCLASS = re.compile(r"^(- )?Not a valid subclass")
+
+
+def _config_problem(message: str) -> str:
+    """jsonargparse's error tree for a config that does not parse, on one line: the keys down to the first
+    line that says what is wrong, and for an unknown key the known names closest to it."""
+    path: list[tuple[int, str]] = []
+    wrong_kind = None  # a value that is neither a class path nor a mapping: the problem if nothing deeper is
+    for line in message.splitlines():
+        indent, text = len(line) - len(line.lstrip()), line.strip()
+        key = _PARSER_KEY.match(text)
+        if key:
+            path = [(depth, name) for depth, name in path if depth < indent] + [(indent, key[1])]
+            text = key[2]
+        keys = ".".join(name for depth, name in path if depth <= indent)
+        if wrong_kind is None and _NOT_A_SUBCLASS.match(text):
+            wrong_kind = f"{keys}: {text.removeprefix('- ')}: give a class path or a mapping of its arguments"
+        if not text or _STRUCTURE.match(text):
+            continue
+        problem = f"{keys}: {text.removeprefix('- ')}" if keys else text.removeprefix("- ")
+        unknown = _NOT_ACCEPTED.search(text)
+        name = unknown and (unknown[1] or unknown[2])
+        close = difflib.get_close_matches(name, _config_names(), n=1) if name else []
+        return problem + (f" (did you mean {close[0]}?)" if close else "")
+    return wrong_kind or " ".join(message.split())
+
+
+def _config_names() -> list[str]:
+    """The names a demo config's keys take: the monitor's options, the demo model's and data's arguments."""
+    from pytorch_lightning import Trainer
+
+    from spectral_monitor.core.options import keyword_names
+    from spectral_monitor.demo import DemoTransformer, SyntheticDataModule
+
+    arguments = [
+        name
+        for owner in (DemoTransformer, SyntheticDataModule, Trainer)
+        for name in inspect.signature(owner.__init__).parameters
+        if name != "self"
+    ]
+    return [*keyword_names(), *arguments]
 
 
 def _first_cause(error: BaseException) -> str:

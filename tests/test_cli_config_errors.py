@@ -3,6 +3,7 @@ a traceback, and never code run from the file (``!!python/object`` is refused by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,67 @@ def test_a_demo_config_the_monitor_refuses_is_one_line_naming_the_key(
     assert line.startswith(f"spectral-monitor demo: error: {path}: {message}")
     assert "Traceback" not in error
     assert not (tmp_path / "runs").exists()  # refused before anything trained
+
+
+def misspelt(section: str, key: str, wrong: str) -> Callable[[dict], None]:
+    """Renames ``key`` of a demo config's ``section`` (a path of keys) to ``wrong``."""
+
+    def edit(config: dict) -> None:
+        for name in section.split("."):
+            config = config[name][0] if name == "callbacks" else config[name]
+        config[wrong] = config.pop(key)
+
+    return edit
+
+
+def set_to(section: str, key: str, value: object) -> Callable[[dict], None]:
+    def edit(config: dict) -> None:
+        for name in section.split("."):
+            config = config[name]
+        config[key] = value
+
+    return edit
+
+
+UNPARSED = {
+    "monitor option misspelt": (
+        misspelt("trainer.callbacks.init_args.options", "every_n_steps", "every_n_step"),
+        "trainer.callbacks.options: Option 'every_n_step' is not accepted (did you mean every_n_steps?)",
+    ),
+    "monitor option of a wrong type": (
+        lambda config: config["trainer"]["callbacks"][0]["init_args"]["options"].update(every_n_steps="abc"),
+        "trainer.callbacks.options.every_n_steps: Expected a <class 'int'>. Got value: abc",
+    ),
+    "trainer value of a wrong type": (
+        set_to("trainer", "max_steps", "three hundred"),
+        "trainer.max_steps: Expected a <class 'int'>. Got value: three hundred",
+    ),
+    "model argument misspelt": (
+        misspelt("model.init_args", "n_layers", "n_layer"),
+        "model: Option 'n_layer' is not accepted (did you mean n_layers?)",
+    ),
+    "trainer argument misspelt": (
+        misspelt("trainer", "max_steps", "max_step"),
+        "Group 'trainer' does not accept option 'max_step' (did you mean max_steps?)",
+    ),
+    "empty": (lambda config: config.clear(), "a config is a mapping of trainer:, model: and data:"),
+}
+
+
+@pytest.mark.parametrize("case", UNPARSED, ids=list(UNPARSED))
+def test_a_demo_config_that_does_not_parse_is_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    edit, message = UNPARSED[case]
+    config = yaml.safe_load(shipped_configs()["demo"].read_text())
+    edit(config)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config) if config else "")
+    assert main(["demo", "--config", str(path), "--logdir", str(tmp_path / "runs")]) == 2
+    error = capsys.readouterr().err
+    assert error.splitlines()[-1].startswith(f"spectral-monitor demo: error: {path}: {message}")
+    assert "usage:" not in error and "Traceback" not in error
+    assert not (tmp_path / "runs").exists()
 
 
 SWEEP_CONFIGS = {

@@ -53,6 +53,10 @@ def low_rank_linear(
         raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
     if (rank is None) == (energy is None):
         raise ValueError(f"pass exactly one of rank or energy, got rank={rank!r}, energy={energy!r}")
+    if energy is not None and (
+        isinstance(energy, bool) or not isinstance(energy, (int, float)) or not 0 < energy <= 1
+    ):
+        raise ValueError(f"energy must be a fraction in (0, 1], got {energy!r}")
     weight = linear.weight.detach()
     full_rank = min(weight.shape)
     u, sigma, vh = torch.linalg.svd(weight.to(torch.float64), full_matrices=False)

@@ -123,6 +123,8 @@ def test_low_rank_linear_by_energy_and_its_errors():
         low_rank_linear(linear)
     with pytest.raises(ValueError, match="rank must be"):
         low_rank_linear(linear, rank=31)
+    with pytest.raises(ValueError, match=r"^energy must be a fraction in \(0, 1\], got 1.5$"):
+        low_rank_linear(linear, energy=1.5)
     with pytest.raises(ValueError, match="nn.Linear"):
         low_rank_linear(nn.Conv1d(2, 2, 1), rank=1)
 

@@ -145,7 +145,7 @@ def test_cli_sweep_writes_the_table_and_the_figure(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_cli_sweep_loads_a_checkpoint_and_refuses_lengths_beyond_its_positions(tmp_path):
+def test_cli_sweep_loads_a_checkpoint_and_refuses_lengths_beyond_its_positions_or_a_missing_one(tmp_path):
     model = DemoTransformer(seq_len=32, n_layers=1, d_model=32)
     data = SyntheticDataModule(seq_len=32, batch_size=2, num_batches=1, num_pairs=4, num_queries=2)
     trainer = pl.Trainer(
@@ -166,3 +166,10 @@ def test_cli_sweep_loads_a_checkpoint_and_refuses_lengths_beyond_its_positions(t
     assert "| attention | entropy | blocks.0.attention |" in (tmp_path / "sweep.md").read_text()
     with pytest.raises(SystemExit, match="seq_len=32"):
         main(["sweep", "--checkpoint", str(checkpoint), "--lengths", "64", "--out", str(tmp_path)])
+    not_one = tmp_path / "notes.ckpt"
+    not_one.write_text("not a checkpoint")
+    for path, problem in ((tmp_path / "missing.ckpt", "no such file"), (not_one, "not a DemoTransformer")):
+        with pytest.raises(SystemExit) as refused:
+            main(["sweep", "--checkpoint", str(path), "--lengths", "8", "--out", str(tmp_path)])
+        assert str(refused.value).startswith(f"spectral-monitor sweep: error: --checkpoint {path}: {problem}")
+        assert "\n" not in str(refused.value)
