@@ -140,6 +140,7 @@ class TokenFamily(CaptureFamily):
                     max_sequences=self.options.capture.max_sequences,
                     strict=self.options.strict,
                     attention_families=self.options.capture.attention_families,
+                    block_patterns=self.options.capture.block_patterns,
                 )
 
     def _recorded(self, recording: ResidualRecording) -> None:

@@ -139,6 +139,9 @@ class CaptureOptions:
             made (with the layouts registered by :func:`~spectral_monitor.probes.register_qkv_layout` by
             then). In YAML a mapping of its fields, e.g. ``qkv_layouts: {FalconAttention: {projection:
             query_key_value, layout: concatenated}}``.
+        block_patterns: ``fnmatch`` patterns over qualified module names naming the transformer blocks whose
+            outputs are the residual stream the token metrics measure (``["encoder.stack.*"]``). None: found
+            automatically (:func:`~spectral_monitor.probes.find_transformer_blocks`).
 
     Raises:
         ValueError: if a field is out of range (the message names it).
@@ -153,10 +156,12 @@ class CaptureOptions:
     max_sequences: int = 2
     token_mask: Callable[[Any], Tensor | None] | None = None
     attention_families: AttentionFamilies | None = None
+    block_patterns: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         self.include = check_patterns("include", self.include)
         self.exclude = check_patterns("exclude", self.exclude)
+        self.block_patterns = check_patterns("block_patterns", self.block_patterns)
         check_int("max_sequences", self.max_sequences, smallest=1)
         check_callable("token_mask", self.token_mask, "a function of the batch returning its token mask")
         self.attention_families = check_instance(

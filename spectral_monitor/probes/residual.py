@@ -92,7 +92,7 @@ def find_transformer_blocks(model: nn.Module, patterns: Sequence[str] | None = N
     Args:
         model: The model, wrapped or not.
         patterns: ``fnmatch`` patterns over qualified module names; by default the blocks are found as the
-            module docstring says.
+            module docstring says. Blocks do not nest: a module inside a matching one is part of that block.
 
     Returns:
         The blocks' qualified names (the modules matching a pattern, with ``patterns``), in model
@@ -107,11 +107,13 @@ def find_transformer_blocks(model: nn.Module, patterns: Sequence[str] | None = N
         ['layers.0', 'layers.1']
     """
     if patterns is not None:
-        return [
+        matched = [
             name
             for name, _ in unwrapped_named_modules(model)
             if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
         ]
+        # Blocks do not nest: ``*`` crosses dots, and "blocks.*" names each block's parts too.
+        return [name for name in matched if not any(name.startswith(f"{other}.") for other in matched)]
     in_block_list = set()
     for list_name, container in unwrapped_named_modules(model):
         if isinstance(container, nn.ModuleList) and list_name.rpartition(".")[2] in _BLOCK_LIST_NAMES:
@@ -193,7 +195,8 @@ class ResidualCapture:
                 raise ValueError(f"block_patterns {list(block_patterns)} match no module of the model")
             raise ValueError(
                 "no transformer block found in the model; name its blocks with block_patterns "
-                "(fnmatch patterns over qualified module names, e.g. ['encoder.layers.*'])"
+                "(fnmatch patterns over qualified module names, e.g. ['encoder.layers.*']; the monitors' "
+                "option of that name)"
             )
         self._handles: list[RemovableHandle] = []
         self._token_masks: ForwardTokenMasks | None = None

@@ -4,6 +4,7 @@ the Lightning callback writes on the same model and batches; a failing step leav
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from helpers.models import hook_count
 from helpers.plain_loop_runs import DATA, MODEL, demo_batches, demo_loss, train_in_a_plain_loop
 from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator
+from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_monitor import AlertConfig, CurvatureOptions, Monitor, ProbeDataOptions, Rule, SpectralMonitor
@@ -143,6 +145,47 @@ def test_autocast_around_the_block_leaves_the_monitors_arithmetic_in_float32(tmp
         written[around] = scalar_series(monitor_events(tmp_path / str(around)))
     assert any(tag.startswith("weights/") for tag in written[False])
     assert written[True] == written[False]
+
+
+class Residual(nn.Module):
+    """A pre-LN block under a name the monitor does not take for one."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.mlp = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        x = x + self.attention(y, y, y, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Residual(), Residual()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_block_patterns_name_blocks_the_monitor_does_not_find(tmp_path: Path) -> None:
+    model = Stack()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    for patterns, logdir in ((None, tmp_path / "found"), (["blocks.*"], tmp_path / "named")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Monitor(model, logdir, every_n_steps=1, block_patterns=patterns) as monitor, monitor.step(0):
+                model(x)
+        tags = [tag for tag in monitor_events(logdir).Tags()["scalars"] if tag.startswith("tokens/cosine")]
+        if patterns is None:
+            assert tags == [] and any("block_patterns" in str(w.message) for w in caught)
+        else:
+            assert sorted(tags) == ["tokens/cosine_similarity/blocks.0", "tokens/cosine_similarity/blocks.1"]
 
 
 def test_should_stop_once_a_stop_on_rule_fires(tmp_path: Path) -> None:

@@ -120,6 +120,9 @@ def test_block_like_children_of_named_module_lists_are_found_and_tuple_outputs_r
 def test_name_patterns_choose_the_blocks_and_a_pattern_matching_nothing_is_an_error():
     model = NanoModel()
     assert find_transformer_blocks(model, ["layers.*"]) == ["layers.0", "layers.1"]
+    stack = nn.Module()
+    stack.blocks = nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(2)])
+    assert find_transformer_blocks(stack, ["blocks.*"]) == ["blocks.0", "blocks.1"]  # not their parts
     with pytest.raises(ValueError, match="block_patterns"):
         ResidualCapture(model, block_patterns=["decoder.*"])
     with pytest.raises(ValueError, match="block_patterns"):
