@@ -261,13 +261,16 @@ class SecondOrderProbes:
             self._batches.append(_copy(batch))
         batches = [batch] if self.data.probe_batch == "current" else self._batches
         for family in due:
-            started = time.perf_counter()
+            started, measured = time.perf_counter(), False
             with self._failures_of(f"measuring the {family} family"):
                 getattr(self, f"_measure_{family}")(module, batches, step, event, optimizer)
+                measured = True
             if family not in self.families:
                 # Refused for the run before measuring anything: no event to time, nor a cadence to stretch.
                 if family == "curvature":
                     self._stretched = None
+                continue
+            if not measured:  # failed, and reported: no reading whose cost an overhead record would be
                 continue
             elapsed = time.perf_counter() - started
             if family == "curvature" and self._stretched is not None:

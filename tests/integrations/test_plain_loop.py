@@ -188,6 +188,25 @@ def test_block_patterns_name_blocks_the_monitor_does_not_find(tmp_path: Path) ->
             assert sorted(tags) == ["tokens/cosine_similarity/blocks.0", "tokens/cosine_similarity/blocks.1"]
 
 
+def test_a_curvature_probe_that_fails_writes_no_overhead(tmp_path: Path) -> None:
+    def failing_loss(model: DemoTransformer, batch: object) -> torch.Tensor:
+        raise RuntimeError("no loss here")
+
+    model = DemoTransformer(**MODEL)
+    batches = demo_batches()
+    curvature = CurvatureOptions(every_n_steps=1)
+    monitor = Monitor(
+        model, tmp_path, every_n_steps=1, families=["attention"], curvature=curvature, loss_fn=failing_loss
+    )
+    with pytest.warns(RuntimeWarning, match="measuring the curvature family failed"), monitor:
+        for step, batch in enumerate(batches[:3]):
+            with monitor.step(step, batch=batch):
+                demo_loss(model, batch)
+    tags = monitor_events(tmp_path).Tags()["scalars"]
+    assert ENTROPY in tags
+    assert not [tag for tag in tags if tag.startswith("curvature/")]
+
+
 def test_should_stop_once_a_stop_on_rule_fires(tmp_path: Path) -> None:
     always = Rule("always", [Condition("attention/entropy", ">=", 0.0)])
     monitor = train_in_a_plain_loop(
