@@ -552,7 +552,7 @@ def _captured_multi_head_attention(
     if mask is not None and extra_keys:
         mask = F.pad(mask, (0, extra_keys))
     inputs = AttentionInputs(q=q, k=k, mask=mask, causal=causal, scale=1.0 / math.sqrt(head_dim))
-    return captured_attention(layer, inputs, sequences, token_masks, padded_queries)
+    return captured_attention(layer, inputs, sequences, token_masks, padded_queries, batch)
 
 
 def _same_view(first: Tensor, second: Tensor) -> bool:

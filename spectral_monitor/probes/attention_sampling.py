@@ -26,6 +26,7 @@ def captured_attention(
     max_sequences: int,
     token_masks: ForwardTokenMasks,
     padded_queries: Tensor | None = None,
+    batch: int | None = None,
 ) -> CapturedAttention | None:
     """Detached copies of the first ``max_sequences`` sequences of ``inputs``, with key and query masks.
 
@@ -38,6 +39,7 @@ def captured_attention(
         max_sequences: how many of the batch's first sequences to keep.
         token_masks: the real tokens the forward's modules were given.
         padded_queries: (B, n) bool, True = a padded query, as the kernel call's own padding mask says.
+        batch: the forward's sequences, where ``inputs`` hold only the sampled ones; None: ``inputs``'.
 
     Returns:
         The record, or ``None`` when ``inputs`` is ``None``.
@@ -65,6 +67,7 @@ def captured_attention(
             f"an attention extractor must return AttentionInputs or None, got {type(inputs).__name__}"
         )
     q, k = _batch_heads_layout(inputs.q), _batch_heads_layout(inputs.k)
+    batch = q.shape[0] if batch is None else batch
     sequences = min(max_sequences, q.shape[0])
     num_queries, num_keys = q.shape[2], k.shape[2]
     q = _copy(q[:sequences])
@@ -82,7 +85,7 @@ def captured_attention(
     scale = inputs.scale if inputs.scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
     real_queries = None
-    query_masks = [inputs.query_mask, token_masks.real_tokens(num_queries)]
+    query_masks = [inputs.query_mask, token_masks.real_tokens(num_queries, batch)]
     if padded_queries is not None:
         query_masks.append(~padded_queries)
     for given in query_masks:

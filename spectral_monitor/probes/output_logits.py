@@ -182,9 +182,11 @@ class OutputLogitCapture:
             return  # later calls in the same forward, or an output that is not (B, n, V)
         sequences = min(self.max_sequences, output.shape[0])
         logits = output[:sequences].detach().clone()
-        real = None if self._token_masks is None else self._token_masks.real_tokens(output.shape[1])
-        if real is not None and real.shape[0] == output.shape[0]:
+        real = (
+            None
+            if self._token_masks is None
+            else self._token_masks.real_tokens(output.shape[1], output.shape[0])
+        )
+        if real is not None:
             real = real[:sequences].to(logits.device).clone()
-        else:
-            real = None
         self._sample = OutputLogitSample(self.layer, logits, real)

@@ -315,9 +315,10 @@ class ResidualCapture:
         if states is None or states.is_nested or states.dim() not in (2, 3):
             return f"output is not a (batch, tokens, features) tensor but {type(output).__name__}"
         with torch.no_grad():
-            states = _batch_first(states, module)[: self.max_sequences]
-            copy = states.detach().to(torch.float32, copy=True).contiguous()
-            mask = _token_mask(module, kwargs, token_masks, copy.shape[0], copy.shape[1])
+            states = _batch_first(states, module)
+            batch = states.shape[0]
+            copy = states[: self.max_sequences].detach().to(torch.float32, copy=True).contiguous()
+            mask = _token_mask(module, kwargs, token_masks, batch, copy.shape[0], copy.shape[1])
             mask = None if mask is None else mask.to(copy.device)
         return ResidualSample(name, copy, mask)
 
@@ -346,7 +347,12 @@ def _batch_first(states: Tensor, module: nn.Module) -> Tensor:
 
 
 def _token_mask(
-    module: nn.Module, kwargs: dict[str, Any], token_masks: ForwardTokenMasks, sequences: int, tokens: int
+    module: nn.Module,
+    kwargs: dict[str, Any],
+    token_masks: ForwardTokenMasks,
+    batch: int,
+    sequences: int,
+    tokens: int,
 ) -> Tensor | None:
     """True = real token, from the block's own padding-mask argument, else from the forward's padding masks
     or the batch's token mask."""
@@ -356,7 +362,7 @@ def _token_mask(
         if padding is not None and padding.dim() == 2:
             mask = ~padding if padding.dtype == torch.bool else ~torch.isneginf(padding)
     if mask is None:
-        mask = token_masks.real_tokens(tokens)
+        mask = token_masks.real_tokens(tokens, batch)
     if mask is None or mask.shape[1] != tokens:
         return None
     mask = mask[:sequences].to(torch.bool).clone()

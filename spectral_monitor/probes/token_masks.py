@@ -78,7 +78,7 @@ class ForwardTokenMasks:
         >>> from torch import nn
         >>> class Counted(nn.Module):
         ...     def forward(self, x, src_key_padding_mask=None):
-        ...         print(masks.real_tokens(x.shape[1]))
+        ...         print(masks.real_tokens(x.shape[1], x.shape[0]))
         ...         return x
         >>> masks = ForwardTokenMasks(fallback=torch.tensor([[True, False]]))
         >>> model = Counted()
@@ -117,14 +117,19 @@ class ForwardTokenMasks:
         self._handles.clear()
         self._said.clear()
 
-    def real_tokens(self, tokens: int) -> Tensor | None:
+    def real_tokens(self, tokens: int, batch: int) -> Tensor | None:
         """The real tokens of a computation, as the innermost running module that says so gives them.
 
         Args:
             tokens: The computation's number of tokens.
+            batch: Its number of sequences.
 
         Returns:
             (batch, tokens) bool, True = real; None: all real.
+
+        Raises:
+            ValueError: The batch's token mask (``fallback``) has the computation's tokens but not its
+                sequences: a mask of another batch.
         """
         for said in reversed(self._said):
             if said is _SAYS_NOTHING:
@@ -132,9 +137,14 @@ class ForwardTokenMasks:
             if said is None:
                 return None
             assert isinstance(said, Tensor)
-            if said.shape[1] == tokens:
+            if said.shape == (batch, tokens):
                 return said
         if self.fallback is not None and self.fallback.shape[1] == tokens:
+            if self.fallback.shape[0] != batch:
+                raise ValueError(
+                    f"the token mask has {self.fallback.shape[0]} sequences of {tokens} tokens for a forward "
+                    f"of {batch} sequences: token_mask must give the (batch, tokens) mask of the step's batch"
+                )
             return self.fallback
         return None
 

@@ -40,6 +40,7 @@ BAD_VALUES = {
     ),
     "include": (["blocks.*", [3], [], [""]], "fnmatch patterns"),
     "exclude": (["blocks.*", [None], [3], [], [""]], "fnmatch patterns"),
+    "block_patterns": (["blocks.*", [3], [], [""]], "fnmatch patterns"),
     "max_sequences": ([0, 1.5, False], "int >= 1"),
     "memory_budget_mb": ([0, -1.0, math.nan, math.inf, True, "256"], "positive number of megabytes"),
     "per_head": (["yes", 1], "True or False"),

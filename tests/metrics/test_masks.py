@@ -121,7 +121,7 @@ class _Reads(nn.Module):
         self.masks, self.seen, self.inner, self.inner_kwargs = masks, seen, inner, inner_kwargs
 
     def forward(self, x, **kwargs):
-        tokens = self.masks.real_tokens(3)
+        tokens = self.masks.real_tokens(3, 1)
         self.seen.append(None if tokens is None else tokens.tolist())
         if self.inner is not None:
             self.inner(x, **self.inner_kwargs)
@@ -145,6 +145,16 @@ def test_padded_queries_come_from_the_innermost_module_that_says():
     pytorch = [[[True, False, False]], [[True, False, False]], None]
     fallback = [[[True, False, True]], [[True, False, True]], None]
     assert seen == hugging_face + pytorch + fallback
+
+
+def test_a_token_mask_of_another_batch_is_refused_naming_token_mask():
+    masks = ForwardTokenMasks(fallback=torch.ones(3, 16, dtype=torch.bool))
+    assert masks.real_tokens(16, 3) is masks.fallback
+    assert masks.real_tokens(8, 4) is None  # other tokens: not this computation's mask
+    with pytest.raises(
+        ValueError, match=r"3 sequences of 16 tokens for a forward of 4 sequences: token_mask"
+    ):
+        masks.real_tokens(16, 4)
 
 
 def test_token_mask_must_be_a_function_of_the_batch():
