@@ -24,6 +24,7 @@ __all__ = [
     "HISTORY_METRICS",
     "HOW_TO_MEASURE",
     "MEDIAN_WINDOW",
+    "NOT_FINITE",
     "NOT_MEASURED",
     "OP_WORDS",
     "VERDICTS",
@@ -48,6 +49,9 @@ VERDICTS = ("healthy", "watch", "collapsed")
 level and the threshold, or past the threshold (where the alert rule fires once it lasts)."""
 NOT_MEASURED = "not measured"
 """The verdict of a diagnosis none of whose metrics the run wrote."""
+NOT_FINITE = "no finite reading"
+"""The verdict of a diagnosis whose metrics the run wrote, but whose latest reading is NaN or inf in every
+layer: the model went non-finite (the ``non_finite`` diagnosis says where), so nothing can be judged."""
 MEDIAN_WINDOW = 8
 """Values in the running median of a ``median`` threshold, as the alert engine keeps them."""
 
@@ -375,7 +379,9 @@ def _verdict(series: Series, entry: Diagnosis) -> Verdict:
             deciding = max(present, key=lambda j: (j.state, -j.margin))
         decided.append((layer, deciding))
     if not decided:
-        return Verdict(entry, NOT_MEASURED, how_to_measure=HOW_TO_MEASURE.get(entry.rule, ""))
+        return _not_finite(series, entry) or Verdict(
+            entry, NOT_MEASURED, how_to_measure=HOW_TO_MEASURE.get(entry.rule, "")
+        )
     ranked = sorted(decided, key=lambda item: (-item[1].state, item[1].margin, natural_order(item[0])))
     layer, top = ranked[0]
     if top.margin == math.inf:  # nothing to come near: every reading of a non-finite check is finite
@@ -397,6 +403,32 @@ def _verdict(series: Series, entry: Diagnosis) -> Verdict:
         op=threshold.op,
         relative_to=threshold.relative_to,
     )
+
+
+def _not_finite(series: Series, entry: Diagnosis) -> Verdict | None:
+    """The :data:`NOT_FINITE` verdict of a diagnosis no layer could be judged on although its series were
+    written, where their latest readings are NaN or inf; None where none is (nothing was written)."""
+    names = [
+        _series_name(info, threshold, entry.any_head, series) for info, threshold in diagnosis(entry.rule)[1]
+    ]
+    if entry.combine == "all" and not all(name in series for name in names):
+        return None  # a condition the run never writes (a causal model's eigen_gap): not measured
+    broken: dict[str, tuple[int, int]] = {}  # layer -> (first step of its non-finite tail, latest step)
+    for name in names:
+        for layer, (steps, values) in series.get(name, {}).items():
+            if len(values) and not math.isfinite(float(values[-1])):
+                finite = np.flatnonzero(np.isfinite(values))
+                start = int(steps[finite[-1] + 1]) if finite.size else int(steps[0])
+                broken.setdefault(layer, (start, int(steps[-1])))
+        if broken:
+            break
+    if not broken:
+        return None
+    since = min(start for start, _ in broken.values())
+    latest = max(step for _, step in broken.values())
+    layers = tuple(sorted(broken, key=natural_order))
+    reading = f"{name} is NaN or inf in {_layers_phrase(layers)} since step {since}: see non-finite values"
+    return Verdict(entry, NOT_FINITE, layers[0], reading, latest, layers=layers, metric=name)
 
 
 def _judged_layers(

@@ -13,7 +13,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from spectral_monitor.alerts import default_rules
-from spectral_monitor.judging import overall_line
+from spectral_monitor.judging import NOT_FINITE, overall_line
 from spectral_monitor.report import NOT_MEASURED, RunScalars, verdicts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,6 +104,28 @@ def test_the_overall_line_names_the_worst_diagnosis_and_every_layer_at_that_verd
     healthy = RunScalars(Path("run"))
     healthy.series = {"attention/rank_one_residual_max": {"l": (np.array([0, 9]), np.array([0.5, 0.6]))}}
     assert overall_line(verdicts(healthy)).startswith("HEALTHY: every measured diagnosis")
+
+
+def test_a_diagnosis_whose_readings_went_non_finite_says_so_not_how_to_measure_it() -> None:
+    nan = float("nan")
+    run = run_of({
+        "attention/entropy": {"blocks.0.attn": [0.8, nan, nan], "blocks.1.attn": [0.8, 0.7, nan]},
+        "tokens/cosine_similarity": {"blocks.0": [0.1, 0.1, 0.1], "blocks.1": [0.1, 0.2, nan]},
+    })  # fmt: skip
+    judged = {entry.diagnosis.rule: entry for entry in verdicts(run)}
+    entropy = judged["entropy_collapse"]
+    assert (entropy.verdict, entropy.layers, entropy.step) == (
+        NOT_FINITE,
+        ("blocks.0.attn", "blocks.1.attn"),
+        99,
+    )
+    assert entropy.reading == (
+        "attention/entropy is NaN or inf in blocks.0.attn, blocks.1.attn since step 49: see non-finite values"
+    )
+    assert judged["token_collapse"].verdict == "healthy"  # a finite layer is judged
+    assert judged["uniform_attention"].verdict == NOT_MEASURED  # eigen_gap never written: causal
+    assert judged["rank_collapse"].verdict == NOT_MEASURED
+    assert judged["non_finite"].verdict == "collapsed"
 
 
 def test_the_watch_band_lies_between_the_clear_level_and_the_threshold() -> None:

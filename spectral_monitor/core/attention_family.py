@@ -33,7 +33,7 @@ from spectral_monitor.core.options import MonitorOptions
 from spectral_monitor.core.reports import Reports
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.metrics import ATTENTION_LOGIT_METRICS, ATTENTION_METRICS, SEQUENCE_MAXIMA, KrylovState
-from spectral_monitor.probes import AttentionCapture, AttentionRecording
+from spectral_monitor.probes import AttentionCapture, AttentionRecording, CapturedAttention
 from spectral_monitor.probes.huggingface import attention_not_seen_advice
 from spectral_monitor.records import Distribution, Measurement
 from spectral_monitor.sinks import Capability
@@ -177,7 +177,7 @@ class AttentionFamily(CaptureFamily):
         budgeted = not math.isinf(self.options.budget.attention_cost_ratio)
         drawn_heads = []
         for captured, layer in zip(layers, measured, strict=True):
-            per_head = self._head_means(progress.step, captured.layer, layer.metrics)
+            per_head = self._head_means(progress.step, captured, layer.metrics)
             layer_records, head_records = _layer_measurements(
                 progress.step, captured.layer, per_head, layer.budget, budgeted
             )
@@ -231,18 +231,23 @@ class AttentionFamily(CaptureFamily):
                         ("attention/redundant_heads", redundant_pairs_markdown(progress.step, pairs))
                     )
 
-    def _head_means(self, step: int, layer: str, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _head_means(
+        self, step: int, captured: CapturedAttention, metrics: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
         """Each metric per head over the sampled sequences: their mean, or their largest for a maximum."""
         nonfinite = metrics["nonfinite"]
         if nonfinite.any():
             self.reports.problem(
                 "non-finite attention",
-                f"non-finite attention in {layer} at step {step}: its probabilities hold NaN or inf "
+                f"non-finite attention in {captured.layer} at step {step}: its probabilities hold NaN or inf "
                 "(or its q and k do), so its metrics are written as NaN",
             )
+        # eigen_gap has no value for a causal or rectangular matrix, non-finite or not: never written there.
+        square = captured.q.shape[-2] == captured.k.shape[-2]
+        undefined = () if square and not captured.causal else ("eigen_gap",)
         per_head = {}
         for metric in (*ATTENTION_METRICS, *ATTENTION_LOGIT_METRICS):
-            if metric not in metrics:
+            if metric not in metrics or metric in undefined:
                 continue
             over_sequences = _max_over_sequences if metric in SEQUENCE_MAXIMA else mean_over_sequences
             summary = over_sequences(metrics[metric], nonfinite)

@@ -4,6 +4,7 @@ the Lightning callback writes on the same model and batches; a failing step leav
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -205,6 +206,24 @@ def test_a_curvature_probe_that_fails_writes_no_overhead(tmp_path: Path) -> None
     tags = monitor_events(tmp_path).Tags()["scalars"]
     assert ENTROPY in tags
     assert not [tag for tag in tags if tag.startswith("curvature/")]
+
+
+def test_a_causal_layer_gone_non_finite_writes_nan_but_no_eigen_gap(tmp_path: Path) -> None:
+    """eigen_gap is defined for bidirectional attention only, finite or not."""
+    model = DemoTransformer(**MODEL)
+    batches = demo_batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the non-finite reports
+        with Monitor(model, tmp_path, every_n_steps=1, families=["attention"]) as monitor:
+            for step, batch in enumerate(batches[:2]):
+                if step == 1:
+                    with torch.no_grad():
+                        next(model.parameters()).fill_(math.nan)
+                with monitor.step(step, batch=batch):
+                    demo_loss(model, batch)
+    events = monitor_events(tmp_path)
+    assert math.isnan(events.Scalars(ENTROPY)[-1].value)
+    assert not [tag for tag in events.Tags()["scalars"] if "eigen_gap" in tag]
 
 
 def test_should_stop_once_a_stop_on_rule_fires(tmp_path: Path) -> None:

@@ -5,7 +5,10 @@
 const SVG = "http://www.w3.org/2000/svg";
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
   "#bcbd22", "#17becf"];
-const VERDICT_CLASS = {healthy: "healthy", watch: "watch", collapsed: "collapsed", "not measured": "unmeasured"};
+const VERDICT_CLASS = {
+  healthy: "healthy", watch: "watch", collapsed: "collapsed", "not measured": "unmeasured",
+  "no finite reading": "unmeasured",
+};
 const HEATMAP_ABOVE_LAYERS = 12;
 
 function el(tag, attrs = {}, ...children) {
