@@ -242,10 +242,10 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
         if layer is None:
             wanted = [tag for tag in tags if monitor_metric(tag) == metric]
         else:
-            prefix = f"{metric}/{layer}/head_"
+            prefix = f"{_per_head_metric(metric)}/{layer}/head_"
             wanted = [tag for tag in tags if tag.startswith(prefix) and tag[len(prefix) :].isdigit()]
         data = self._read(ctx, experiment, {run: wanted}, CHART_POINTS).get(run, {})
-        start = len(metric) + 1
+        start = len(metric if layer is None else _per_head_metric(metric)) + 1
         lines = {
             tag[start:]: {"steps": [d.step for d in points], "values": [_number(d.value) for d in points]}
             for tag, points in data.items()
@@ -425,6 +425,17 @@ def _thresholds(metric: str) -> list[dict[str, Any]]:
         for t in info.thresholds
         if t.op in (">=", "<=") and t.relative_to == "value"
     ]
+
+
+def _per_head_metric(metric: str) -> str:
+    """The metric whose heads a layer's per-head lines draw: a head aggregate's (``entropy_max``) own."""
+    family, _, name = metric.partition("/")
+    try:
+        info = metric_info(family, name)
+    except KeyError:
+        return metric
+    aggregate = name.removeprefix(f"{info.name}_")
+    return info.full_name if info.per_head and aggregate in info.head_aggregates else metric
 
 
 def _meaning(metric: str) -> str:

@@ -178,6 +178,11 @@ def test_a_chart_has_a_line_per_layer_its_thresholds_and_per_head_lines_on_deman
     ]
     assert heads["lines"][1]["values"][0] == pytest.approx(0.3)
     assert heads["lines"][1]["values"][-1] == pytest.approx(0.004)
+    # A head aggregate's chart (what the diagnoses lead with) opens its metric's heads.
+    of_the_maximum = plugin.chart(
+        request(), "", COLLAPSING, "attention/effective_rank_ratio_max", COLLAPSING_LAYER
+    )
+    assert of_the_maximum["lines"] == heads["lines"]
 
 
 def test_the_tab_is_active_only_where_a_run_holds_the_monitors_scalars(logdir: Path, tmp_path: Path) -> None:

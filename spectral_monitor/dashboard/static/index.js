@@ -205,10 +205,12 @@ async function chartCard(run, metric, judgedRules) {
     const heads = el("div", {class: "heads"});
     const showHeads = async (layer) => {
       const perHead = await getJson(`./chart?run=${encodeURIComponent(run)}&metric=${encodeURIComponent(metric)}&layer=${encodeURIComponent(layer)}`);
-      heads.replaceChildren(el("h5", {}, `${layer}, per head`),
+      perHead.thresholds = perHead.thresholds.filter((t) => judgedRules.has(t.rule));
+      // replaceChildren, unlike el(), writes a null child as the text "null".
+      heads.replaceChildren(...[el("h5", {}, `${layer}, per head`),
         perHead.lines.length ? lineChart(perHead) : el("p", {class: "meaning"},
           "no per-head scalars: SpectralMonitor(per_head=True) writes them (the histograms hold them otherwise)"),
-        perHead.lines.length ? legend(perHead, () => {}) : null);
+        perHead.lines.length ? legend(perHead, () => {}) : null].filter((child) => child !== null));
     };
     const redraw = () => body.replaceChildren(asHeatmap ? heatmap(chart) : lineChart(chart),
       legend(chart, showHeads, !asHeatmap));
