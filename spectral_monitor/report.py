@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spectral_monitor.alerts.thresholds import AlertThreshold
-from spectral_monitor.catalog import CATALOG, metric_info
+from spectral_monitor.catalog import CATALOG, diagnosis, metric_info
 from spectral_monitor.judging import (
     MEDIAN_WINDOW,
     NOT_MEASURED,
@@ -35,6 +35,7 @@ from spectral_monitor.judging import (
     AlertRow,
     Verdict,
     alert_rows,
+    diagnosis_series,
     format_number,
     judge,
     natural_order,
@@ -521,10 +522,14 @@ def _write_plots(run: RunScalars, folder: Path, judged_rules: set[str]) -> list[
         figure = _layer_step_heatmap(HEATMAP_METRIC, heatmap, (0.0, 1.0))
         plots.append(_save(figure, plots_folder / "heatmap_effective_rank.png"))
         figure.clear()
+    # The head aggregates a verdict reads (the worst head: ``entropy_max``) are plotted with the means.
+    judged_series = {
+        name for rule in judged_rules for name in diagnosis_series(diagnosis(rule)[0], run.series.keys())
+    }
     # One figure redrawn for every metric: its axes, ticks and text objects are made once, not per plot.
     figure = None
     for metric, by_layer in sorted(run.series.items()):
-        if _AGGREGATE.search(metric):
+        if _AGGREGATE.search(metric) and metric not in judged_series:
             continue
         if len(by_layer) > _LINES_AT_MOST:
             many = _layer_step_heatmap(metric, by_layer)
@@ -549,8 +554,8 @@ def _metric_by_layer(
     if figure is None:
         figure = _metric_figure()
     (axes,) = figure.axes
-    for line in list(axes.lines):
-        line.remove()
+    for artist in [*axes.lines, *axes.texts]:
+        artist.remove()
     if axes.get_legend() is not None:
         axes.get_legend().remove()
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
@@ -572,9 +577,23 @@ def _metric_by_layer(
                 linewidth=1.0,
                 label=f"{threshold.rule}: {verdict} {OP_WORDS[threshold.op]} {level:g}",
             )
-    # The limits of this metric's lines alone, not of the lines the figure held before.
+    # Non-finite readings are gaps in the lines: marked on the step axis, so a run that went NaN shows where.
+    broken = np.unique(np.concatenate([steps[~np.isfinite(values)] for _, (steps, values) in layers]))
+    if broken.size:
+        axes.plot(
+            broken, np.zeros(broken.size), linestyle="none", marker="x", color="#d62728",
+            transform=axes.get_xaxis_transform(), clip_on=False, label="NaN or inf",
+        )  # fmt: skip
+    # The limits of this metric's lines alone, not of the lines the figure held before; the steps of every
+    # reading, finite or not.
     axes.relim()
     axes.autoscale_view()
+    every_step = np.concatenate([steps for _, (steps, _) in layers])
+    if every_step.size and every_step.min() < every_step.max():
+        margin = 0.02 * (every_step.max() - every_step.min())
+        axes.set_xlim(every_step.min() - margin, every_step.max() + margin)
+    if not any(np.isfinite(values).any() for _, (_, values) in layers):
+        axes.text(0.5, 0.5, "no finite reading", transform=axes.transAxes, ha="center", va="center")
     # A title at a given height: placing it automatically measured every tick label at every draw.
     axes.set_title(metric, y=1.0, pad=6.0)
     axes.legend(fontsize="x-small")

@@ -269,6 +269,34 @@ def test_a_plot_draws_the_levels_of_the_rules_the_run_is_judged_on_only(
     assert drawn_with and all(rules == judged for rules in drawn_with)
 
 
+def test_a_plot_spans_every_step_and_marks_where_readings_went_non_finite() -> None:
+    from spectral_monitor.report import _metric_by_layer
+
+    nan = float("nan")
+    series = {"blocks.0": (np.array(STEPS), np.array([0.8, nan, nan])),
+              "blocks.1": (np.array(STEPS), np.array([0.8, 0.7, nan]))}  # fmt: skip
+    (axes,) = _metric_by_layer("attention/entropy", series, EVERY_RULE).axes
+    assert axes.get_xlim()[1] >= 99  # not cut at the last finite reading (step 49)
+    (marks,) = [line for line in axes.get_lines() if line.get_label() == "NaN or inf"]
+    assert list(marks.get_xdata()) == [49, 99]
+    assert not axes.texts
+    gone = {"blocks.0": (np.array(STEPS), np.full(3, nan))}
+    (axes,) = _metric_by_layer("attention/entropy", gone, EVERY_RULE, axes.figure).axes
+    assert [text.get_text() for text in axes.texts] == ["no finite reading"]
+    assert axes.get_xlim()[0] <= 0 and axes.get_xlim()[1] >= 99
+
+
+def test_the_worst_head_series_a_verdict_reads_is_plotted(tmp_path: Path) -> None:
+    from spectral_monitor import report as report_module
+
+    write_events(tmp_path / "logs")
+    report_module.write_report(tmp_path / "logs", tmp_path / "out")
+    plots = {path.name for path in (tmp_path / "out" / "plots").iterdir()}
+    # Rank collapse reads rank_one_residual_max; entropy collapse reads the mean (relative to its median).
+    assert {"attention__rank_one_residual_max.png", "attention__entropy.png"} <= plots
+    assert "attention__entropy_min.png" not in plots  # read by uniform attention only, not judged here
+
+
 def test_a_metric_of_more_than_a_dozen_layers_is_drawn_as_a_heatmap_over_its_own_range(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -304,7 +332,7 @@ def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() 
     values[1500] = 0.01
     values[300:340] = np.nan  # a stretch without finite readings
     (axes,) = _metric_by_layer("attention/dobrushin", {"blocks.0": (steps, values)}, EVERY_RULE).axes
-    (line,) = axes.get_lines()
+    (line,) = [line for line in axes.get_lines() if line.get_label() == "blocks.0"]
     drawn_steps, drawn = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
     assert len(drawn) <= 2 * _ENVELOPE_BUCKETS
     assert (np.diff(drawn_steps) > 0).all()
