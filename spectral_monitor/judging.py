@@ -37,6 +37,7 @@ __all__ = [
     "judge",
     "natural_order",
     "overall_line",
+    "relative_levels",
     "relative_phrase",
     "worst",
 ]
@@ -491,6 +492,55 @@ def _series_name(
     if threshold.relative_to == "value" and aggregate in info.head_aggregates and aggregated in available:
         return aggregated
     return info.full_name
+
+
+def relative_levels(
+    threshold: AlertThreshold, by_layer: Mapping[str, tuple[np.ndarray, np.ndarray]], level: float
+) -> dict[str, np.ndarray]:
+    """Each layer's ``level`` of a relative ``threshold`` at each of its steps, on the metric's own scale,
+    so that a layer's line crosses its own level where its verdict changes: ``level`` times its first finite
+    reading (``first``), times the median of its previous finite readings, up to :data:`MEDIAN_WINDOW`, as
+    the alert engine keeps them (``median``), or the first layer's reading at that step plus ``level``
+    (``depth``). NaN where there is no baseline yet.
+
+    Args:
+        threshold: A threshold whose ``relative_to`` is ``first``, ``median`` or ``depth``.
+        by_layer: The metric's series, layer -> (steps, values).
+        level: The threshold's level or its clear level.
+
+    Returns:
+        layer -> levels, aligned with that layer's steps.
+
+    Examples:
+        >>> import numpy as np
+        >>> from spectral_monitor.catalog import diagnosis
+        >>> (_, median), = diagnosis("entropy_collapse")[1][1:]  # entropy <= 0.3 x its running median
+        >>> entropy = {"blocks.0": (np.arange(4), np.array([0.8, 0.6, 0.7, 0.1]))}
+        >>> relative_levels(median, entropy, median.threshold)["blocks.0"].round(3).tolist()
+        [nan, 0.24, 0.21, 0.21]
+    """
+    levels = {}
+    for layer, (steps, values) in by_layer.items():
+        finite = np.isfinite(values)
+        if threshold.relative_to == "first":
+            first = values[finite][0] if finite.any() else math.nan
+            levels[layer] = np.full(len(values), level * first if first != 0 else math.nan)
+        elif threshold.relative_to == "median":
+            medians = np.full(len(values), math.nan)
+            for index in range(1, len(values)):
+                previous = values[:index][finite[:index]][-MEDIAN_WINDOW:]
+                if previous.size:
+                    medians[index] = np.median(previous)
+            levels[layer] = level * np.where(medians != 0, medians, math.nan)
+        elif threshold.relative_to == "depth":
+            first_steps, first_values = by_layer[min(by_layer, key=natural_order)]
+            at = dict(zip(first_steps.tolist(), first_values.tolist(), strict=True))
+            levels[layer] = np.array([at.get(step, math.nan) + level for step in steps.tolist()])
+        else:
+            raise ValueError(
+                f"threshold.relative_to must be first, median or depth, got {threshold.relative_to!r}"
+            )
+    return levels
 
 
 def _relative_value(

@@ -40,6 +40,7 @@ from spectral_monitor.judging import (
     judge,
     natural_order,
     overall_line,
+    relative_levels,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +72,12 @@ _PER_HEAD = re.compile(r"/head_\d+$")
 _UNSAFE_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]")
 _LONGEST_PLOT_NAME = 120
 _AGGREGATE = re.compile(r"_(min|max)$")
+_RELATIVE_LEVELS = {
+    "first": "× its first value",
+    "median": "× its running median",
+    "depth": "+ the first layer's",
+}
+"""A relative threshold's level in a plot's legend, short enough to leave the lines visible."""
 _DPI = 100
 _MARKED_POINTS = 200
 """Series up to this many readings are drawn with a marker at each; longer ones as a line only."""
@@ -556,6 +563,7 @@ def _metric_by_layer(
     (axes,) = figure.axes
     for artist in [*axes.lines, *axes.texts]:
         artist.remove()
+    axes.autoscale(enable=True)  # the limits the figure's last metric fixed
     if axes.get_legend() is not None:
         axes.get_legend().remove()
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
@@ -588,6 +596,22 @@ def _metric_by_layer(
     # reading, finite or not.
     axes.relim()
     axes.autoscale_view()
+    # Each layer's own collapsed level of a relative threshold, dashed in its colour, where it lies within
+    # the limits (20 times a first value must not stretch them): its line crosses it where it collapses.
+    bottom, top = axes.get_ylim()
+    for threshold in _plotted_thresholds(metric, judged_rules, relative=True):
+        levels = relative_levels(threshold, by_layer, threshold.threshold)
+        label = (
+            f"{threshold.rule}: collapsed {OP_WORDS[threshold.op]} {threshold.threshold:g} "
+            f"{_RELATIVE_LEVELS[threshold.relative_to]} (dashed)"
+        )
+        for index, ((layer, (steps, _)), color) in enumerate(zip(layers, colors, strict=True)):
+            shown = np.where((levels[layer] >= bottom) & (levels[layer] <= top), levels[layer], np.nan)
+            axes.plot(
+                steps, shown, color=color, linestyle="--", linewidth=0.9,
+                label=label if index == 0 else "_nolegend_",
+            )  # fmt: skip
+    axes.set_ylim(bottom, top)
     every_step = np.concatenate([steps for _, (steps, _) in layers])
     if every_step.size and every_step.min() < every_step.max():
         margin = 0.02 * (every_step.max() - every_step.min())
@@ -630,18 +654,25 @@ def _envelope(steps: np.ndarray, values: np.ndarray, buckets: int) -> tuple[np.n
     return steps[indices], values[indices]
 
 
-def _plotted_thresholds(metric: str, judged_rules: set[str]) -> list[AlertThreshold]:
-    """The thresholds of ``metric`` on its own values (relative ones compare a ratio, not the plotted
-    value), of the rules in ``judged_rules``."""
+def _plotted_thresholds(
+    metric: str, judged_rules: set[str], *, relative: bool = False
+) -> list[AlertThreshold]:
+    """The thresholds of ``metric`` of the rules in ``judged_rules``: those on its own values, or with
+    ``relative`` those relative to a layer's first value, running median or first layer."""
     family, _, name = metric.partition("/")
     try:
         info = metric_info(family, name)
     except KeyError:
         return []
+    # A relative reading is the mean's (entropy as a multiple of its running median), not a head aggregate's.
+    own = metric == info.full_name
     return [
         t
         for t in info.thresholds
-        if t.op in (">=", "<=") and t.relative_to == "value" and t.rule in judged_rules
+        if t.op in (">=", "<=")
+        and (t.relative_to != "value") == relative
+        and (own or not relative)
+        and t.rule in judged_rules
     ]
 
 

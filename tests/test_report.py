@@ -253,6 +253,7 @@ def test_a_plot_draws_the_levels_of_the_rules_the_run_is_judged_on_only(
         "blocks.0",
         "entropy_collapse: collapsed at or below 0.05",
         "entropy_collapse: watch at or below 0.1",
+        "entropy_collapse: collapsed at or below 0.3 × its running median (dashed)",
     ]
     drawn_with = []
     metric_by_layer = report_module._metric_by_layer
@@ -284,6 +285,45 @@ def test_a_plot_spans_every_step_and_marks_where_readings_went_non_finite() -> N
     (axes,) = _metric_by_layer("attention/entropy", gone, EVERY_RULE, axes.figure).axes
     assert [text.get_text() for text in axes.texts] == ["no finite reading"]
     assert axes.get_xlim()[0] <= 0 and axes.get_xlim()[1] >= 99
+
+
+def test_relative_levels_follow_the_first_value_the_running_median_and_the_first_layer() -> None:
+    from spectral_monitor.catalog import diagnosis
+    from spectral_monitor.judging import relative_levels
+
+    ((_, runaway),) = diagnosis("weight_runaway")[1]
+    norms = {"head": (np.array([0, 1, 2]), np.array([float("nan"), 2.0, 50.0]))}
+    assert relative_levels(runaway, norms, runaway.threshold)["head"].tolist() == [40.0, 40.0, 40.0]
+    depth = next(t for _, t in diagnosis("token_collapse")[1] if t.relative_to == "depth")
+    cosine = {
+        "blocks.1": (np.array([0, 5]), np.array([0.3, 0.9])),
+        "blocks.0": (np.array([0, 5]), np.array([0.1, 0.2])),
+    }
+    assert relative_levels(depth, cosine, depth.threshold)["blocks.1"] == pytest.approx([0.6, 0.7])
+    median = next(t for _, t in diagnosis("entropy_collapse")[1] if t.relative_to == "median")
+    # The engine's window: the previous finite readings, up to 8 of them.
+    values = np.array([1.0, 2.0, 3.0, float("nan"), 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    levels = relative_levels(median, {"l": (np.arange(values.size), values)}, 1.0)["l"]
+    assert np.isnan(levels[0]) and levels[1:4].tolist() == [1.0, 1.5, 2.0]
+    assert levels[10] == np.median([2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
+
+
+def test_a_plot_draws_each_layers_own_level_of_a_relative_threshold() -> None:
+    from spectral_monitor.report import _metric_by_layer
+
+    entropy = {"blocks.0": (np.array(STEPS), np.array([0.8, 0.8, 0.2])),
+               "blocks.1": (np.array(STEPS), np.array([0.6, 0.6, 0.6]))}  # fmt: skip
+    (axes,) = _metric_by_layer("attention/entropy", entropy, {"entropy_collapse"}).axes
+    levels = [
+        np.asarray(line.get_ydata(), dtype=float)
+        for line in axes.get_lines()
+        if line.get_linestyle() == "--" and len(line.get_ydata()) == 3
+    ]
+    np.testing.assert_allclose(levels[0], [np.nan, 0.24, 0.24])  # 0.3 x blocks.0's running median
+    np.testing.assert_allclose(levels[1], [np.nan, 0.18, 0.18])
+    assert levels[0][-1] > 0.2  # blocks.0's last reading is past its own level: collapsed, as judged
+    (axes,) = _metric_by_layer("attention/entropy_max", entropy, {"entropy_collapse"}).axes
+    assert not [line for line in axes.get_lines() if "running median" in line.get_label()]
 
 
 def test_the_worst_head_series_a_verdict_reads_is_plotted(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -46,6 +47,7 @@ from spectral_monitor.judging import (
     judge,
     natural_order,
     overall_line,
+    relative_levels,
     worst,
 )
 
@@ -246,17 +248,23 @@ class SpectralMonitorPlugin(base_plugin.TBPlugin):
             wanted = [tag for tag in tags if tag.startswith(prefix) and tag[len(prefix) :].isdigit()]
         data = self._read(ctx, experiment, {run: wanted}, CHART_POINTS).get(run, {})
         start = len(metric if layer is None else _per_head_metric(metric)) + 1
-        lines = {
-            tag[start:]: {"steps": [d.step for d in points], "values": [_number(d.value) for d in points]}
+        series = {
+            tag[start:]: (
+                np.array([d.step for d in points]),
+                np.array([d.value for d in points], dtype=float),
+            )
             for tag, points in data.items()
         }
-        order = sorted(lines, key=natural_order)
+        order = sorted(series, key=natural_order)
         return {
             "run": run,
             "metric": metric,
             "layer": layer,
-            "lines": [{"name": name, **lines[name]} for name in order],
-            "thresholds": _thresholds(metric),
+            "lines": [
+                {"name": name, "steps": series[name][0].tolist(), "values": _numbers(series[name][1])}
+                for name in order
+            ],
+            "thresholds": _thresholds(metric, series),
             "meaning": _meaning(metric),
         }
 
@@ -409,22 +417,33 @@ def _alerts_of(rule: str, rows: list[AlertRow], counted: dict[str, list[int]]) -
     return [{"rule": rule, "fired_at": step, **unnamed} for step in counted.get(rule, [])]
 
 
-def _thresholds(metric: str) -> list[dict[str, Any]]:
+def _thresholds(metric: str, series: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> list[dict[str, Any]]:
+    """The alert thresholds on ``metric``: a level on its own scale (``relative_to`` ``value``), or, for one
+    relative to a line's first value, running median or first layer, each line's own collapsed level at each
+    of its steps (``levels``, by line name; :func:`~spectral_monitor.judging.relative_levels`)."""
     family, _, name = metric.partition("/")
     try:
         info = metric_info(family, name)
     except KeyError:
         return []
-    return [
-        {
+    thresholds = []
+    for t in info.thresholds:
+        if t.op not in (">=", "<="):
+            continue
+        entry = {
             "rule": t.rule,
             "op": t.op,
             "collapsed": t.threshold,
             "watch": t.clear if t.clear is not None else t.threshold,
+            "relative_to": t.relative_to,
         }
-        for t in info.thresholds
-        if t.op in (">=", "<=") and t.relative_to == "value"
-    ]
+        if t.relative_to != "value":
+            if metric != info.full_name:
+                continue  # a head aggregate (entropy_max): the relative reading is the mean's, not its own
+            levels = relative_levels(t, series, t.threshold)
+            entry["levels"] = {line: _numbers(values) for line, values in levels.items()}
+        thresholds.append(entry)
+    return thresholds
 
 
 def _per_head_metric(metric: str) -> str:
@@ -452,8 +471,9 @@ def _text(array: np.ndarray) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _number(value: float) -> float | str:
-    return value if np.isfinite(value) else str(value)
+def _numbers(values: np.ndarray) -> list[float | str]:
+    """Values as JSON takes them: non-finite ones as their names (``"nan"``), which the tab draws as gaps."""
+    return [value if math.isfinite(value) else str(value) for value in values.tolist()]
 
 
 def _json(request: wrappers.Request, body: Any) -> wrappers.Response:

@@ -170,7 +170,9 @@ def test_a_chart_has_a_line_per_layer_its_thresholds_and_per_head_lines_on_deman
     collapsing = chart["lines"][ATTENTION.index(COLLAPSING_LAYER)]
     assert collapsing["steps"] == list(STEPS)
     assert collapsing["values"][-1] == pytest.approx(0.004)
-    assert chart["thresholds"] == [{"rule": "rank_collapse", "op": "<=", "collapsed": 0.01, "watch": 0.02}]
+    assert chart["thresholds"] == [
+        {"rule": "rank_collapse", "op": "<=", "collapsed": 0.01, "watch": 0.02, "relative_to": "value"}
+    ]
     heads = plugin.chart(request(), "", COLLAPSING, "attention/effective_rank_ratio", COLLAPSING_LAYER)
     assert [line["name"] for line in heads["lines"]] == [
         f"{COLLAPSING_LAYER}/head_0",
@@ -183,6 +185,22 @@ def test_a_chart_has_a_line_per_layer_its_thresholds_and_per_head_lines_on_deman
         request(), "", COLLAPSING, "attention/effective_rank_ratio_max", COLLAPSING_LAYER
     )
     assert of_the_maximum["lines"] == heads["lines"]
+
+
+def test_a_relative_threshold_gives_each_line_its_own_collapsed_level(logdir: Path) -> None:
+    """Entropy collapse judges each layer against 0.3 times its running median: the chart carries that level
+    per layer, so the line of a layer that falls crosses its own level; weight runaway (20 times the first
+    value) likewise."""
+    plugin = plugin_on(logdir)
+    chart = plugin.chart(request(), "", HEALTHY, "attention/entropy", None)
+    (relative,) = [t for t in chart["thresholds"] if t["relative_to"] == "median"]
+    assert (relative["rule"], relative["op"], relative["collapsed"]) == ("entropy_collapse", "<=", 0.3)
+    for line in chart["lines"]:  # a constant 0.7: the level is 0.21 from the second reading on
+        levels = relative["levels"][line["name"]]
+        assert levels[0] == "nan" and levels[1:] == pytest.approx([0.21] * (len(STEPS) - 1))
+    norms = plugin.chart(request(), "", HEALTHY, "weights/spectral_norm", None)
+    (first,) = [t for t in norms["thresholds"] if t["relative_to"] == "first"]
+    assert first["levels"]["head"] == pytest.approx([20 * 2.0] * len(STEPS))
 
 
 def test_the_tab_is_active_only_where_a_run_holds_the_monitors_scalars(logdir: Path, tmp_path: Path) -> None:
@@ -297,6 +315,15 @@ def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
     assert dom.count(f'data-layer="{COLLAPSING_LAYER}"') >= 2
     charts = [chart.split("</svg>")[0] for chart in dom.split('class="chart"')[1:]]
     assert charts
+    # Entropy collapse is relative to each layer's running median: a dashed level per layer, not a band.
+    entropy = dom[dom.index('data-metric="attention/entropy"') :]
+    entropy = entropy[: entropy.index('class="legend"')]
+    levels = re.findall(r'class="level" data-layer="([^"]+)" data-rule="entropy_collapse"', entropy)
+    assert levels == list(ATTENTION)
+    caption = "entropy_collapse: dashed, each line's collapsed level (at or below 0.3 × its running median)"
+    assert caption in entropy
+    worst_head = dom[dom.index('data-metric="attention/entropy_max"') :]
+    assert 'class="level"' not in worst_head[: worst_head.index('class="legend"')]  # the mean's, not its
     for chart in charts:
         for anchor in ("end", "middle"):  # the value axis, then the step axis
             labels = re.findall(rf'text-anchor="{anchor}" class="tick">([^<]*)</text>', chart)

@@ -80,11 +80,19 @@ function range(lines, thresholds) {
       if (typeof value === "number") { low = Math.min(low, value); high = Math.max(high, value); }
     }
   }
-  for (const t of thresholds) {
+  for (const t of thresholds.filter(onItsOwnScale)) {
     for (const level of [t.collapsed, t.watch]) { low = Math.min(low, level); high = Math.max(high, level); }
   }
   return Number.isFinite(low) ? [low, high] : [0, 1];
 }
+
+// A level on the metric's own scale (a band); else relative to each line's own first value, running median
+// or first layer (a dashed line per layer, which does not stretch the axis: 20 times a first value would).
+function onItsOwnScale(t) {
+  return (t.relative_to || "value") === "value";
+}
+
+const RELATIVE_WORDS = {first: "× its first value", median: "× its running median", depth: "+ the first layer's"};
 
 // A chart's value axis: the range, padded by 5% each side.
 function extent(lines, thresholds) {
@@ -121,7 +129,7 @@ function lineChart(chart) {
   const x = (step) => left + ((step - x0) / (x1 - x0)) * (width - left - right);
   const y = (value) => top + (1 - (value - y0) / (y1 - y0)) * (height - top - bottom);
   const root = svg("svg", {viewBox: `0 0 ${width} ${height}`, class: "chart"});
-  for (const t of chart.thresholds) {
+  for (const t of chart.thresholds.filter(onItsOwnScale)) {
     // The collapsed side beyond the threshold in red, the watch band between it and the clear level in amber.
     const edge = t.op === "<=" ? y0 : y1;
     const band = (from, to, cls) => {
@@ -148,16 +156,33 @@ function lineChart(chart) {
     tick.textContent = text;
     root.append(tick);
   }
+  const pathOf = (steps, values) => steps.map((step, k) => [step, values[k]])
+    .filter(([, v]) => typeof v === "number")
+    .map(([s, v], k) => `${k ? "L" : "M"}${x(s).toFixed(1)},${y(v).toFixed(1)}`).join("");
+  const relative = chart.thresholds.filter((t) => !onItsOwnScale(t));
   lines.forEach((line, index) => {
     const points = line.steps.map((step, k) => [step, line.values[k]]).filter(([, v]) => typeof v === "number");
-    const path = points.map(([s, v], k) => `${k ? "L" : "M"}${x(s).toFixed(1)},${y(v).toFixed(1)}`).join("");
     const stroke = colour(index, lines.length);
-    root.append(svg("path", {d: path, stroke, class: "line", "data-layer": line.name}));
+    root.append(svg("path", {d: pathOf(line.steps, line.values), stroke, class: "line", "data-layer": line.name}));
     if (points.length < 60) {
       for (const [s, v] of points) root.append(svg("circle", {cx: x(s), cy: y(v), r: 2, fill: stroke}));
     }
+    // The layer's own collapsed level, where it lies on the chart: its line crosses it where it collapses.
+    for (const t of relative) {
+      const levels = (t.levels || {})[line.name];
+      if (!levels) continue;
+      const clipped = levels.map((v) => (typeof v === "number" && v >= y0 && v <= y1 ? v : null));
+      root.append(svg("path", {d: pathOf(line.steps, clipped), stroke, class: "level",
+        "data-layer": line.name, "data-rule": t.rule}));
+    }
   });
-  return root;
+  if (!relative.length) return root;
+  // Said under the chart, not over it: a label inside would cross the lines it explains.
+  const said = relative.map((t) => {
+    const op = {"<=": "at or below", ">=": "at or above"}[t.op];
+    return `${t.rule}: dashed, each line's collapsed level (${op} ${t.collapsed} ${RELATIVE_WORDS[t.relative_to]})`;
+  });
+  return el("div", {}, root, el("div", {class: "level-caption"}, said.join("; ")));
 }
 
 function heatmap(chart) {
