@@ -511,6 +511,9 @@ def relative_levels(
     Returns:
         layer -> levels, aligned with that layer's steps.
 
+    Raises:
+        ValueError: ``threshold`` is on the metric's own values (``relative_to="value"``).
+
     Examples:
         >>> import numpy as np
         >>> from spectral_monitor.catalog import diagnosis
