@@ -257,8 +257,14 @@ def _one_line_warning(
     file: TextIO | None = None,
     line: str | None = None,
 ) -> None:
-    """``warnings.showwarning`` without the source path and code line: the category and the message."""
-    print(f"{category.__name__}: {message}", file=sys.stderr if file is None else file)
+    """``warnings.showwarning`` without the source path and code line: the category and the message, on a
+    line of its own under the progress bar."""
+    from spectral_monitor.core.alerting import console_line_above_progress_bars
+
+    stream = sys.stderr if file is None else file
+    line = f"{category.__name__}: {message}"
+    if not console_line_above_progress_bars(line, stream):
+        print(line, file=stream)
 
 
 @contextlib.contextmanager

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from spectral_monitor.alerts import (
     AlertConfig,
@@ -26,12 +27,49 @@ from spectral_monitor.distributed import any_rank
 from spectral_monitor.records import Measurement
 from spectral_monitor.validation import check_callable, check_names
 
-__all__ = ["ALERT_TEXT_TAG", "AlertStep", "Alerting", "alert_logger", "can_fire"]
+__all__ = [
+    "ALERT_TEXT_TAG",
+    "AlertStep",
+    "Alerting",
+    "ConsoleHandler",
+    "alert_logger",
+    "can_fire",
+    "console_line_above_progress_bars",
+]
 
 ALERT_TEXT_TAG = "alerts/table"
 """The TensorBoard text tag of the open-alerts table (shown as ``alerts/table/text_summary``)."""
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.ERROR}
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """A ``StreamHandler`` (stderr) whose lines start on a line of their own under a tqdm progress bar
+    (Lightning's): written after the bar's text, an alert line would run on from it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not console_line_above_progress_bars(self.format(record), self.stream):
+            super().emit(record)
+
+
+def console_line_above_progress_bars(line: str, stream: TextIO) -> bool:
+    """Write ``line`` to ``stream`` through ``tqdm.write`` where a tqdm progress bar is showing, which clears
+    the bar, writes the line and draws the bar again below it.
+
+    tqdm is only looked up where it is already imported: no bar can show otherwise.
+
+    Args:
+        line: The text, without a final newline.
+        stream: Where to write it.
+
+    Returns:
+        Whether a bar was showing and the line was written; else nothing was written.
+    """
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):
+        return False
+    tqdm.tqdm.write(line, file=stream)
+    return True
 
 
 def alert_logger() -> logging.Logger:
@@ -50,7 +88,7 @@ def alert_logger() -> logging.Logger:
     """
     logger = logging.getLogger("spectral_monitor.alerts")
     if not logging.getLogger().hasHandlers() and not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
+        logger.addHandler(ConsoleHandler())
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger

@@ -120,3 +120,29 @@ def test_the_sink_level_is_tuned_like_a_threshold_and_exempt_is_validated() -> N
         Rule("r", [Condition("a/b")], exempt=[Condition("a/c", relative_to="first")])
     with pytest.raises(ValueError, match="exempt of rule r"):
         Rule("r", [Condition("a/b")], exempt=Condition("a/c"))  # type: ignore[arg-type]
+
+
+def test_an_alert_line_starts_on_a_line_of_its_own_under_a_progress_bar() -> None:
+    """Lightning's tqdm bar redraws its line in place; a console line written straight after it runs on from
+    the bar's text (as a plain StreamHandler's does), where the monitor's starts at the line's beginning."""
+    import io
+    import logging
+
+    import tqdm
+
+    from spectral_monitor.core.alerting import ConsoleHandler
+
+    record = logging.LogRecord("spectral_monitor.alerts", logging.WARNING, "", 0, "an alert", None, None)
+
+    def before_the_line(handler_type: type[logging.StreamHandler], bar_showing: bool) -> str:
+        console = io.StringIO()
+        bar = tqdm.tqdm(total=10, file=console, ascii=True) if bar_showing else None
+        handler_type(console).emit(record)
+        if bar is not None:
+            bar.close()
+        written = console.getvalue()
+        return written[: written.index("an alert\n")]
+
+    assert before_the_line(ConsoleHandler, bar_showing=True)[-1] in "\r\n"
+    assert before_the_line(ConsoleHandler, bar_showing=False) == ""
+    assert before_the_line(logging.StreamHandler, bar_showing=True).endswith("?it/s]")  # what it fixes
