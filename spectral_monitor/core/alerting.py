@@ -45,9 +45,22 @@ _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging
 
 class ConsoleHandler(logging.StreamHandler):
     """A ``StreamHandler`` (stderr) whose lines start on a line of their own under a tqdm progress bar
-    (Lightning's): written after the bar's text, an alert line would run on from it."""
+    (Lightning's): written after the bar's text, an alert line would run on from it.
+
+    Examples:
+        >>> import io, logging
+        >>> console = io.StringIO()
+        >>> ConsoleHandler(console).emit(logging.LogRecord("a", logging.WARNING, "", 0, "an alert", None, None))
+        >>> console.getvalue()
+        'an alert\\n'
+    """
 
     def emit(self, record: logging.LogRecord) -> None:
+        """Write ``record``, above the progress bars where one shows.
+
+        Args:
+            record: What is logged.
+        """
         if not console_line_above_progress_bars(self.format(record), self.stream):
             super().emit(record)
 
@@ -64,6 +77,11 @@ def console_line_above_progress_bars(line: str, stream: TextIO) -> bool:
 
     Returns:
         Whether a bar was showing and the line was written; else nothing was written.
+
+    Examples:
+        >>> import io
+        >>> console_line_above_progress_bars("a line", io.StringIO())  # no bar: the caller writes it
+        False
     """
     tqdm = sys.modules.get("tqdm")
     if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):

@@ -22,7 +22,7 @@ its parts by name, and answers every question asked of them:
   - a fused projection in a :class:`QKVLayout` (:attr:`~AttentionFamilies.qkv_layouts`): by default
     GPT-NeoX (``query_key_value``, per head interleaved) and Phi-3 (``qkv_proj``, concatenated with grouped
     key/value heads). A module with a fused projection (a child named ``qkv...``, ``query_key_value``,
-    ``Wqkv`` or ``W_pack``) that no layout splits is named by
+    ``Wqkv``, ``W_pack`` or ``c_attn``) that no layout splits is named by
     :func:`~spectral_monitor.probes.attention_weights.fused_projection_name`, so the weight
     probe can warn about it once.
   - separate ``nn.Linear`` query, key and value projections (the value one optional) named ``q_proj``,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILT_IN_READERS",
+    "PACKED_PROJECTION_NAMES",
     "AttentionWeights",
     "AttentionWeightsReader",
     "check_head_split",
@@ -37,14 +38,16 @@ __all__ = [
 ]
 
 _CONV1D_CLASS_NAME = "Conv1D"  # transformers.pytorch_utils.Conv1D, by name: transformers stays optional
-_PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
+PACKED_PROJECTION_NAMES = ("c_attn", "qkv")
+"""Children holding [W_Q; W_K; W_V] packed as rows (a ``Conv1D`` ``c_attn``: as columns), split once the
+module declares its head count."""
 _SEPARATE_PROJECTION_NAMES = (
     ("q_proj", "k_proj", "v_proj"),
     ("query", "key", "value"),
     ("q", "k", "v"),
     ("q_lin", "k_lin", "v_lin"),
 )
-_FUSED_PROJECTION_NAMES = ("query_key_value", "Wqkv", "W_pack")
+_FUSED_PROJECTION_NAMES = ("query_key_value", "Wqkv", "W_pack", "c_attn")
 """Names of fused q/k/v projections besides those containing "qkv"."""
 
 
@@ -236,8 +239,8 @@ def fused_projection_name(module: nn.Module) -> str | None:
         module: an attention module that no layout split.
 
     Returns:
-        The first child named ``qkv...`` (any case), ``query_key_value``, ``Wqkv`` or ``W_pack`` that is an
-        ``nn.Linear`` or ``Conv1D`` with a usable weight, or ``None``.
+        The first child named ``qkv...`` (any case), ``query_key_value``, ``Wqkv``, ``W_pack`` or ``c_attn``
+        that is an ``nn.Linear`` or ``Conv1D`` with a usable weight, or ``None``.
 
     Examples:
         >>> from torch import nn
@@ -297,12 +300,12 @@ def _read_gpt2_attention(families: AttentionFamilies, module: nn.Module) -> Atte
 
 
 def _read_packed_linear_attention(families: AttentionFamilies, module: nn.Module) -> AttentionWeights | None:
-    if not any(isinstance(module._modules.get(name), nn.Linear) for name in _PACKED_PROJECTION_NAMES):
+    if not any(isinstance(module._modules.get(name), nn.Linear) for name in PACKED_PROJECTION_NAMES):
         return None
     heads = families.declared_head_count(module)
     if heads is None:
         return None
-    for name in _PACKED_PROJECTION_NAMES:
+    for name in PACKED_PROJECTION_NAMES:
         projection = module._modules.get(name)
         if isinstance(projection, nn.Linear):
             weight = stored_weight(projection, "weight")

@@ -63,8 +63,10 @@ from spectral_monitor.probes.attention_families import (
 )
 from spectral_monitor.probes.attention_records import ROOT_LAYER_NAME
 from spectral_monitor.probes.attention_weights import (
+    PACKED_PROJECTION_NAMES,
     AttentionWeights,
     AttentionWeightsReader,
+    first_int,
     fused_projection_name,
     plain_weight,
 )
@@ -423,14 +425,24 @@ class WeightProbe:
             if fused is None:
                 continue
             warned.add(kind)
+            heads = self.attention_families.head_count_attributes
+            counted = first_int([module, getattr(module, "config", None)], heads) is not None
+            count = (
+                f"its head count, which it holds under none of {', '.join(heads)}: name the attribute, "
+                'attention_families=AttentionFamilies().with_attribute_names(head_count=["..."])'
+            )
+            where = f'SpectralMonitor: {kind} ({_layer_name(name)}) fuses q, k and v in "{fused}"'
+            whole = f'no per-head weight metrics (qk_spectral_norm) for it, and "{fused}" is measured whole'
+            if fused in PACKED_PROJECTION_NAMES and not counted:  # the rows' layout is known, not the heads
+                self._warn(f"{where}: {whole}. The monitor needs {count}.")
+                continue
             layout = f'{kind}, QKVLayout("{fused}", "concatenated")'
             self._warn(
-                f'SpectralMonitor: {kind} ({_layer_name(name)}) fuses q, k and v in "{fused}" in a layout '
-                f"the weight probe does not know: no per-head weight metrics (qk_spectral_norm) for it, and "
-                f'"{fused}" is measured whole. Give the monitor its layout, '
+                f"{where} in a layout the weight probe does not know: {whole}. Give the monitor its layout, "
                 f"attention_families=AttentionFamilies().with_qkv_layout({layout}), or register it for "
                 f"every monitor made afterwards: spectral_monitor.probes.register_qkv_layout({layout}) "
-                '("interleaved" where each head\'s q, k, v rows follow each other).'
+                '("interleaved" where each head\'s q, k, v rows follow each other)'
+                + ("." if counted else f"; and {count}.")
             )
 
     # ----------------------------------------------------------------------------------------------------

@@ -206,6 +206,7 @@ def test_a_layout_given_to_one_weight_probe_splits_its_heads_and_no_other_probes
     )
     (warning,) = warned  # only the probe without the layout warns
     assert "attention_families=AttentionFamilies().with_qkv_layout(FusedHeadsAttention, " in warning
+    assert "and its head count, which it holds under none of n_head" in warning  # n_q_heads: its own name
 
 
 def test_a_custom_padding_keyword_of_the_forward_marks_the_padded_queries():

@@ -319,6 +319,35 @@ def test_an_unknown_fused_layout_is_named_in_one_warning_whose_registration_fixe
     assert not WeightProbe(model, warn=warned.append).attention_weights()  # unregistered on exit
 
 
+class NanoAttention(nn.Module):
+    """nanoGPT's attention with its head count under a name of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = 2
+        self.c_attn = nn.Linear(8, 24)
+
+
+def test_a_packed_projection_without_a_known_head_count_says_which_attribute_to_name() -> None:
+    from spectral_monitor.probes import AttentionFamilies
+
+    model = nn.Sequential(NanoAttention())
+    warned: list[str] = []
+    probe = WeightProbe(model, warn=warned.append)
+    assert "weights/spectral_norm/0.c_attn" in {record.tag for record in probe.measure(0)}  # measured whole
+    (message,) = warned
+    assert 'NanoAttention (0) fuses q, k and v in "c_attn": no per-head weight metrics' in message
+    assert "its head count, which it holds under none of n_head, n_heads, num_heads" in message
+    assert 'AttentionFamilies().with_attribute_names(head_count=["..."])' in message
+    named = AttentionFamilies().with_attribute_names(head_count=["h"])
+    warned.clear()
+    probe = WeightProbe(model, warn=warned.append, attention_families=named)
+    records = {record.tag for record in probe.measure(0)}
+    assert not warned and "weights/qk_spectral_norm/0/head_1" in records
+    ((_, weights),) = probe.attention_weights()
+    torch.testing.assert_close(weights.query, model[0].c_attn.weight.detach()[:8])
+
+
 def test_a_qkv_layout_refuses_what_it_cannot_mean() -> None:
     from spectral_monitor.probes import QKVLayout, register_qkv_layout
 
