@@ -50,7 +50,8 @@ class ConsoleHandler(logging.StreamHandler):
     Examples:
         >>> import io, logging
         >>> console = io.StringIO()
-        >>> ConsoleHandler(console).emit(logging.LogRecord("a", logging.WARNING, "", 0, "an alert", None, None))
+        >>> record = logging.LogRecord("a", logging.WARNING, "", 0, "an alert", None, None)
+        >>> ConsoleHandler(console).emit(record)
         >>> console.getvalue()
         'an alert\\n'
     """

@@ -17,8 +17,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from spectral_monitor.linalg import BatchedOperator, top_singular
+from spectral_monitor.linalg import (
+    BatchedOperator,
+    GramOperator,
+    ProjectedOperator,
+    lanczos_eigsh,
+    top_singular,
+)
 from spectral_monitor.linalg.krylov_basis import GrowingRows, orthonormal_rows, reorthogonalise
+from spectral_monitor.linalg.lanczos_certificate import EACH_FLOOR
 from spectral_monitor.linalg.operators import Passenger, default_generator, gaussian
 from spectral_monitor.metrics.attention_rank_sums import rank_sums
 
@@ -154,9 +161,16 @@ def krylov_spectral_metrics(
             criterion="eigenvalue",
             relative_to="each",
         )
+    sigma, right = top.values, top.right
+    unresolved = sigma[:, 1].square() < EACH_FLOOR * sigma[:, 0].square()
+    if bool(unresolved.any()):
+        sigma, right = sigma.clone(), right.clone()
+        second, vector = _second_singular_deflated(
+            operator, unresolved, sigma[:, 0], right[:, :, 0], singular_draws, SINGULAR_TOL
+        )
+        sigma[unresolved, 1], right[unresolved, :, 1] = second, vector
     if state is not None:
-        state.vectors = top.right
-    sigma = top.values
+        state.vectors = right
     metrics = {"sigma1": sigma[:, 0], "sigma2": sigma[:, 1]}
     if arnoldi is None:
         metrics["eigen_gap"] = torch.full_like(sigma[:, 0], float("nan"))
@@ -165,11 +179,48 @@ def krylov_spectral_metrics(
     nan = torch.full_like(sigma[:, 0], float("nan"))
     if include_rank_sums:
         metrics.update(
-            rank_sums(operator, top.right, sigma, frobenius_squared, quadrature_draws, matrices=matrices)
+            rank_sums(operator, right, sigma, frobenius_squared, quadrature_draws, matrices=matrices)
         )
     else:
         metrics.update(effective_rank=nan, threshold_rank=nan, effective_rank_se=nan.clone())
     return metrics
+
+
+def _second_singular_deflated(
+    operator: BatchedOperator,
+    elements: Tensor,
+    sigma1: Tensor,
+    first: Tensor,
+    generator: torch.Generator,
+    tol: float,
+) -> tuple[Tensor, Tensor]:
+    """σ₂ and its right singular vector of the ``elements`` (B,) bool whose σ₂² the Gram solve could only
+    resolve to ``EACH_FLOOR`` of σ₁² (an attention sink: σ₂/σ₁ near 1e-3), as the top eigenpair of the Gram
+    operator with σ₁'s right vector ``first`` (B, n) projected out: P AᵀA P, P = I − v₁v₁ᵀ.
+
+    On the Gram operator itself, float32 rounding of a product (about ε·σ₁²) is as large as σ₂², and the
+    Ritz value read as σ₂² was noise, 10 times too small; projected, what σ₁'s direction contributes to a
+    product's rounding is projected out with it, leaving about ε·σ₁σ₂, so σ₂ resolves to its own ``tol``.
+    """
+    index = elements.nonzero().squeeze(1)
+    restricted = operator.restrict(index)
+    base, rows = (operator, index) if restricted is None else (restricted, slice(None))
+    gram = GramOperator(base)
+    # The Gram operator's side: v₁ itself (AᵀA), or u₁ = A v₁ / σ₁ (AAᵀ, fewer rows than columns).
+    chosen = (first if restricted is None else first[index])[:, :, None]
+    if gram.side == "left":
+        chosen = base.matmat(chosen)
+    chosen = chosen / chosen.norm(dim=1, keepdim=True).clamp_min(torch.finfo(chosen.dtype).tiny)
+    deflated = lanczos_eigsh(
+        ProjectedOperator(gram, chosen), 1, block_size=SINGULAR_BLOCK, tol=tol, generator=generator,
+        criterion="eigenvalue", relative_to="each",
+    )  # fmt: skip
+    second = deflated.values[rows, 0].clamp_min(0).sqrt()
+    vector = deflated.vectors[rows, :, 0]
+    if gram.side == "left":  # v₂ = Aᵀ u₂ / σ₂
+        vector = base.rmatmat(deflated.vectors)[rows, :, 0]
+        vector = vector / vector.norm(dim=1, keepdim=True).clamp_min(torch.finfo(vector.dtype).tiny)
+    return second.to(sigma1.dtype), vector.to(first.dtype)
 
 
 def _independent_generators(generator: torch.Generator | None, count: int) -> list[torch.Generator]:

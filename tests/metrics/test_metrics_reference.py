@@ -43,6 +43,7 @@ from spectral_monitor.metrics import attention as attention_module
 from spectral_monitor.metrics import (
     attention_krylov,
     attention_metrics,
+    attention_metrics_from_qk,
     attention_passes,
     token_metrics,
     weight_metrics,
@@ -711,6 +712,40 @@ def test_sigma2_next_to_an_attention_sink_is_resolved_to_its_own_accuracy(seed: 
     with one_intra_op_thread():
         actual = measure(case, torch.float32, method="krylov", generator=torch.Generator().manual_seed(0))
     np.testing.assert_allclose(actual["sigma2"], expected["sigma2"], rtol=4e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_sigma2_a_thousand_times_below_a_sink_is_resolved_dense_and_blockwise(causal: bool) -> None:
+    """σ₂/σ₁ of 1e-3 to 3e-3 (σ₂² far below EACH_FLOOR of σ₁², as a trained model's sink heads give):
+    float32 rounding of a Gram product (ε·σ₁²) is as large as σ₂², and σ₂ read from the Gram operator came
+    out 10 times too small, on the dense and the blockwise path alike; σ₁'s direction projected out, it is
+    right to 1e-4."""
+    generator = torch.Generator().manual_seed(0)
+    n, d = 512, 32
+    q, k = torch.randn(4, n, d, generator=generator), torch.randn(4, n, d, generator=generator)
+    bias = torch.zeros(n, n)
+    bias[:, 0] = 11.0  # every query's logit on key 0 raised: a sink
+    if causal:
+        bias = bias.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf)
+    attn = torch.softmax(q @ k.mT / d**0.5 + bias, dim=-1)
+    expected = torch.linalg.svdvals(attn.double())[:, :2]
+    assert float((expected[:, 1] / expected[:, 0]).max()) < 3e-3  # σ₂² under 1e-5 of σ₁²
+    with one_intra_op_thread():
+        dense = attention_metrics(
+            attn, causal=causal, method="krylov", include_rank_sums=False,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        blockwise = attention_metrics_from_qk(
+            q,
+            k,
+            bias=bias,
+            include_rank_sums=False,
+            max_bytes=2**20,
+            generator=torch.Generator().manual_seed(0),
+        )
+    for metrics in (dense, blockwise):
+        np.testing.assert_allclose(metrics["sigma1"].double(), expected[:, 0], rtol=1e-4)
+        np.testing.assert_allclose(metrics["sigma2"].double(), expected[:, 1], rtol=1e-4)
 
 
 @pytest.mark.slow
