@@ -177,9 +177,9 @@ class AttentionFamily(CaptureFamily):
         budgeted = not math.isinf(self.options.budget.attention_cost_ratio)
         drawn_heads = []
         for captured, layer in zip(layers, measured, strict=True):
-            per_head = self._head_means(progress.step, captured, layer.metrics)
+            per_head, defined = self._head_means(progress.step, captured, layer.metrics)
             layer_records, head_records = _layer_measurements(
-                progress.step, captured.layer, per_head, layer.budget, budgeted
+                progress.step, captured.layer, per_head, defined, layer.budget, budgeted
             )
             progress.measurements += layer_records + self._max_logit_growth(
                 progress.step, captured.layer, per_head
@@ -233,8 +233,10 @@ class AttentionFamily(CaptureFamily):
 
     def _head_means(
         self, step: int, captured: CapturedAttention, metrics: dict[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """Each metric per head over the sampled sequences: their mean, or their largest for a maximum."""
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Each metric per head over the sampled sequences: their mean, or their largest for a maximum; and
+        per metric the heads (bool) where some sequence has a value, non-finite included (the threshold rank
+        of a head the quadrature did not resolve in any sequence has none)."""
         nonfinite = metrics["nonfinite"]
         if nonfinite.any():
             self.reports.problem(
@@ -245,7 +247,7 @@ class AttentionFamily(CaptureFamily):
         # eigen_gap has no value for a causal or rectangular matrix, non-finite or not: never written there.
         square = captured.q.shape[-2] == captured.k.shape[-2]
         undefined = () if square and not captured.causal else ("eigen_gap",)
-        per_head = {}
+        per_head, defined = {}, {}
         for metric in (*ATTENTION_METRICS, *ATTENTION_LOGIT_METRICS):
             if metric not in metrics or metric in undefined:
                 continue
@@ -253,7 +255,8 @@ class AttentionFamily(CaptureFamily):
             summary = over_sequences(metrics[metric], nonfinite)
             if summary is not None:
                 per_head[metric] = summary.to("cpu", torch.float64)
-        return per_head
+                defined[metric] = (~metrics[metric].isnan() | nonfinite).any(dim=0).cpu()
+        return per_head, defined
 
     def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
         """``max_logit_growth``: the layer's largest logit over the previous logging step's, written where
@@ -269,15 +272,23 @@ class AttentionFamily(CaptureFamily):
 
 
 def _layer_measurements(
-    step: int, layer: str, per_head: dict[str, Tensor], budget: LayerBudget, budgeted: bool
+    step: int,
+    layer: str,
+    per_head: dict[str, Tensor],
+    defined: dict[str, Tensor],
+    budget: LayerBudget,
+    budgeted: bool,
 ) -> tuple[list[Measurement], list[Measurement]]:
     """A layer's attention records: the head mean of each metric with the aggregates of ``_HEAD_AGGREGATES``;
-    and each head's value. Under a cost budget (``budgeted``) also the number of heads measured, and where
-    those are fewer than all (``budget``), each mean's standard error as an estimate of the mean over all."""
+    and each head's value; over the heads where it is ``defined``. Under a cost budget (``budgeted``) also
+    the number of heads measured, and where those are fewer than all (``budget``), each mean's standard
+    error as an estimate of the mean over all."""
     layer_records, head_records = [], []
     if budgeted:
         layer_records.append(Measurement(step, "attention", "heads_measured", layer, len(budget.heads)))
-    for metric, values in per_head.items():
+    for metric, every_head in per_head.items():
+        values = every_head[defined[metric]]
+        heads = [head for head, has in zip(budget.heads, defined[metric].tolist(), strict=True) if has]
         layer_records.append(Measurement(step, "attention", metric, layer, float(values.mean())))
         for aggregate in _HEAD_AGGREGATES.get(metric, ()):
             value = values.amin() if aggregate == "min" else values.amax()
@@ -287,7 +298,7 @@ def _layer_measurements(
             layer_records.append(Measurement(step, "attention", f"{metric}_head_se", layer, error))
         head_records += [
             Measurement(step, "attention", metric, layer, value, head=head)
-            for head, value in zip(budget.heads, values.tolist(), strict=True)
+            for head, value in zip(heads, values.tolist(), strict=True)
         ]
     return layer_records, head_records
 

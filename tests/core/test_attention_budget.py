@@ -12,8 +12,8 @@ import torch
 from helpers.events import read_back, scalar_series
 
 from spectral_monitor import Monitor, MonitorOptions
-from spectral_monitor.core.attention_budget import layer_budget, matrix_cost, training_cost
-from spectral_monitor.core.attention_family import head_sample_standard_error
+from spectral_monitor.core.attention_budget import LayerBudget, layer_budget, matrix_cost, training_cost
+from spectral_monitor.core.attention_family import _layer_measurements, head_sample_standard_error
 from spectral_monitor.core.attention_plan import AttentionPlan
 from spectral_monitor.core.reports import Reports
 from spectral_monitor.demo import DemoTransformer
@@ -115,6 +115,23 @@ def test_the_standard_error_is_that_of_a_mean_drawn_without_replacement() -> Non
     spread = math.sqrt(((values - values.mean()) ** 2).sum().item() / 2)
     assert head_sample_standard_error(values, 12) == pytest.approx(spread / math.sqrt(3) * math.sqrt(9 / 11))
     assert head_sample_standard_error(values, 3) == 0  # every head measured: the mean has no sampling error
+
+
+def test_a_head_without_a_value_is_left_out_and_a_non_finite_one_is_written() -> None:
+    """The threshold rank of a head the quadrature resolved in no sequence has no value: the layer's mean
+    and spread are over the other heads and the head writes nothing, where a non-finite head writes NaN."""
+    nan = float("nan")
+    budget = LayerBudget(heads=(0, 1, 2), sequences=2, rank_sums=True, num_heads=3)
+    per_head = {"threshold_rank": torch.tensor([nan, 3.0, 5.0], dtype=torch.float64)}
+    layer, heads = _layer_measurements(
+        7, "l", per_head, {"threshold_rank": torch.tensor([False, True, True])}, budget, False
+    )
+    assert [(r.metric, r.value) for r in layer] == [("threshold_rank", 4.0)]
+    assert [(r.head, r.value) for r in heads] == [(1, 3.0), (2, 5.0)]
+    layer, heads = _layer_measurements(
+        7, "l", per_head, {"threshold_rank": torch.ones(3, dtype=torch.bool)}, budget, False
+    )
+    assert math.isnan(layer[0].value) and len(heads) == 3  # NaN from a broken head is the reading
 
 
 def test_a_monitored_run_writes_the_heads_measured_and_the_means_standard_errors(tmp_path: Path) -> None:
