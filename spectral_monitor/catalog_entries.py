@@ -245,11 +245,12 @@ CATALOG: tuple[MetricInfo, ...] = (
         "Rank collapse", _ATTENTION, per_head=True,
         accuracy="exact (every singular value) up to n = 1024 for causal or rectangular attention and up to "
         "384 otherwise; above, stochastic Lanczos quadrature whose effective_rank_se is an estimated "
-        "standard error, not a bound (on trained-like attention within 1.1% of exact at n = 512–1536, up to "
-        "2.7 se off on some near-uniform bidirectional heads); a dense head whose quadrature is still above "
-        "0.75% se after two rounds (the near-uniform causal attention of a fresh model, where it read 7–15% "
-        "low) is factorised instead, exact with se 0; the blockwise path (n ≥ 4096 or over the memory "
-        "budget) has no such fallback (benchmarks/README.md)",
+        "standard error, not a bound: on trained and sharp attention at n = 1024–2048 (GPT-2, "
+        "nn.TransformerEncoder, Gaussian q and k) up to 6% off at a reported se under 1% (4 to 11 se); "
+        "a dense head whose quadrature is still above 0.75% se after two rounds (the near-uniform causal "
+        "attention of a fresh model, where it read 7–15% low) is factorised instead, exact with se 0; the "
+        "blockwise path (n ≥ 4096 or over the memory budget) has no such fallback; `metric_method=\"exact\"` "
+        "factorises every head (benchmarks/README.md)",
     ),
     MetricInfo(
         "attention", "effective_rank_ratio", "(0, 1]", "higher",
@@ -267,8 +268,9 @@ CATALOG: tuple[MetricInfo, ...] = (
         "½ maxᵢⱼ ‖Aᵢ − Aⱼ‖₁, Dobrushin's coefficient (bounds |λ₂|; submultiplicative over layers)",
         "→ 0: rows identical", "Dobrushin 1956", "Rank collapse", _ATTENTION, per_head=True,
         accuracy="exact up to 32 queries; above, a lower bound L, half the largest distance from the 8 rows "
-        "farthest from the mean row to any row, with τ/2 ≤ L ≤ τ; within 0.6% of τ on the softmax attention "
-        "measured, equal to it on causal attention (benchmarks/README.md)",
+        "farthest from the mean row to any row, with τ/2 ≤ L ≤ τ; within 0.6% of τ on Gaussian q, k and 1.2% "
+        "on a fresh nn.TransformerEncoder's padded heads at n = 512, equal to it on causal attention "
+        "(benchmarks/README.md)",
     ),
     MetricInfo(
         "attention", "self_attention", "[0, 1]", "lower", "tr(A)/n, the mass each query keeps on itself",
