@@ -18,7 +18,8 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spectral_monitor.alerts.thresholds import AlertThreshold
-from spectral_monitor.catalog import CATALOG, diagnosis, metric_info
+from spectral_monitor.catalog import CATALOG, metric_info
 from spectral_monitor.judging import (
     MEDIAN_WINDOW,
     NOT_MEASURED,
@@ -35,7 +36,6 @@ from spectral_monitor.judging import (
     AlertRow,
     Verdict,
     alert_rows,
-    diagnosis_series,
     format_number,
     judge,
     natural_order,
@@ -529,21 +529,18 @@ def _write_plots(run: RunScalars, folder: Path, judged_rules: set[str]) -> list[
         figure = _layer_step_heatmap(HEATMAP_METRIC, heatmap, (0.0, 1.0))
         plots.append(_save(figure, plots_folder / "heatmap_effective_rank.png"))
         figure.clear()
-    # The head aggregates a verdict reads (the worst head: ``entropy_max``) are plotted with the means.
-    judged_series = {
-        name for rule in judged_rules for name in diagnosis_series(diagnosis(rule)[0], run.series.keys())
-    }
     # One figure redrawn for every metric: its axes, ticks and text objects are made once, not per plot.
     figure = None
     for metric, by_layer in sorted(run.series.items()):
-        if _AGGREGATE.search(metric) and metric not in judged_series:
-            continue
+        if _AGGREGATE.search(metric):
+            continue  # drawn as the range over heads on its mean's plot
         if len(by_layer) > _LINES_AT_MOST:
             many = _layer_step_heatmap(metric, by_layer)
             plots.append(_save(many, plots_folder / _plot_file_name(metric)))
             many.clear()
             continue
-        figure = _metric_by_layer(metric, by_layer, judged_rules, figure)
+        spread = (run.series.get(f"{metric}_min", {}), run.series.get(f"{metric}_max", {}))
+        figure = _metric_by_layer(metric, by_layer, judged_rules, figure, spread)
         plots.append(_save(figure, plots_folder / _plot_file_name(metric)))
     return plots
 
@@ -553,21 +550,36 @@ def _metric_by_layer(
     by_layer: dict[str, tuple[np.ndarray, np.ndarray]],
     judged_rules: set[str],
     figure: Figure | None = None,
+    spread: tuple[Mapping[str, tuple[np.ndarray, np.ndarray]], ...] = ({}, {}),
 ) -> Figure:
     """The plot of ``metric``, each layer a line, with the thresholds of the rules in ``judged_rules``: drawn
-    on ``figure`` (one this function drew before, its lines and legend replaced) or on a new one."""
+    on ``figure`` (one this function drew before, its lines and legend replaced) or on a new one. Where
+    ``spread`` holds a layer's smallest or largest head (``<metric>_min``, ``<metric>_max``, which verdicts
+    read: the worst head), the range between them (or the mean) is shaded in the layer's colour."""
     import matplotlib
 
     if figure is None:
         figure = _metric_figure()
     (axes,) = figure.axes
-    for artist in [*axes.lines, *axes.texts]:
+    for artist in [*axes.lines, *axes.texts, *axes.collections]:
         artist.remove()
     axes.autoscale(enable=True)  # the limits the figure's last metric fixed
     if axes.get_legend() is not None:
         axes.get_legend().remove()
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
     layers = sorted(by_layer.items(), key=lambda item: natural_order(item[0]))
+    lowest, highest = spread
+    shaded = False
+    for (layer, mean), color in zip(layers, colors, strict=True):
+        # A metric with one aggregate (max_logit_max) shades from its mean to it.
+        low, high = lowest.get(layer, mean), highest.get(layer, mean)
+        if (layer in lowest or layer in highest) and np.array_equal(low[0], high[0]):
+            steps, low, high = _band(low[0], low[1], high[1])
+            axes.fill_between(
+                steps, low, high, color=color, alpha=0.18, linewidth=0,
+                label="_nolegend_" if shaded else "spread over heads, to the worst (shaded)",
+            )  # fmt: skip
+            shaded = True
     for (layer, (steps, values)), color in zip(layers, colors, strict=True):
         if len(steps) <= _MARKED_POINTS:
             axes.plot(steps, values, marker=".", color=color, label=layer)
@@ -634,6 +646,21 @@ def _metric_figure() -> Figure:
     axes.set_xlabel("step")
     axes.grid(True, alpha=0.3)
     return figure
+
+
+def _band(steps: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The range between two series of the same steps, at a plot's resolution: a long one cut into about
+    ``_ENVELOPE_BUCKETS`` runs, each kept as its lowest ``low`` and highest ``high`` at its first step."""
+    if len(steps) <= 2 * _ENVELOPE_BUCKETS:
+        return steps, low, high
+    width = -(-len(steps) // _ENVELOPE_BUCKETS)
+    runs = -(-len(steps) // width)
+    padding = runs * width - len(steps)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a run of NaN only: a gap
+        bottom = np.nanmin(np.pad(low, (0, padding), constant_values=np.nan).reshape(runs, width), axis=1)
+        top = np.nanmax(np.pad(high, (0, padding), constant_values=np.nan).reshape(runs, width), axis=1)
+    return steps[::width], bottom, top
 
 
 def _envelope(steps: np.ndarray, values: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:

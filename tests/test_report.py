@@ -260,8 +260,8 @@ def test_a_plot_draws_the_levels_of_the_rules_the_run_is_judged_on_only(
     monkeypatch.setattr(
         report_module,
         "_metric_by_layer",
-        lambda metric, by_layer, rules, figure=None: (
-            drawn_with.append(rules) or metric_by_layer(metric, by_layer, rules, figure)
+        lambda metric, by_layer, rules, figure=None, spread=({}, {}): (
+            drawn_with.append(rules) or metric_by_layer(metric, by_layer, rules, figure, spread)
         ),
     )
     write_events(tmp_path / "logs")  # SERIES: no eigen_gap, max_logit, curvature or Jacobian
@@ -326,15 +326,22 @@ def test_a_plot_draws_each_layers_own_level_of_a_relative_threshold() -> None:
     assert not [line for line in axes.get_lines() if "running median" in line.get_label()]
 
 
-def test_the_worst_head_series_a_verdict_reads_is_plotted(tmp_path: Path) -> None:
-    from spectral_monitor import report as report_module
+def test_the_range_over_heads_a_verdict_reads_is_shaded_on_its_means_plot() -> None:
+    """Rank collapse reads the worst head (rank_one_residual_max): the plot of the mean shades each layer's
+    range over heads, whose edges are the _min and _max series."""
+    from spectral_monitor.report import _metric_by_layer
 
-    write_events(tmp_path / "logs")
-    report_module.write_report(tmp_path / "logs", tmp_path / "out")
-    plots = {path.name for path in (tmp_path / "out" / "plots").iterdir()}
-    # Rank collapse reads rank_one_residual_max; entropy collapse reads the mean (relative to its median).
-    assert {"attention__rank_one_residual_max.png", "attention__entropy.png"} <= plots
-    assert "attention__entropy_min.png" not in plots  # read by uniform attention only, not judged here
+    steps = np.array(STEPS)
+    mean = {"blocks.0": (steps, np.array([0.5, 0.3, 0.2]))}
+    lowest = {"blocks.0": (steps, np.array([0.4, 0.1, 0.03]))}
+    highest = {"blocks.0": (steps, np.array([0.6, 0.5, 0.4]))}
+    (axes,) = _metric_by_layer("attention/rank_one_residual", mean, EVERY_RULE, None, (lowest, highest)).axes
+    (band,) = axes.collections
+    assert band.get_label() == "spread over heads, to the worst (shaded)"
+    vertices = band.get_paths()[0].vertices
+    assert sorted(set(vertices[:, 1].round(6))) == [0.03, 0.1, 0.4, 0.5, 0.6]
+    (axes,) = _metric_by_layer("attention/dobrushin", mean, EVERY_RULE, axes.figure).axes
+    assert not axes.collections  # none for a metric without head aggregates; the last plot's is gone
 
 
 def test_a_metric_of_more_than_a_dozen_layers_is_drawn_as_a_heatmap_over_its_own_range(
