@@ -217,7 +217,7 @@ class SecondOrderProbes:
         self._generator = torch.Generator().manual_seed(0)
         self._stretched = (
             None
-            if curvature.max_overhead_percent is None
+            if curvature is None or curvature.max_overhead_percent is None
             else StretchedCadence(curvature.every_n_steps, curvature.max_overhead_percent)
         )
         self._memory_checked = False
