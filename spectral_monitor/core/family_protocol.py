@@ -95,7 +95,7 @@ class Run:
         kept: whether some sink of the run keeps an output of the given capability.
         default_loss: the loss the second-order probes use when the options give none.
         step_offset: how far the caller's steps run ahead of the optimizer steps the cadences count.
-        texts: ``(tag, markdown)`` a family files at the start of the run, written when every family started.
+        texts: ``(tag, markdown)`` a family files at the start of the run, written under the first step begun.
 
     Examples:
         >>> from torch import nn

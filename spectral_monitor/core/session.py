@@ -119,6 +119,7 @@ class MonitorSession:
         self._in_progress: LoggingStep | None = None
         self._last_logged_step = -1
         self._logged_before = -1
+        self._texts_due: list[tuple[str, str]] = []  # the preflight's, until the first step begins
         self._logging_steps_done = 0
 
     def start(
@@ -131,7 +132,6 @@ class MonitorSession:
         default_loss: LossFn | None = None,
         request_stop: Callable[[], None] | None = None,
         disarm_after_forward: bool = False,
-        step: int = 0,
         step_offset: int = 0,
     ) -> None:
         """Begin a run: find what to measure on ``model`` and run the architecture preflight.
@@ -149,7 +149,6 @@ class MonitorSession:
             request_stop: called on every rank, once a step, when a ``stop_on`` rule fired on any rank.
             disarm_after_forward: end each logging step's captures when ``model``'s forward returns (a
                 one-shot forward hook), for a loop that cannot call :meth:`end_forward` before the backward.
-            step: the step the run starts at (the preflight's text is filed under it).
             step_offset: how far the caller's steps run ahead of the optimizer steps taken before their
                 batch, which the cadences count: 0 where a framework files a batch's scalars before its
                 update (Lightning), 1 where it files them after it (Hugging Face's ``global_step``). With
@@ -175,13 +174,15 @@ class MonitorSession:
         with _autocast_off():
             for family in self._families:
                 family.start(run)
-        self._writer.write_texts(self._sinks, run.texts, step)
+        # Filed under the first step begun: a resumed framework may not know its step before that.
+        self._texts_due = list(run.texts)
 
     def begin_step(self, step: int, batch: Any, *, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Before the training forward of ``step`` on ``batch``: whether it is a logging step.
 
         The second-order probes measure when their own cadence falls (``optimizer`` gives the curvature's
-        edge of stability); their records are judged and written at once off a logging step. On a logging
+        edge of stability); their records are judged and written at once off a logging step. The first
+        step begun after :meth:`start` files the preflight's text. On a logging
         step the weights are measured and the captures armed, the token mask read from ``batch`` by the
         ``token_mask`` option. Call it on every rank.
 
@@ -199,6 +200,9 @@ class MonitorSession:
         self.abandon()  # a step whose end never came
         if self._model is None:
             raise RuntimeError("MonitorSession.begin_step was called before start")
+        if self._texts_due:
+            self._writer.write_texts(self._sinks, self._texts_due, step)
+            self._texts_due = []
         with _autocast_off():
             return self._begin_step(step, batch, optimizer)
 

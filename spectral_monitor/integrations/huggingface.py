@@ -183,7 +183,6 @@ class SpectralMonitorCallback(transformers.TrainerCallback):
                 default_loss=model_output_loss,
                 request_stop=self._ask_to_stop,
                 disarm_after_forward=True,
-                step=state.global_step,
                 step_offset=_HF_STEP_OFFSET,
             )
         if state.global_step > 0:

@@ -188,7 +188,6 @@ class Monitor:
                 training_root=self.model,
                 default_loss=self.loss_fn,
                 request_stop=self._stop,
-                step=step,
             )
             self._started = True
         self._previous_step = step

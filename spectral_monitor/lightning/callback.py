@@ -184,8 +184,8 @@ class SpectralMonitor(*CALLBACK_BASES):
         second-order probes; global rank 0 writes.
 
         Args:
-            trainer: The Trainer: its strategy's model (the outermost wrapper, for FSDP gathering), its
-                ``global_step`` and ``should_stop``.
+            trainer: The Trainer: its strategy's model (the outermost wrapper, for FSDP gathering) and its
+                ``should_stop``.
             pl_module: The LightningModule, whose attention, residual stream and weights are measured.
         """
         # Here rather than in `setup`: `configure_model` has built every layer and the strategy has moved it.
@@ -196,7 +196,6 @@ class SpectralMonitor(*CALLBACK_BASES):
             training_root=trainer.strategy.model,
             default_loss=lightning_module_loss,
             request_stop=lambda: setattr(trainer, "should_stop", True),
-            step=trainer.global_step,
         )
 
     @override

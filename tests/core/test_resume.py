@@ -218,6 +218,9 @@ def test_a_resumed_run_logs_every_step_once_with_the_values_of_an_uninterrupted_
     assert [step for step, _ in resumed["train/loss"]] == list(range(STEPS))
     assert [step for step, _ in resumed["curvature/hessian_eigenvalue_1/model"]] == list(range(STEPS))
     assert figure_steps(tmp_path) == [0, 5, 11]  # every third of logging steps 0, 1, 3, 5, 7, 9, 11, 13, 15
+    # Each monitor of each fit files the preflight's text under the fit's first step: the resumed under EPOCH.
+    texts = read_back(tmp_path / "run" / "version_0").Tensors("preflight/text_summary")
+    assert sorted(event.step for event in texts) == [0, 0, EPOCH, EPOCH]
 
 
 def first_batch() -> list[torch.Tensor]:

@@ -52,7 +52,13 @@ def healthy_attention(step: int, layer: str) -> dict[str, float]:
     }
 
 
-def write_run(logdir: Path, collapsing: bool, steps: tuple[int, ...] = STEPS, per_head: bool = False) -> None:
+def write_run(
+    logdir: Path,
+    collapsing: bool,
+    steps: tuple[int, ...] = STEPS,
+    per_head: bool = False,
+    collapsing_layers: tuple[str, ...] = (COLLAPSING_LAYER,),
+) -> None:
     """A run of 4 attention layers and 4 blocks through the monitor's sink and alert engine; with
     ``collapsing``, every head of ``blocks.2.attention`` goes rank one from step 20."""
     engine = AlertEngine(default_rules())
@@ -62,7 +68,7 @@ def write_run(logdir: Path, collapsing: bool, steps: tuple[int, ...] = STEPS, pe
         heads = []  # the alert rules read each head; the sink writes them only with per_head
         for layer in ATTENTION:
             values = healthy_attention(step, layer)
-            if collapsing and layer == COLLAPSING_LAYER and step >= 20:
+            if collapsing and layer in collapsing_layers and step >= 20:
                 values.update(effective_rank_ratio_max=0.004, effective_rank_ratio=0.003)
                 values.update(rank_one_residual_max=0.03)
             records += [Measurement(step, "attention", name, layer, value) for name, value in values.items()]
@@ -328,6 +334,16 @@ def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
         for anchor in ("end", "middle"):  # the value axis, then the step axis
             labels = re.findall(rf'text-anchor="{anchor}" class="tick">([^<]*)</text>', chart)
             _assert_round_ticks([float(label) for label in labels])
+
+
+@pytest.mark.slow
+def test_headless_chromium_says_a_rules_remedy_once_however_many_layers_it_fired_in(tmp_path: Path) -> None:
+    write_run(tmp_path / "runs" / "every_layer", collapsing=True, collapsing_layers=ATTENTION)
+    dom = rendered_tab(tmp_path / "runs", "every_layer", tmp_path)
+    row = dom[dom.index('data-rule="rank_collapse"') :]
+    row = row[: row.index("</tr>")]
+    assert row.count("fired at step") == len(ATTENTION)
+    assert row.count('class="remedy"') == 1
 
 
 @pytest.mark.slow

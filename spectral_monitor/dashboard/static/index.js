@@ -55,10 +55,12 @@ function verdictTable(verdicts) {
   const rows = verdicts.map((v) => {
     const layers = v.layers.length ? v.layers.join(", ") : v.layer ? `nearest: ${v.layer}` : "";
     const reading = v.verdict === "not measured" ? v.how_to_measure : v.reading;
+    // A remedy once, under the last alert that gives it: a rule firing in 13 layers says the same 13 times.
     const alerts = v.alerts.length
-      ? el("ul", {class: "alerts"}, ...v.alerts.map((a) => el("li", {},
+      ? el("ul", {class: "alerts"}, ...v.alerts.map((a, k) => el("li", {},
           `fired at step ${a.fired_at}${a.where ? ` in ${a.where}` : ""}`,
-          a.remedy ? el("div", {class: "remedy"}, `Remedy: ${a.remedy}`) : null)))
+          a.remedy && !v.alerts.slice(k + 1).some((b) => b.remedy === a.remedy)
+            ? el("div", {class: "remedy"}, `Remedy: ${a.remedy}`) : null)))
       : null;
     return el("tr", {class: `verdict-row ${VERDICT_CLASS[v.verdict]}`, "data-rule": v.rule},
       el("td", {}, el("b", {}, v.title), el("div", {class: "meaning"}, v.meaning)),
