@@ -5,11 +5,12 @@ Neither torch nor Lightning nor any training code is imported: the scalars the m
 reads them, past any damage to the files, each cut named (:mod:`spectral_monitor.eventfiles`), and judged by
 :mod:`spectral_monitor.judging`, the same code the TensorBoard tab runs.
 Per run, the verdict first: one overall line (the worst verdict, its diagnosis and layers), then a verdict
-per diagnosis (healthy / watch / collapsed / not measured, with the layers and the reading that decided it),
-the alerts that fired with their steps and layers, and the per-layer details (latest, min, trend of the key
-metrics); under ``--out``, PNG plots (each metric by layer over steps with the thresholds of the rules the
-run is judged on, or past 12 layers as a layer × step heatmap; and the heatmap of effective rank / n) and a
-Markdown summary embedding them.
+per diagnosis (healthy / watch / collapsed / not measured / no finite reading, with the layers and the
+reading that decided it), the alerts that fired with their steps and layers, and the per-layer details
+(latest, min, trend of the key metrics); under ``--out``, PNG plots (each metric by layer over steps with the
+thresholds of the rules the run is judged on, relative ones as each layer's own level, and the spread over
+heads; or past 12 layers as a layer × step heatmap; and the heatmap of effective rank / n) and a Markdown
+summary embedding them.
 """
 
 from __future__ import annotations
