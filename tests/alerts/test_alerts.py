@@ -18,6 +18,7 @@ from spectral_monitor import SpectralMonitor
 from spectral_monitor.alerts import (
     AlertConfig,
     AlertEngine,
+    AlertEvent,
     Condition,
     Rule,
     default_rules,
@@ -201,16 +202,27 @@ def test_rules_ignore_families_that_were_not_measured() -> None:
     assert engine.counter_records(9)[0].tag == "alerts/open/rank_collapse"
 
 
-def test_the_message_says_where_what_against_what_and_the_remedy_with_the_current_n() -> None:
+def uniform_attention_fired_with(layer_records: dict[str, float]) -> tuple[AlertEngine, AlertEvent]:
+    """The uniform-attention alert fired at step 2 on LAYER's broken heads, with ``layer_records`` (metric ->
+    value) of the layer beside them at each step."""
     engine = AlertEngine([RULES["uniform_attention"]])
     broken = CASES["uniform_attention"][2]
 
-    def with_length(step: int) -> list[Measurement]:
-        return [*broken(step), *one(step, "attention", "effective_rank", 2.0, LAYER),
-                *one(step, "attention", "effective_rank_ratio", 2.0 / 512, LAYER)]  # fmt: skip
+    def records(step: int) -> list[Measurement]:
+        extra = [
+            record
+            for metric, value in layer_records.items()
+            for record in one(step, "attention", metric, value, LAYER)
+        ]
+        return [*broken(step), *extra]
 
-    engine.evaluate(1, with_length(1))
-    (event,) = engine.evaluate(2, with_length(2))
+    engine.evaluate(1, records(1))
+    (event,) = engine.evaluate(2, records(2))
+    return engine, event
+
+
+def test_the_message_says_where_what_against_what_and_the_remedy_with_the_current_n() -> None:
+    engine, event = uniform_attention_fired_with({"effective_rank": 2.0, "effective_rank_ratio": 2.0 / 512})
     assert event.message() == (
         "SpectralMonitor warning uniform_attention at blocks.0.attention (4/4 heads), step 2: "
         "attention/entropy 1.000 >= 0.980 and attention/eigen_gap 0.990 >= 0.950 since step 1. "
@@ -225,15 +237,7 @@ def test_the_message_says_where_what_against_what_and_the_remedy_with_the_curren
 def test_a_layer_measured_on_some_heads_says_so_and_takes_n_from_its_keys() -> None:
     """Under a cost budget the effective rank (whence n came) may be left out and some heads unmeasured: the
     attention family's judged-only ``keys`` and ``heads`` records give n and the layer's head count."""
-    engine = AlertEngine([RULES["uniform_attention"]])
-    broken = CASES["uniform_attention"][2]
-
-    def sampled(step: int) -> list[Measurement]:
-        return [*broken(step), *one(step, "attention", "keys", 512, LAYER),
-                *one(step, "attention", "heads", 12, LAYER)]  # fmt: skip
-
-    engine.evaluate(1, sampled(1))
-    (event,) = engine.evaluate(2, sampled(2))
+    _, event = uniform_attention_fired_with({"keys": 512, "heads": 12})
     assert event.where == "blocks.0.attention (4/4 measured of 12 heads)"
     assert "(n=512, log n=6.24; " in event.message()
 
