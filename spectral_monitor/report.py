@@ -733,10 +733,11 @@ def _layer_step_heatmap(
         limits = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     image = axes.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=limits[0], vmax=limits[1], aspect="auto",
                         interpolation="nearest")  # fmt: skip
-    ticks = np.unique(np.linspace(0, len(steps) - 1, min(len(steps), 10)).round().astype(int))
+    # Every k-th column, evenly: rounded positions of 10 ticks over 11–19 columns skip some and not others.
+    ticks = range(0, len(steps), -(-len(steps) // 10))
     axes.set_xticks(ticks, [str(steps[index]) for index in ticks])
     axes.set_yticks(range(len(layers)), layers, fontsize=label_points)
-    axes.set_xlabel("step")
+    axes.set_xlabel("step (grey: no reading, or NaN)")
     axes.set_title(f"{metric} (layer × step)")
     figure.colorbar(image, ax=axes)
     return figure

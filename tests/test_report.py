@@ -370,6 +370,17 @@ def test_a_metric_of_more_than_a_dozen_layers_is_drawn_as_a_heatmap_over_its_own
     assert "attention/entropy" not in heatmaps  # two layers: lines
 
 
+def test_a_heatmaps_step_ticks_are_evenly_spaced_columns() -> None:
+    from spectral_monitor.report import _layer_step_heatmap
+
+    steps = np.array([0, *range(9, 100, 10)])  # 11 logging steps: the first, then every tenth
+    by_layer = {f"blocks.{i}": (steps, np.linspace(0, 1, steps.size)) for i in range(13)}
+    (axes, _) = _layer_step_heatmap("weights/spectral_norm", by_layer).axes
+    assert list(axes.get_xticks()) == [0, 2, 4, 6, 8, 10]
+    assert [label.get_text() for label in axes.get_xticklabels()] == ["0", "19", "39", "59", "79", "99"]
+    assert "grey" in axes.get_xlabel()
+
+
 def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() -> None:
     from spectral_monitor.report import _ENVELOPE_BUCKETS, _metric_by_layer
 
