@@ -331,6 +331,8 @@ def test_headless_chromium_renders_the_collapsed_run_its_layer_and_its_verdict(
     worst_head = dom[dom.index('data-metric="attention/entropy_max"') :]
     assert 'class="level"' not in worst_head[: worst_head.index('class="legend"')]  # the mean's, not its
     for chart in charts:
+        if 'class="band-label"' in chart:  # over the lines, not under them
+            assert chart.index('class="band-label"') > chart.rindex('class="line"')
         for anchor in ("end", "middle"):  # the value axis, then the step axis
             labels = re.findall(rf'text-anchor="{anchor}" class="tick">([^<]*)</text>', chart)
             _assert_round_ticks([float(label) for label in labels])

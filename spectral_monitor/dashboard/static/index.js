@@ -131,6 +131,7 @@ function lineChart(chart) {
   const x = (step) => left + ((step - x0) / (x1 - x0)) * (width - left - right);
   const y = (value) => top + (1 - (value - y0) / (y1 - y0)) * (height - top - bottom);
   const root = svg("svg", {viewBox: `0 0 ${width} ${height}`, class: "chart"});
+  const labels = [];  // drawn last, over the lines, on a halo: a line through a label hid its words
   for (const t of chart.thresholds.filter(onItsOwnScale)) {
     // The collapsed side beyond the threshold in red, the watch band between it and the clear level in amber.
     const edge = t.op === "<=" ? y0 : y1;
@@ -145,7 +146,7 @@ function lineChart(chart) {
       "text-anchor": "end"});
     const op = {"<=": "at or below", ">=": "at or above"}[t.op];
     label.textContent = `${t.rule}: collapsed ${op} ${t.collapsed}, watch ${op} ${t.watch}`;
-    root.append(label);
+    labels.push(label);
   }
   for (const [value, text] of roundTicks(y0, y1, 5)) {
     root.append(svg("line", {x1: left, x2: width - right, y1: y(value), y2: y(value), class: "grid"}));
@@ -178,6 +179,7 @@ function lineChart(chart) {
         "data-layer": line.name, "data-rule": t.rule}));
     }
   });
+  root.append(...labels);
   if (!relative.length) return root;
   // Said under the chart, not over it: a label inside would cross the lines it explains.
   const said = relative.map((t) => {
