@@ -25,6 +25,7 @@ from spectral_monitor.core.family_protocol import (
     CaptureFamily,
     LoggingStep,
     Run,
+    counted_sequences,
     layer_selected,
     mean_over_sequences,
     report_skipped,
@@ -255,7 +256,7 @@ class AttentionFamily(CaptureFamily):
             summary = over_sequences(metrics[metric], nonfinite)
             if summary is not None:
                 per_head[metric] = summary.to("cpu", torch.float64)
-                defined[metric] = (~metrics[metric].isnan() | nonfinite).any(dim=0).cpu()
+                defined[metric] = counted_sequences(metrics[metric], nonfinite).any(dim=0).cpu()
         return per_head, defined
 
     def _max_logit_growth(self, step: int, layer: str, per_head: dict[str, Tensor]) -> list[Measurement]:
@@ -316,7 +317,7 @@ def _max_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
     """The largest over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite;
     None where no sequence has a value
     (as :func:`~spectral_monitor.core.family_protocol.mean_over_sequences`)."""
-    counted = ~values.isnan() | nonfinite
+    counted = counted_sequences(values, nonfinite)
     if not bool(counted.any()):
         return None
     # A non-finite sequence's value is NaN, which amax propagates.

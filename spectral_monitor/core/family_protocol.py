@@ -35,6 +35,7 @@ __all__ = [
     "Run",
     "any_match",
     "layer_selected",
+    "counted_sequences",
     "mean_over_sequences",
     "report_skipped",
     "warn_of_unmatched_patterns",
@@ -398,6 +399,26 @@ def report_skipped(reports: Reports, what: str, skipped: list[SkippedCapture]) -
         reports.once(reason, f"not all of the {what} was captured ({', '.join(layers)}): {reason}")
 
 
+def counted_sequences(values: Tensor, nonfinite: Tensor) -> Tensor:
+    """Where a sequence's value counts (S, ...): it is defined, or its input was non-finite (then NaN is the
+    reading). A NaN value of a finite sequence means "not defined there" (all padding, one token).
+
+    Args:
+        values: (S, ...) per-sequence values, NaN where not defined.
+        nonfinite: (S, ...) bool, True where a sequence's input held NaN or inf.
+
+    Returns:
+        (S, ...) bool.
+
+    Examples:
+        >>> import torch
+        >>> values = torch.tensor([1.0, float("nan"), float("nan")])
+        >>> counted_sequences(values, torch.tensor([False, False, True])).tolist()
+        [True, False, True]
+    """
+    return ~values.isnan() | nonfinite
+
+
 def mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
     """The mean over the sequences (dim 0) of ``values`` defined for them, NaN where one was non-finite.
 
@@ -420,7 +441,7 @@ def mean_over_sequences(values: Tensor, nonfinite: Tensor) -> Tensor | None:
         >>> mean_over_sequences(torch.full((2, 2), float("nan")), torch.zeros(2, 2, dtype=torch.bool)) is None
         True
     """
-    counted = ~values.isnan() | nonfinite
+    counted = counted_sequences(values, nonfinite)
     if not bool(counted.any()):
         return None
     return torch.where(counted, values, torch.zeros_like(values)).sum(dim=0) / counted.sum(dim=0)
