@@ -20,7 +20,7 @@ failure reporting :mod:`spectral_monitor.core.reports`'. Nothing here imports a 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -415,14 +415,15 @@ def _no_stop() -> None:
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
-@contextmanager
-def _autocast_off() -> Iterator[None]:
+def _autocast_off() -> AbstractContextManager[object]:
     """Autocast off while the monitor computes: a loop that runs its whole step under ``torch.autocast``, the
     monitor's block included, would otherwise have the float32 products of the weights' and the metrics'
     arithmetic made in half precision. The training forward, and a compiled model's probe forward, keep the
-    loop's autocast."""
-    with ExitStack() as stack:
-        for device_type in _AUTOCAST_DEVICE_TYPES:
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
+    loop's autocast. Outside autocast (every step of most runs) nothing is entered."""
+    enabled = [device for device in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(device)]
+    if not enabled:
+        return nullcontext()
+    stack = ExitStack()
+    for device_type in enabled:
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
