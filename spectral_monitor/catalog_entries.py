@@ -244,7 +244,7 @@ CATALOG: tuple[MetricInfo, ...] = (
         "exp(entropy of σ/Σσ), the effective rank of A", "→ 1: collapse", "Roy & Vetterli 2007",
         "Rank collapse", _ATTENTION, per_head=True,
         accuracy="exact (every singular value) up to n = 1024 for causal or rectangular attention and up to "
-        "384 otherwise; above, stochastic Lanczos quadrature whose effective_rank_se is an estimated "
+        "512 otherwise; above, stochastic Lanczos quadrature whose effective_rank_se is an estimated "
         "standard error, not a bound: on trained and sharp attention at n = 1024–2048 (GPT-2, "
         "nn.TransformerEncoder, Gaussian q and k) up to 6% off at a reported se under 1% (4 to 11 se); "
         "a dense head whose quadrature is still above 0.75% se after two rounds (the near-uniform causal "

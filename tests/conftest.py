@@ -11,3 +11,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def rank_sums_by_quadrature(monkeypatch):
+    """Dense batches' rank sums by the quadrature at every size, as matrices above
+    ``FACTORISE_FIRST_MAX_SIZE`` and blockwise layers get them: small cases then test the estimator itself."""
+    from spectral_monitor.metrics import attention_rank_sums
+
+    monkeypatch.setattr(attention_rank_sums, "FACTORISE_FIRST_MAX_SIZE", 0)

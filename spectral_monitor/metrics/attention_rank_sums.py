@@ -5,8 +5,9 @@ the matrices themselves are at hand and the quadrature cannot reach its accuracy
 Gauss quadrature on AᵀA resolves the spectrum down to about λ₁/steps². Near-uniform attention (a freshly
 initialised model's, and causal attention above all) keeps a fifth of Σσ in singular values below 1% of σ₁:
 there the rules stop short of the truth and the probes' spread is wide, so no number of rounds reaches the
-target, and the rounds read the effective rank low. :func:`rank_sums` therefore gives such elements
-``FIRST_ROUNDS_BEFORE_EXACT`` rounds only and then factorises them, when it can.
+target, and the rounds read the effective rank low. :func:`rank_sums` therefore factorises the matrices, when
+it has them, up to ``FACTORISE_FIRST_MAX_SIZE``, and above it gives such elements
+``FIRST_ROUNDS_BEFORE_EXACT`` rounds only before factorising them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ QUADRATURE_MAX_STEPS = 64
 FIRST_ROUNDS_BEFORE_EXACT = 2
 """Quadrature rounds a dense element gets before it is factorised instead (:func:`rank_sums`): trained-like
 attention reaches the target in one or two, near-uniform attention in none of the twelve."""
+FACTORISE_FIRST_MAX_SIZE = 512
+"""Up to this size (the smaller side) a dense batch's rank sums are factorised without any quadrature: there a
+factorisation costs at most about 1.5× the quadrature's cheapest case (one round on trained-like attention)
+and is exact, where the two rounds on near-uniform attention cost several factorisations
+(benchmarks/README.md)."""
 
 
 def rank_sums(
@@ -77,7 +83,8 @@ def rank_sums(
         ``matrices`` every element comes from the quadrature rounds (:func:`_quadrature_rank_sums`). With
         them, an element still above ``ERANK_TARGET_RSE`` after ``FIRST_ROUNDS_BEFORE_EXACT`` rounds is
         factorised instead (its standard error then 0): on such spectra further rounds cost more than the
-        factorisation and stay biased (benchmarks/README.md).
+        factorisation and stay biased (benchmarks/README.md). Up to ``FACTORISE_FIRST_MAX_SIZE`` every
+        element of a dense batch is factorised at once.
 
     Examples:
         A = ½I + ½·11ᵀ/8 has σ = (1, ½, …, ½): below the top pair the spectrum is flat, so the quadrature
@@ -95,17 +102,28 @@ def rank_sums(
     """
     if matrices is None:
         return _quadrature_rank_sums(operator, top_vectors, sigma, frobenius_squared, generator)
+    if min(operator.rows, operator.cols) <= FACTORISE_FIRST_MAX_SIZE:
+        return _factorised_rank_sums(matrices)
     metrics = _quadrature_rank_sums(
         operator, top_vectors, sigma, frobenius_squared, generator, rounds=FIRST_ROUNDS_BEFORE_EXACT
     )
     unresolved = (metrics["effective_rank_se"] > ERANK_TARGET_RSE * metrics["effective_rank"]).nonzero()
     unresolved = unresolved.flatten()
     if unresolved.numel() > 0:
-        singular_values = all_singular_values(matrices[unresolved])
-        metrics["effective_rank"][unresolved] = effective_rank_from_singular_values(singular_values)
-        metrics["threshold_rank"][unresolved] = threshold_rank_from_singular_values(singular_values)
-        metrics["effective_rank_se"][unresolved] = 0
+        for name, values in _factorised_rank_sums(matrices[unresolved]).items():
+            metrics[name][unresolved] = values.to(metrics[name].dtype)
     return metrics
+
+
+def _factorised_rank_sums(matrices: Tensor) -> dict[str, Tensor]:
+    """:func:`rank_sums`' three metrics from every singular value of each matrix (standard error 0)."""
+    singular_values = all_singular_values(matrices)
+    effective_rank = effective_rank_from_singular_values(singular_values)
+    return {
+        "effective_rank": effective_rank,
+        "effective_rank_se": torch.zeros_like(effective_rank),
+        "threshold_rank": threshold_rank_from_singular_values(singular_values),
+    }
 
 
 def _quadrature_rank_sums(

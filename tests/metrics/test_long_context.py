@@ -19,7 +19,7 @@ from helpers.resident_set import needs_resident_set_counters, run_probe
 
 from spectral_monitor.metrics import KrylovState, attention_metrics, attention_metrics_from_qk
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "rank_sums_by_quadrature")
 
 D = 64
 

@@ -274,6 +274,7 @@ def test_each_batch_element_is_measured_on_its_own(cases: list[AttentionCase]) -
 # --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("rank_sums_by_quadrature")
 @pytest.mark.parametrize("method", ["exact", "krylov"])
 @pytest.mark.parametrize("bad_value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 def test_a_nonfinite_entry_poisons_only_its_own_batch_element(method: str, bad_value: float) -> None:

@@ -45,6 +45,7 @@ from spectral_monitor.metrics import (
     attention_metrics,
     attention_metrics_from_qk,
     attention_passes,
+    attention_rank_sums,
     token_metrics,
     weight_metrics,
 )
@@ -244,6 +245,33 @@ def test_near_uniform_causal_attention_of_a_fresh_model_gets_the_exact_effective
     metrics = attention_metrics(attn.float(), causal=True)
     expected = [attention_reference(matrix, causal=True)["effective_rank"] for matrix in attn.numpy()]
     np.testing.assert_allclose(metrics["effective_rank"].double().numpy(), expected, rtol=1e-5)
+    assert (metrics["effective_rank_se"] == 0).all()
+
+
+def test_bidirectional_attention_up_to_the_factorise_first_size_gets_exact_rank_sums_without_quadrature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Past EXACT_MAX_SIZE bidirectional attention takes the Krylov path for σ₁, σ₂ and the eigen gap; up to
+    # FACTORISE_FIRST_MAX_SIZE its rank sums are factorised at once: on near-uniform attention (a fresh
+    # model's) two quadrature rounds had cost six factorisations before falling back to one.
+    n = attention_module.EXACT_MAX_SIZE + 16
+    assert n <= attention_rank_sums.FACTORISE_FIRST_MAX_SIZE
+    assert not attention_module.uses_exact_path(n, n, "auto")
+
+    def no_quadrature(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the rank sums ran the quadrature")
+
+    monkeypatch.setattr(attention_rank_sums, "_quadrature_rank_sums", no_quadrature)
+    rng = np.random.default_rng(7)
+    near_uniform = row_softmax(query_key_logits(rng, (1, n, n)) * 0.01)
+    sharp = row_softmax(query_key_logits(rng, (1, n, n)) * 9.0)
+    attn = np.concatenate([near_uniform, sharp])
+    metrics = attention_metrics(torch.from_numpy(attn).float(), generator=torch.Generator().manual_seed(0))
+    expected = [attention_reference(matrix) for matrix in attn]
+    for name in ("effective_rank", "threshold_rank"):
+        np.testing.assert_allclose(
+            metrics[name].double().numpy(), [reference[name] for reference in expected], rtol=1e-5
+        )
     assert (metrics["effective_rank_se"] == 0).all()
 
 
@@ -616,6 +644,7 @@ def assert_krylov_accuracy(case: AttentionCase, seed: int) -> None:
 
 
 @pytest.mark.parametrize("n", [256, pytest.param(512, marks=pytest.mark.slow)])
+@pytest.mark.usefixtures("rank_sums_by_quadrature")
 def test_krylov_estimates_of_softmax_attention_are_accurate(n: int) -> None:
     case = AttentionCase(f"softmax_{n}", softmax_attention(seed=n, shape=(2, n, n)))
     assert_krylov_accuracy(case, seed=0)
@@ -699,6 +728,7 @@ def test_the_arnoldi_riding_in_the_lanczos_sweeps_finds_what_it_finds_alone() ->
 
 
 @pytest.mark.parametrize("kind", ["attention_sink", "causal", "local_band", "padded"])
+@pytest.mark.usefixtures("rank_sums_by_quadrature")
 def test_krylov_estimates_of_structured_attention_are_accurate(kind: str) -> None:
     assert_krylov_accuracy(float32_case(structured_attention(kind, 256, seed=31)), seed=1)
 
@@ -779,6 +809,7 @@ def test_a_warm_start_from_the_last_steps_vectors_keeps_sigma2_accurate() -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_sums_by_quadrature")
 def test_krylov_effective_rank_standard_error_covers_the_truth() -> None:
     """|estimate − truth| ≤ 2·se holds as often as a 95% interval should.
 
