@@ -178,7 +178,8 @@ def layer_budget(
 
 def spectra_fit(captured: CapturedAttention, budget: LayerBudget, ratio: float) -> bool:
     """Whether factorising the matrices ``budget`` measures of ``captured`` fits ``ratio`` times its training
-    work: head diversity needs every singular value, which only the exact path finds as it measures.
+    work: head diversity needs every singular value, which a path that does not factorise as it measures
+    must compute again.
 
     Args:
         captured: the layer's captured attention, all of it (its training work is that of every sequence).

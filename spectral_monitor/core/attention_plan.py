@@ -296,7 +296,7 @@ class AttentionPlan:
             state=state,
             return_spectra=diversity or draw,
         )
-        # The exact path's singular values serve head diversity and the figures: nothing is factorised twice.
+        # Singular values already computed serve head diversity and the figures: nothing is factorised twice.
         computed_spectra = metrics.pop("singular_values", None)
         if all(sample.max_logit is not None for sample in samples):
             metrics["max_logit"] = torch.cat([sample.max_logit for sample in samples])

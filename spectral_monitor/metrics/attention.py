@@ -121,14 +121,15 @@ def attention_metrics(
         state: Warm-starts the Krylov path from the previous call's top singular vectors, and is updated.
         generator: Draws the Krylov path's probes; None = a private fixed-seed one, so the global RNG is
             never touched.
-        return_spectra: On the exact path, also return ``singular_values``.
+        return_spectra: Also return ``singular_values`` where they were computed.
 
     Returns:
         The metrics above by name, in ``attn``'s dtype where floating point (float64 input is measured in
-        float64, other dtypes in float32), and ``nonfinite`` bool. With ``return_spectra`` on the exact path,
-        also ``singular_values`` (..., min(n, m)), the descending singular values the spectral members were
-        computed from (NaN where ``nonfinite``), so that no caller factorises the same matrices again; absent
-        on the Krylov path.
+        float64, other dtypes in float32), and ``nonfinite`` bool. With ``return_spectra``, also
+        ``singular_values`` (..., min(n, m)), the descending singular values the spectral members were
+        computed from (NaN where ``nonfinite``), so that no caller factorises the same matrices again, where
+        they were computed: on the exact path, and on the Krylov path where the rank sums factorised the
+        matrices (up to 512 tokens); absent otherwise.
 
     Raises:
         ValueError: ``attn`` holds no matrix; also (from the checks it calls) ``attn`` is not a floating
@@ -211,6 +212,7 @@ def attention_metrics(
                 matrices=matrices,
             )
         )
+        singular_values = metrics.pop("singular_values", None)
     finished = finished_metrics(metrics, valid_rows, valid_keys, nonfinite, batch_shape)
     if return_spectra and singular_values is not None:
         singular_values[nonfinite] = float("nan")

@@ -111,7 +111,8 @@ def krylov_spectral_metrics(
 
     Returns:
         (B,) tensors ``sigma1``, ``sigma2``, ``eigen_gap``, ``effective_rank``, ``effective_rank_se`` and
-        ``threshold_rank``, as :func:`~spectral_monitor.metrics.attention_metrics` defines them.
+        ``threshold_rank``, as :func:`~spectral_monitor.metrics.attention_metrics` defines them; and
+        ``singular_values`` (B, min(n, m)) where the rank sums factorised every matrix.
 
     Examples:
         >>> import torch

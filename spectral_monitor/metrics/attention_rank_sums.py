@@ -84,7 +84,8 @@ def rank_sums(
         them, an element still above ``ERANK_TARGET_RSE`` after ``FIRST_ROUNDS_BEFORE_EXACT`` rounds is
         factorised instead (its standard error then 0): on such spectra further rounds cost more than the
         factorisation and stay biased (benchmarks/README.md). Up to ``FACTORISE_FIRST_MAX_SIZE`` every
-        element of a dense batch is factorised at once.
+        element of a dense batch is factorised at once, and its descending singular values are returned too
+        (``singular_values``, (B, min(n, m))), for head diversity and the figures.
 
     Examples:
         A = ½I + ½·11ᵀ/8 has σ = (1, ½, …, ½): below the top pair the spectrum is flat, so the quadrature
@@ -103,21 +104,21 @@ def rank_sums(
     if matrices is None:
         return _quadrature_rank_sums(operator, top_vectors, sigma, frobenius_squared, generator)
     if min(operator.rows, operator.cols) <= FACTORISE_FIRST_MAX_SIZE:
-        return _factorised_rank_sums(matrices)
+        singular_values = all_singular_values(matrices)
+        return {**_rank_sums_of(singular_values), "singular_values": singular_values}
     metrics = _quadrature_rank_sums(
         operator, top_vectors, sigma, frobenius_squared, generator, rounds=FIRST_ROUNDS_BEFORE_EXACT
     )
     unresolved = (metrics["effective_rank_se"] > ERANK_TARGET_RSE * metrics["effective_rank"]).nonzero()
     unresolved = unresolved.flatten()
     if unresolved.numel() > 0:
-        for name, values in _factorised_rank_sums(matrices[unresolved]).items():
+        for name, values in _rank_sums_of(all_singular_values(matrices[unresolved])).items():
             metrics[name][unresolved] = values.to(metrics[name].dtype)
     return metrics
 
 
-def _factorised_rank_sums(matrices: Tensor) -> dict[str, Tensor]:
+def _rank_sums_of(singular_values: Tensor) -> dict[str, Tensor]:
     """:func:`rank_sums`' three metrics from every singular value of each matrix (standard error 0)."""
-    singular_values = all_singular_values(matrices)
     effective_rank = effective_rank_from_singular_values(singular_values)
     return {
         "effective_rank": effective_rank,

@@ -266,13 +266,19 @@ def test_bidirectional_attention_up_to_the_factorise_first_size_gets_exact_rank_
     near_uniform = row_softmax(query_key_logits(rng, (1, n, n)) * 0.01)
     sharp = row_softmax(query_key_logits(rng, (1, n, n)) * 9.0)
     attn = np.concatenate([near_uniform, sharp])
-    metrics = attention_metrics(torch.from_numpy(attn).float(), generator=torch.Generator().manual_seed(0))
+    metrics = attention_metrics(
+        torch.from_numpy(attn).float(), return_spectra=True, generator=torch.Generator().manual_seed(0)
+    )
     expected = [attention_reference(matrix) for matrix in attn]
     for name in ("effective_rank", "threshold_rank"):
         np.testing.assert_allclose(
             metrics[name].double().numpy(), [reference[name] for reference in expected], rtol=1e-5
         )
     assert (metrics["effective_rank_se"] == 0).all()
+    # The singular values factorised for them are handed on, so head diversity need not factorise again.
+    np.testing.assert_allclose(
+        metrics["singular_values"].double().numpy(), np.linalg.svd(attn, compute_uv=False), atol=1e-7
+    )
 
 
 @pytest.mark.slow
