@@ -18,16 +18,24 @@ import math
 from dataclasses import dataclass
 
 from spectral_monitor.metrics.attention import uses_exact_path
+from spectral_monitor.metrics.attention_rank_sums import FACTORISE_FIRST_MAX_SIZE
 from spectral_monitor.probes import CapturedAttention
 
 __all__ = ["LayerBudget", "layer_budget", "matrix_cost", "spectra_fit", "training_cost"]
 
 FACTORISATION_COST = 2.0
 """Cost of measuring one matrix on a path that factorises it, per min(n, m)/d: the exact path, and the dense
-Krylov path's rank sums, which factorise near-uniform attention (the common case early in training) when
-their quadrature does not converge."""
+Krylov path's rank sums, which factorise the matrix outright up to ``FACTORISE_FIRST_MAX_SIZE`` and, above,
+where their quadrature does not converge (near-uniform attention, the common case early in training)."""
 KRYLOV_COST = 3.0
 """Cost of measuring one matrix on the dense Krylov path without the rank sums."""
+KRYLOV_EIGEN_GAP_COST = 5.0
+"""Cost of measuring one square bidirectional matrix on the dense Krylov path without the rank sums: the
+Arnoldi iteration for the eigen gap comes on top."""
+QUADRATURE_ROUNDS_COST = 24.0
+"""Cost of the rank sums' quadrature rounds on the dense Krylov path above ``FACTORISE_FIRST_MAX_SIZE``,
+added to the factorisation: near-uniform attention (the common case early in training) runs them before it
+is factorised anyway."""
 BLOCKWISE_COST = 6.0
 """Cost of measuring one matrix blockwise from q and k without the rank sums: each product recomputes its
 softmax rows."""
@@ -69,12 +77,17 @@ class LayerBudget:
         return len(self.heads) < self.num_heads
 
 
-def matrix_cost(n: int, m: int, d: int, *, exact: bool, blockwise: bool, rank_sums: bool) -> float:
+def matrix_cost(
+    n: int, m: int, d: int, *, exact: bool, blockwise: bool, rank_sums: bool, eigen_gap: bool
+) -> float:
     """Cost of measuring one (n, m) attention matrix of head dimension ``d`` on the path given, in units of
     one head's training attention on one sequence.
 
-    Blockwise: :data:`BLOCKWISE_RANK_SUMS_COST` with the rank sums, else :data:`BLOCKWISE_COST`. Exact or
-    with the rank sums: :data:`FACTORISATION_COST` · min(n, m)/d. Else (dense Krylov): :data:`KRYLOV_COST`.
+    Blockwise: :data:`BLOCKWISE_RANK_SUMS_COST` with the rank sums, else :data:`BLOCKWISE_COST`. Exact:
+    :data:`FACTORISATION_COST` · min(n, m)/d. Dense Krylov with the rank sums: the same up to
+    ``FACTORISE_FIRST_MAX_SIZE``, where they are factorised outright, and :data:`QUADRATURE_ROUNDS_COST`
+    more above. Else (dense Krylov): :data:`KRYLOV_EIGEN_GAP_COST` where the eigen gap is measured,
+    :data:`KRYLOV_COST` where not.
 
     Args:
         n: the queries.
@@ -83,21 +96,29 @@ def matrix_cost(n: int, m: int, d: int, *, exact: bool, blockwise: bool, rank_su
         exact: whether the exact path factorises the matrix.
         blockwise: whether it is measured blockwise from q and k.
         rank_sums: whether the effective and threshold ranks are measured.
+        eigen_gap: whether the eigen gap is measured (square bidirectional attention).
 
     Returns:
         The cost, a positive float.
 
     Examples:
-        >>> matrix_cost(512, 512, 64, exact=True, blockwise=False, rank_sums=True)
+        >>> matrix_cost(512, 512, 64, exact=True, blockwise=False, rank_sums=True, eigen_gap=True)
         16.0
-        >>> matrix_cost(8192, 8192, 64, exact=False, blockwise=False, rank_sums=False)
+        >>> matrix_cost(768, 768, 64, exact=False, blockwise=False, rank_sums=True, eigen_gap=True)
+        48.0
+        >>> matrix_cost(8192, 8192, 64, exact=False, blockwise=False, rank_sums=False, eigen_gap=False)
         3.0
     """
     if blockwise:
         return BLOCKWISE_RANK_SUMS_COST if rank_sums else BLOCKWISE_COST
-    if exact or rank_sums:
-        return FACTORISATION_COST * min(n, m) / d
-    return KRYLOV_COST
+    factorising = FACTORISATION_COST * min(n, m) / d
+    if exact:
+        return factorising
+    if rank_sums:
+        if min(n, m) <= FACTORISE_FIRST_MAX_SIZE:
+            return factorising
+        return factorising + QUADRATURE_ROUNDS_COST
+    return KRYLOV_EIGEN_GAP_COST if eigen_gap else KRYLOV_COST
 
 
 def training_cost(sequences: int, heads: int, m: int, d: int) -> float:
@@ -160,8 +181,12 @@ def layer_budget(
     exact = uses_exact_path(n, m, method, captured.causal)
     blockwise = captured.measured_blockwise()
 
+    eigen_gap = not captured.causal and n == m
+
     def affordable(with_rank_sums: bool) -> int:
-        cost = matrix_cost(n, m, d, exact=exact, blockwise=blockwise, rank_sums=with_rank_sums)
+        cost = matrix_cost(
+            n, m, d, exact=exact, blockwise=blockwise, rank_sums=with_rank_sums, eigen_gap=eigen_gap
+        )
         return math.floor(allowed / cost)
 
     matrices = affordable(rank_sums)
