@@ -246,11 +246,12 @@ CATALOG: tuple[MetricInfo, ...] = (
         accuracy="exact (every singular value) up to n = 1024 for causal or rectangular attention and up to "
         "512 otherwise; above, stochastic Lanczos quadrature whose effective_rank_se is an estimated "
         "standard error, not a bound: on trained and sharp attention at n = 1024–2048 (GPT-2, "
-        "nn.TransformerEncoder, Gaussian q and k) up to 6% off at a reported se under 1% (4 to 11 se); "
-        "a dense head whose quadrature is still above 0.75% se after two rounds (the near-uniform causal "
-        "attention of a fresh model, where it read 7–15% low) is factorised instead, exact with se 0; the "
-        "blockwise path (n ≥ 4096 or over the memory budget) has no such fallback; `metric_method=\"exact\"` "
-        "factorises every head (benchmarks/README.md)",
+        "nn.TransformerEncoder, Gaussian q and k) up to 6% off at a reported se under 1% (4 to 11 se); on a "
+        "fresh model's near-uniform attention, with its leading Ritz pairs deflated, within 1.4% and 2 se "
+        "(n = 768–2048); a dense head whose quadrature is still above 0.75% se after two rounds, or whose "
+        "tail is beneath float32 rounding, is factorised instead, exact with se 0; the blockwise path "
+        "(n ≥ 4096 or over the memory budget) has no such fallback; `metric_method=\"exact\"` factorises "
+        "every head (benchmarks/README.md)",
     ),
     MetricInfo(
         "attention", "effective_rank_ratio", "(0, 1]", "higher",

@@ -1,13 +1,17 @@
 """The rank sums of attention matrices known by products: Σσ and Σσ log σ, hence the effective rank and its
-standard error, with the top singular pair known exactly and the rest by stochastic Lanczos quadrature; where
+standard error, with the leading singular values known and the rest by stochastic Lanczos quadrature; where
 the matrices themselves are at hand and the quadrature cannot reach its accuracy, by every singular value.
 
 Gauss quadrature on AᵀA resolves the spectrum down to about λ₁/steps². Near-uniform attention (a freshly
 initialised model's, and causal attention above all) keeps a fifth of Σσ in singular values below 1% of σ₁:
-there the rules stop short of the truth and the probes' spread is wide, so no number of rounds reaches the
-target, and the rounds read the effective rank low. :func:`rank_sums` therefore factorises the matrices, when
-it has them, up to ``FACTORISE_FIRST_MAX_SIZE``, and above it gives such elements
-``FIRST_ROUNDS_BEFORE_EXACT`` rounds only before factorising them.
+with only the top pair deflated the rules stop short of the truth and the probes' spread is wide, so no
+number of rounds reaches the target, and the rounds read the effective rank low. Such attention is the
+uniform matrix plus a perturbation of rank about the head dimension, so :func:`rank_sums` deflates the
+leading Ritz pairs of a random subspace too, as many as their residuals allow
+(:func:`_ritz_deflation`), and the quadrature is left a small tail it resolves in one round. The matrices,
+when it has them, are factorised instead up to ``FACTORISE_FIRST_MAX_SIZE``, where that is about as cheap,
+and where the quadrature still misses its target after ``FIRST_ROUNDS_BEFORE_EXACT`` rounds or float32
+products cannot resolve the tail (``ROUNDING_MARGIN``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from torch import Tensor
 
 from spectral_monitor.linalg import BatchedOperator, GramOperator, lanczos_quadrature
-from spectral_monitor.linalg.operators import rademacher
+from spectral_monitor.linalg.operators import ProjectedOperator, default_generator, gaussian, rademacher
 from spectral_monitor.linalg.quadrature import QuadratureNodes
 from spectral_monitor.metrics._common import (
     ENERGY_LEVEL,
@@ -53,6 +57,28 @@ QUADRATURE_MAX_STEPS = 64
 FIRST_ROUNDS_BEFORE_EXACT = 2
 """Quadrature rounds a dense element gets before it is factorised instead (:func:`rank_sums`): trained-like
 attention reaches the target in one or two, near-uniform attention in none of the twelve."""
+DEFLATION_WIDTH = 64
+"""Ritz pairs of the Gram operator, beyond the top pair, that the quadrature may deflate: a freshly
+initialised model's near-uniform attention is about the uniform matrix plus a perturbation of rank up to the
+head dimension (64 in most models), whose singular values carry most of Σσ below σ₁; deflated, the rest is a
+small tail the quadrature resolves in one round of a dozen steps, where it otherwise ran two rounds of up to
+64 steps and missed its target (benchmarks/README.md)."""
+DEFLATION_OVERSAMPLING = 16
+"""Columns drawn beyond ``DEFLATION_WIDTH`` for the subspace whose Ritz pairs are deflated."""
+DEFLATION_POWER_STEPS = 2
+"""Products with the deflated Gram operator that shape the random subspace before its Ritz pairs are taken:
+with one, the pairs of near-uniform causal attention (whose spectrum decays smoothly, with no gap after the
+head dimension) left the effective rank 0.7–1% high on average, with two unbiased (benchmarks/README.md)."""
+DEFLATION_STEP = 16
+"""Each element deflates a multiple of this many Ritz pairs, so the batch splits into few groups."""
+ROUNDING_MARGIN = 30.0
+"""The deflated operator's rounding in a product is about ε·σ₁σ₃ (P removes σ₁'s direction before the product,
+so σ₁ enters once). Where the smallest deflated σ², the top of what the quadrature is left, is under this many
+times that, the rounding shapes the rules and a dense element is factorised instead: on near-uniform
+bidirectional heads (n = 768–2048, float32) the effective rank was within 1.6 standard errors of float64 at a
+ratio of 60, and 2–22 standard errors off (up to 13%) at ratios of 8 and below (benchmarks/README.md)."""
+DEFLATION_TOL = 1e-3
+"""The deflated Ritz pairs' second-order change of Σσ, Σ ‖rᵢ‖²/√θᵢ, is kept below this fraction of σ₁ + σ₂."""
 FACTORISE_FIRST_MAX_SIZE = 512
 """Up to this size (the smaller side) a dense batch's rank sums are factorised without any quadrature: there a
 factorisation costs at most about 1.5× the quadrature's cheapest case (one round on trained-like attention)
@@ -80,12 +106,14 @@ def rank_sums(
 
     Returns:
         The three metrics as :func:`~spectral_monitor.metrics.attention_metrics` defines them. Without
-        ``matrices`` every element comes from the quadrature rounds (:func:`_quadrature_rank_sums`). With
-        them, an element still above ``ERANK_TARGET_RSE`` after ``FIRST_ROUNDS_BEFORE_EXACT`` rounds is
-        factorised instead (its standard error then 0): on such spectra further rounds cost more than the
-        factorisation and stay biased (benchmarks/README.md). Up to ``FACTORISE_FIRST_MAX_SIZE`` every
-        element of a dense batch is factorised at once, and its descending singular values are returned too
-        (``singular_values``, (B, min(n, m))), for head diversity and the figures.
+        ``matrices`` every element comes from the quadrature rounds (:func:`_quadrature_rank_sums`), with
+        the Ritz pairs :func:`_ritz_deflation` finds deflated beside the top pair. With them, an element
+        still above ``ERANK_TARGET_RSE`` after ``FIRST_ROUNDS_BEFORE_EXACT`` rounds, or whose tail is beneath
+        the products' rounding (``ROUNDING_MARGIN``), is factorised instead (its standard error then 0): on
+        such spectra further rounds cost more than the factorisation and stay biased (benchmarks/README.md).
+        Up to ``FACTORISE_FIRST_MAX_SIZE`` every element of a dense batch is factorised at once, and its
+        descending singular values are returned too (``singular_values``, (B, min(n, m))), for head
+        diversity and the figures.
 
     Examples:
         A = ½I + ½·11ᵀ/8 has σ = (1, ½, …, ½): below the top pair the spectrum is flat, so the quadrature
@@ -101,16 +129,23 @@ def rank_sums(
         >>> round(float(sums["effective_rank"]), 3), round(float(sums["effective_rank_se"]), 6)
         (7.715, 0.0)
     """
-    if matrices is None:
-        return _quadrature_rank_sums(operator, top_vectors, sigma, frobenius_squared, generator)
-    if min(operator.rows, operator.cols) <= FACTORISE_FIRST_MAX_SIZE:
+    if matrices is not None and min(operator.rows, operator.cols) <= FACTORISE_FIRST_MAX_SIZE:
         singular_values = all_singular_values(matrices)
         return {**_rank_sums_of(singular_values), "singular_values": singular_values}
-    metrics = _quadrature_rank_sums(
-        operator, top_vectors, sigma, frobenius_squared, generator, rounds=FIRST_ROUNDS_BEFORE_EXACT
+    rounds = QUADRATURE_MAX_ROUNDS if matrices is None else FIRST_ROUNDS_BEFORE_EXACT
+    metrics, beneath_rounding = _deflated_quadrature_rank_sums(
+        operator,
+        top_vectors,
+        sigma,
+        frobenius_squared,
+        generator,
+        rounds,
+        skip_beneath_rounding=matrices is not None,
     )
-    unresolved = (metrics["effective_rank_se"] > ERANK_TARGET_RSE * metrics["effective_rank"]).nonzero()
-    unresolved = unresolved.flatten()
+    if matrices is None:
+        return metrics
+    above_target = metrics["effective_rank_se"] > ERANK_TARGET_RSE * metrics["effective_rank"]
+    unresolved = (above_target | beneath_rounding).nonzero().flatten()
     if unresolved.numel() > 0:
         for name, values in _rank_sums_of(all_singular_values(matrices[unresolved])).items():
             metrics[name][unresolved] = values.to(metrics[name].dtype)
@@ -127,34 +162,140 @@ def _rank_sums_of(singular_values: Tensor) -> dict[str, Tensor]:
     }
 
 
-def _quadrature_rank_sums(
+def _deflated_quadrature_rank_sums(
     operator: BatchedOperator,
     top_vectors: Tensor,
     sigma: Tensor,
     frobenius_squared: Tensor,
     generator: torch.Generator | None,
-    rounds: int = QUADRATURE_MAX_ROUNDS,
-) -> dict[str, Tensor]:
-    """Effective rank: the top pair exactly, the rest of Σσ and Σσ log σ by stochastic Lanczos quadrature.
+    rounds: int,
+    *,
+    skip_beneath_rounding: bool,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """:func:`rank_sums` by quadrature, with as many of the Ritz pairs of :func:`_ritz_deflation` deflated
+    beside the top pair as each element's residuals allow; and (B,) which elements leave the quadrature a
+    tail beneath the products' rounding (``ROUNDING_MARGIN``), whose values are then NaN where
+    ``skip_beneath_rounding`` (they are to be factorised) and the rounding-limited estimate where not.
 
-    The first round has ``QUADRATURE_PROBES`` probes; later rounds run for the elements whose standard error
-    (sampling, by jackknife over probes, and quadrature, see :class:`_ExtrapolatedQuadrature`) is still above
-    ``ERANK_TARGET_RSE`` of the estimate, with as many more probes as the sampling error says they need
-    (:func:`_probes_still_needed`), until ``rounds`` rounds are spent. Threshold rank comes from the top pair
-    when it is resolved.
-
-    Each probe's zᵀ(PMP)z, the quadrature of f(x) = x and so exact, is a control variate with a known mean:
-    tr(PMP) = ‖A‖_F² − σ₁² − σ₂² (the deflated directions are Ritz vectors, so their Rayleigh quotients are
-    the squared singular values found). It correlates with what a probe contributes to the effective rank,
-    so regressing on it cuts the estimator's spread as more probes would (:func:`_controlled_erank`;
-    benchmarks/README.md).
+    The elements deflating the same number of pairs share one call of :func:`_quadrature_rank_sums` on the
+    operator restricted to them (all of them at the smallest number where it cannot be restricted). Each
+    element's draws are its own: its subspace's start is its slice of one batch-wide draw, and its probes
+    are its slices of batch-wide draws from a generator fixed by how many pairs it deflates.
     """
     gram = GramOperator(operator)
-    deflate = (
+    top = (
         top_vectors
         if gram.side == "right"
         else operator.matmat(top_vectors) / sigma.clamp_min(1e-30)[:, None, :]
     )
+    top, _ = torch.linalg.qr(top)
+    source = generator if generator is not None else default_generator(sigma.device)
+    subspace_seed, probe_seed = torch.randint(0, 2**62, (2,), generator=source, device=source.device).tolist()
+    ritz_vectors, ritz_sigma, usable = _ritz_deflation(
+        gram, top, sigma, torch.Generator(device=source.device).manual_seed(subspace_seed)
+    )
+    batch = sigma.shape[0]
+    beneath_rounding = torch.zeros(batch, dtype=torch.bool, device=sigma.device)
+    if ritz_sigma.shape[1] > 0:
+        last = ritz_sigma.gather(1, (usable - 1).clamp_min(0)[:, None]).squeeze(1)
+        rounding = torch.finfo(gram.dtype).eps * sigma[:, 0] * ritz_sigma[:, 0]
+        beneath_rounding = last.square() < ROUNDING_MARGIN * rounding
+    # Elements to factorise instead sit in no group (-1).
+    groups_of = torch.where(beneath_rounding & skip_beneath_rounding, -1, usable)
+    groups = [count for count in groups_of.unique().tolist() if count >= 0]
+    if len(groups) > 1 and gram.restrict((groups_of == groups[0]).nonzero().flatten()) is None:
+        groups_of, groups = torch.full_like(usable, groups[0]), groups[:1]
+    erank = sigma.new_full((batch,), float("nan"))
+    standard_error = sigma.new_full((batch,), float("nan"))
+    for count in groups:
+        members = (groups_of == count).nonzero().flatten()
+        restricted = gram if members.numel() == batch else gram.restrict(members)
+        assert restricted is not None  # every group restricts where the first one does
+        erank[members], standard_error[members] = _quadrature_rank_sums(
+            restricted,
+            torch.cat([top[members], ritz_vectors[members, :, :count]], dim=2),
+            torch.cat([sigma[members], ritz_sigma[members, :count]], dim=1),
+            frobenius_squared[members],
+            torch.Generator(device=source.device).manual_seed(probe_seed + count),
+            rounds,
+            members,
+            batch,
+        )
+    threshold = _threshold_rank_if_resolved(sigma, frobenius_squared)
+    rank_cap = float(gram.cols)
+    metrics = {
+        "effective_rank": erank.clamp(1, rank_cap),
+        "effective_rank_se": standard_error,
+        "threshold_rank": threshold.clamp(1, rank_cap),
+    }
+    return metrics, beneath_rounding
+
+
+def _ritz_deflation(
+    gram: GramOperator, top: Tensor, sigma: Tensor, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Ritz pairs of P M P (M the Gram operator, P = I − top topᵀ) on one power step of a random subspace,
+    and how many of them each element may deflate: (B, side, w) vectors, (B, w) singular values √θ, (B,)
+    counts, a multiple of ``DEFLATION_STEP`` up to w = ``DEFLATION_WIDTH`` (w = 0 where the side leaves no
+    room for it). The subspace is ``DEFLATION_POWER_STEPS`` products of a Gaussian block of
+    w + ``DEFLATION_OVERSAMPLING`` columns.
+
+    Deflating a Ritz pair (θ, v) whose residual r = P M P v − θ v is not zero moves Σσ, to second order in
+    the residuals, by about ‖r‖²/√θ: each element deflates the longest run of its leading pairs whose sum of
+    those stays under ``DEFLATION_TOL`` of σ₁ + σ₂, which is a small part of the rank sums' target.
+    """
+    batch, side, known = top.shape
+    width = min(DEFLATION_WIDTH, side - known - DEFLATION_OVERSAMPLING)
+    width -= width % DEFLATION_STEP
+    if width <= 0:
+        empty = sigma.new_empty((batch, 0))
+        return top.new_empty((batch, side, 0)), empty, torch.zeros(batch, dtype=torch.long, device=top.device)
+    deflated = ProjectedOperator(gram, top.to(gram.dtype))
+    start = gaussian(
+        (batch, side, width + DEFLATION_OVERSAMPLING), dtype=top.dtype, device=top.device, generator=generator
+    )
+    basis = deflated.project(start.to(gram.dtype))
+    for _ in range(DEFLATION_POWER_STEPS):
+        basis, _ = torch.linalg.qr(deflated.matmat(basis.to(gram.dtype)).to(top.dtype))
+    image = deflated.matmat(basis.to(gram.dtype)).to(top.dtype)
+    rayleigh = (basis.mT @ image).double()
+    theta, coefficients = torch.linalg.eigh((rayleigh + rayleigh.mT) / 2)
+    theta, coefficients = theta.flip(-1)[:, :width], coefficients.flip(-1)[:, :, :width].to(top.dtype)
+    vectors = basis @ coefficients
+    residuals = (image @ coefficients - vectors * theta.to(top.dtype)[:, None, :]).norm(dim=1).double()
+    theta = theta.clamp_min(0)
+    moved = (residuals.square() / theta.sqrt().clamp_min(torch.finfo(theta.dtype).tiny)).cumsum(dim=1)
+    allowed = DEFLATION_TOL * sigma.double().sum(dim=1, keepdim=True)
+    usable = (moved <= allowed).sum(dim=1)
+    return vectors, theta.sqrt().to(sigma.dtype), usable - usable % DEFLATION_STEP
+
+
+def _quadrature_rank_sums(
+    gram: BatchedOperator,
+    deflate: Tensor,
+    sigma: Tensor,
+    frobenius_squared: Tensor,
+    generator: torch.Generator,
+    rounds: int,
+    members: Tensor,
+    full_batch: int,
+) -> tuple[Tensor, Tensor]:
+    """Effective rank and its standard error (B,): the deflated directions exactly, the rest of Σσ and
+    Σσ log σ by stochastic Lanczos quadrature.
+
+    ``gram`` is the Gram operator of the elements ``members`` of a batch of ``full_batch``, ``deflate``
+    (B, side, k) orthonormal directions on its side that are Ritz vectors with singular values ``sigma``
+    (B, k). The first round has ``QUADRATURE_PROBES`` probes; later rounds run for the elements whose
+    standard error (sampling, by jackknife over probes, and quadrature, see :class:`_ExtrapolatedQuadrature`)
+    is still above ``ERANK_TARGET_RSE`` of the estimate, with as many more probes as the sampling error says
+    they need (:func:`_probes_still_needed`), until ``rounds`` rounds are spent.
+
+    Each probe's zᵀ(PMP)z, the quadrature of f(x) = x and so exact, is a control variate with a known mean:
+    tr(PMP) = ‖A‖_F² − Σσᵢ² over the deflated directions (they are Ritz vectors, so their Rayleigh quotients
+    are the squared singular values found). It correlates with what a probe contributes to the effective
+    rank, so regressing on it cuts the estimator's spread as more probes would (:func:`_controlled_erank`;
+    benchmarks/README.md).
+    """
     deflate, _ = torch.linalg.qr(deflate)
     known = (sigma.sum(dim=1), torch.special.xlogy(sigma, sigma).sum(dim=1))
     control_mean = (frobenius_squared.to(sigma.dtype) - sigma.square().sum(dim=1)).clamp_min(0)
@@ -173,13 +314,13 @@ def _quadrature_rank_sums(
             restricted, pending = gram, torch.arange(batch, device=sigma.device)
         tracker = _ExtrapolatedQuadrature(known[0][pending], known[1][pending])
         # Drawn for the whole batch and then selected, so an element's probes do not depend on which
-        # others are still pending.
+        # others are in its group or still pending.
         probes = rademacher(
-            (batch, operator.cols if gram.side == "right" else operator.rows, QUADRATURE_PROBES),
+            (full_batch, gram.cols, QUADRATURE_PROBES),
             dtype=sigma.dtype,
             device=sigma.device,
             generator=generator,
-        )[pending, :, :width]
+        )[members[pending], :, :width]
         quadrature = lanczos_quadrature(
             restricted,
             num_probes=width,
@@ -214,13 +355,7 @@ def _quadrature_rank_sums(
             ERANK_TARGET_RSE * erank[pending],
             (~sums[pending].isnan()).sum(dim=1),
         )
-    threshold = _threshold_rank_if_resolved(sigma, frobenius_squared)
-    rank_cap = float(min(operator.rows, operator.cols))
-    return {
-        "effective_rank": erank.clamp(1, rank_cap),
-        "effective_rank_se": standard_error,
-        "threshold_rank": threshold.clamp(1, rank_cap),
-    }
+    return erank, standard_error
 
 
 def _probes_still_needed(
