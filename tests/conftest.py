@@ -20,3 +20,20 @@ def rank_sums_by_quadrature(monkeypatch):
     from spectral_monitor.metrics import attention_rank_sums
 
     monkeypatch.setattr(attention_rank_sums, "FACTORISE_FIRST_MAX_SIZE", 0)
+
+
+@pytest.fixture
+def deflated_pairs(monkeypatch) -> list[list[int]]:
+    """How many Ritz pairs each element of each rank-sum call deflated, one list per call, in call order."""
+    from spectral_monitor.metrics import attention_rank_sums
+
+    calls: list[list[int]] = []
+    ritz_deflation = attention_rank_sums._ritz_deflation
+
+    def recorded(*args, **kwargs):
+        result = ritz_deflation(*args, **kwargs)
+        calls.append(result[2].tolist())
+        return result
+
+    monkeypatch.setattr(attention_rank_sums, "_ritz_deflation", recorded)
+    return calls

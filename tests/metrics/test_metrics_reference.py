@@ -284,7 +284,7 @@ def test_bidirectional_attention_up_to_the_factorise_first_size_gets_exact_rank_
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_near_uniform_attention_past_the_exact_sizes_is_resolved_by_the_deflated_quadrature(
-    causal: bool, monkeypatch: pytest.MonkeyPatch
+    causal: bool, deflated_pairs: list[list[int]]
 ) -> None:
     # Past the sizes that are factorised outright the Krylov path's quadrature runs. On near-uniform
     # attention (a fresh model's) the quadrature with only the top pair deflated missed its target (causal:
@@ -302,20 +302,11 @@ def test_near_uniform_attention_past_the_exact_sizes_is_resolved_by_the_deflated
     sharp = row_softmax(np.where(mask, query_key_logits(rng, (1, n, n)) * 9.0, -np.inf))
     attn = torch.from_numpy(np.concatenate([near_uniform, sharp]))
     assert not attention_module.uses_exact_path(n, n, "auto", causal=causal)
-    deflated = []
-
-    def recorded(*args: object, **kwargs: object) -> tuple[torch.Tensor, ...]:
-        result = ritz_deflation(*args, **kwargs)
-        deflated.append(result[2].tolist())
-        return result
-
-    ritz_deflation = attention_rank_sums._ritz_deflation
-    monkeypatch.setattr(attention_rank_sums, "_ritz_deflation", recorded)
     metrics = attention_metrics(attn.float(), causal=causal, generator=torch.Generator().manual_seed(0))
     expected = np.array(
         [attention_reference(matrix, causal=causal)["effective_rank"] for matrix in attn.numpy()]
     )
-    assert deflated == [[attention_rank_sums.DEFLATION_WIDTH, 0]]
+    assert deflated_pairs == [[attention_rank_sums.DEFLATION_WIDTH, 0]]
     estimate, se = metrics["effective_rank"].double().numpy(), metrics["effective_rank_se"].double().numpy()
     assert (se > 0).all() and (se <= attention_rank_sums.ERANK_TARGET_RSE * estimate).all()
     assert (np.abs(estimate - expected) <= 3 * se).all(), (estimate, expected, se)
