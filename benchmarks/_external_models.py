@@ -1,6 +1,7 @@
-"""Two transformers written outside this project, for the cost benchmarks: a Hugging Face GPT-2 built offline
-from its config (eager or SDPA attention) and a nanoGPT-style model whose attention is
-``F.scaled_dot_product_attention(is_causal=True)``. Both 6 layers × 384 wide (6 heads) by default."""
+"""Transformers written outside this project, for the cost benchmarks: a Hugging Face GPT-2 built offline
+from its config (eager or SDPA attention), a nanoGPT-style model whose attention is
+``F.scaled_dot_product_attention(is_causal=True)``, and a bidirectional masked-token model on PyTorch's
+``nn.TransformerEncoder``. All 6 layers × 384 wide (6 heads) by default."""
 
 from __future__ import annotations
 
@@ -73,8 +74,45 @@ class NanoGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class Encoder(nn.Module):
+    """A BERT-style masked-token model on ``nn.TransformerEncoder``: learned positions, pre-norm layers,
+    dropout off, every matrix initialised with standard deviation 0.02."""
+
+    def __init__(self, context: int, layers: int = 6, width: int = 384, heads: int = 6) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB + 1, width)  # the last id masks a token
+        self.positions = nn.Embedding(context, width)
+        layer = nn.TransformerEncoderLayer(
+            width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+        for parameter in self.parameters():
+            if parameter.ndim == 2:
+                nn.init.normal_(parameter, std=0.02)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.tokens(input_ids) + self.positions(positions)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.head(self.norm(self.encoder(self.embed(input_ids))))
+
+
+MASKED_FRACTION = 0.15
+
+
+def masked(tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(input ids with a fixed 15% of the positions replaced by the mask id, those positions)."""
+    generator = torch.Generator().manual_seed(1)
+    chosen = (torch.rand(tokens.shape, generator=generator) < MASKED_FRACTION).to(tokens.device)
+    return torch.where(chosen, torch.full_like(tokens, VOCAB), tokens), chosen
+
+
 def model_and_loss(name: str, context: int, layers: int = 6, attention: str = "sdpa"):
-    """(model, loss_of(model, tokens)) for ``name`` "gpt2" or "nanogpt": next-token cross-entropy."""
+    """(model, loss_of(model, tokens)) for ``name`` "gpt2" or "nanogpt" (next-token cross-entropy) or
+    "encoder" (cross-entropy of the masked tokens)."""
     if name == "gpt2":
         model = gpt2(context, layers, attention=attention)
 
@@ -88,8 +126,15 @@ def model_and_loss(name: str, context: int, layers: int = 6, attention: str = "s
             logits = model(tokens)
             return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
+    elif name == "encoder":
+        model = Encoder(context, layers)
+
+        def loss_of(model: nn.Module, tokens: Tensor) -> Tensor:
+            inputs, chosen = masked(tokens)
+            return F.cross_entropy(model(inputs)[chosen], tokens[chosen])
+
     else:
-        raise ValueError(f"model must be 'gpt2' or 'nanogpt', got {name!r}")
+        raise ValueError(f"model must be 'gpt2', 'nanogpt' or 'encoder', got {name!r}")
     return model, loss_of
 
 
@@ -107,7 +152,20 @@ def token_batch(batch: int, context: int, seed: int = 0, device: str = "cpu") ->
 @torch.no_grad()
 def eager_attention_probabilities(model: nn.Module, tokens: Tensor) -> list[Tensor]:
     """Each layer's attention probabilities (batch, heads, n, n) from an eager forward, as a user would get
-    them by hand: ``output_attentions=True`` for GPT-2, the softmax written out for the nanoGPT model."""
+    them by hand: ``output_attentions=True`` for GPT-2, the softmax written out for the nanoGPT model,
+    ``need_weights=True`` for the encoder's layers."""
+    if isinstance(model, Encoder):
+        probabilities = []
+        x = model.embed(masked(tokens)[0])
+        for layer in model.encoder.layers:
+            normed = layer.norm1(x)
+            attended, probs = layer.self_attn(
+                normed, normed, normed, need_weights=True, average_attn_weights=False
+            )
+            probabilities.append(probs)
+            x = x + attended
+            x = x + layer.linear2(layer.activation(layer.linear1(layer.norm2(x))))
+        return probabilities
     if isinstance(model, NanoGPT):
         probabilities = []
         n = tokens.shape[1]

@@ -7,7 +7,7 @@ measuring its attention matrix on the path ``method="auto"`` takes there (dense 
 from q and k from 4096), with and without the rank sums. The table gives each measurement as a multiple of
 the training attention: the units of ``spectral_monitor.core.attention_budget``'s cost model, whose values
 are printed beside them. ``--bidirectional`` does the same for bidirectional heads, which take the dense
-Krylov path from 385 tokens.
+Krylov path from 129 tokens.
 
     python benchmarks/bench_attention_cost.py --contexts 256 512 1024 2048 4096
     python benchmarks/bench_attention_cost.py --bidirectional --contexts 512 640 768 1024

@@ -24,7 +24,8 @@ figure new, is left out of the ratio and reported as the once-per-run cost.
     python benchmarks/bench_overhead.py --interleaved --steps 4000
 
 ``--external`` measures models written elsewhere instead (``_external_models.py``: a Hugging Face GPT-2 built
-from its config and a nanoGPT-style model with ``F.scaled_dot_product_attention(is_causal=True)``), in the
+from its config and a nanoGPT-style model with ``F.scaled_dot_product_attention(is_causal=True)``, and with
+``--models encoder`` a bidirectional masked-token model on ``nn.TransformerEncoder``), in the
 plain-loop ``Monitor`` with each ``--presets`` preset (default ``standard``), batch 2, both sequences sampled,
 at each context length and layer count given, freshly initialised and after ``--train-steps`` steps of
 training. In one process, round by round: a plain training step, a logging step (the same training step with
@@ -38,6 +39,7 @@ steps that also draw the figures (every 10th logging step by default) and, in ``
 spectra.
 
     python benchmarks/bench_overhead.py --external --contexts 256 512 1024 --rounds 3 --device cpu
+    python benchmarks/bench_overhead.py --external --models encoder --contexts 512 768 1024 --rounds 3
     python benchmarks/bench_overhead.py --external --contexts 4096 --rounds 1 --train-steps 10 \
         --presets light standard
     python benchmarks/bench_overhead.py --external --contexts 256 --rounds 3 --cycle 17 --train-steps 10 \
@@ -491,7 +493,9 @@ def main() -> None:
         "--interleaved", action="store_true", help="one process, alternating blocks (module docstring)"
     )
     parser.add_argument("--external", action="store_true", help="GPT-2 and nanoGPT (module docstring)")
-    parser.add_argument("--models", nargs="+", default=["gpt2", "nanogpt"], choices=["gpt2", "nanogpt"])
+    parser.add_argument(
+        "--models", nargs="+", default=["gpt2", "nanogpt"], choices=["gpt2", "nanogpt", "encoder"]
+    )
     parser.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
     parser.add_argument("--layers", nargs="+", type=int, default=[6])
     parser.add_argument("--presets", nargs="+", default=["standard"], choices=["light", "standard", "full"])

@@ -1,6 +1,6 @@
 """Benchmark: do the Krylov vectors kept from one logging step cut the products of the next, in training?
 
-The demo model, bidirectional (so its attention takes the Krylov path above 384 tokens and has an eigen gap),
+The demo model, bidirectional (so its attention takes the Krylov path above 128 tokens and has an eigen gap),
 is trained on associative recall at ``--tokens`` tokens with AdamW. Every ``--every`` steps the attention of
 its sampled sequences is captured, and each layer's matrices are measured twice by ``attention_metrics``
 (``method="krylov"``): warm, from the vectors its previous logging step kept (as the monitor does), and cold.

@@ -33,9 +33,12 @@ from spectral_monitor.metrics.attention_passes import (
 )
 from spectral_monitor.metrics.masks import is_causal_pattern
 
-EXACT_MAX_SIZE = 384
+EXACT_MAX_SIZE = 128
 """``method="auto"`` factorises exactly when the smaller side of A is at most this, or at most
-``EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP`` where the eigen gap is not measured."""
+``EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP`` where the eigen gap is not measured. Above it the non-symmetric
+``eigvals`` the exact eigen gap needs costs more than the whole Krylov path, whose rank sums are factorised
+up to ``FACTORISE_FIRST_MAX_SIZE`` all the same: 13.7 against 6.7 ms a matrix at n = 256, 3.5 against 3.0
+at 128, 0.9 against 1.7 at 64 (benchmarks/README.md)."""
 EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP = 1024
 """Causal or rectangular attention (no eigen gap, so no non-symmetric ``eigvals``) is factorised exactly up to
 this size: on the near-uniform causal attention of a freshly initialised model the rank-sum quadrature runs

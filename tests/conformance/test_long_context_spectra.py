@@ -1,6 +1,6 @@
 """Every attention metric at long context, on attention written outside this project, against float64.
 
-Above 384 tokens bidirectional attention goes through the Krylov path: σ₁, σ₂ and the eigen gap by
+Above 128 tokens bidirectional attention goes through the Krylov path: σ₁, σ₂ and the eigen gap by
 Lanczos and Arnoldi, the Dobrushin coefficient by a bound, the effective rank by a factorisation up to 512
 tokens and above by stochastic quadrature with the leading Ritz pairs deflated. Two regimes: q, k projections
 of standard deviation 0.02 on a 64-wide model, attention so uniform that σ₂ sits far below σ₁, beyond what
