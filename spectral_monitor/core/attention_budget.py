@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from spectral_monitor.metrics.attention import uses_exact_path
+from spectral_monitor.metrics.attention import has_eigen_gap, uses_exact_path
 from spectral_monitor.metrics.attention_rank_sums import FACTORISE_FIRST_MAX_SIZE
 from spectral_monitor.probes import CapturedAttention
 
@@ -183,8 +183,7 @@ def layer_budget(
     allowed = ratio * training_cost(sequences, heads, m, d)
     exact = uses_exact_path(n, m, method, captured.causal)
     blockwise = captured.measured_blockwise()
-
-    eigen_gap = not captured.causal and n == m
+    eigen_gap = has_eigen_gap(n, m, captured.causal)
 
     def affordable(with_rank_sums: bool) -> int:
         cost = matrix_cost(

@@ -104,3 +104,23 @@ def default_generator(device: torch.device, seed: int = 0) -> torch.Generator:
         True
     """
     return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def independent_seeds(generator: torch.Generator | None, count: int) -> list[int]:
+    """``count`` seeds drawn from ``generator`` (``None``: :func:`default_generator`), for estimates that each
+    need a generator of their own: how much one of them draws then cannot change another's draws.
+
+    Args:
+        generator: The source of the seeds; ``None`` for :func:`default_generator`.
+        count: How many seeds.
+
+    Returns:
+        The seeds, in [0, 2⁶²).
+
+    Examples:
+        >>> import torch
+        >>> independent_seeds(None, 2) == independent_seeds(torch.Generator().manual_seed(0), 2)
+        True
+    """
+    source = generator if generator is not None else default_generator(torch.device("cpu"))
+    return torch.randint(0, 2**62, (count,), generator=source, device=source.device).tolist()

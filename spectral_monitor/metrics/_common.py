@@ -136,6 +136,12 @@ def threshold_rank_from_singular_values(singular_values: Tensor, level: float = 
     return (~reached).sum(dim=-1).to(singular_values.dtype) + 1
 
 
+def has_eigen_gap(n: int, m: int, causal: bool) -> bool:
+    """Whether (n, m) attention has an eigen gap to measure: square and bidirectional (a causal matrix is
+    triangular, so its eigenvalues are its diagonal)."""
+    return not causal and n == m
+
+
 def stable_rank(frobenius_squared: Tensor, sigma1: Tensor) -> Tensor:
     """‖X‖_F² / σ₁²; NaN for the zero matrix (no direction to rank)."""
     return torch.where(

@@ -19,6 +19,7 @@ from spectral_monitor.metrics._common import (
     check_method,
     effective_rank_from_singular_values,
     flat_mask,
+    has_eigen_gap,
     nonfinite_matrices,
     stable_rank,
     threshold_rank_from_singular_values,
@@ -247,7 +248,7 @@ def uses_exact_path(n: int, m: int, method: str, causal: bool = False) -> bool:
     """
     if method != "auto":
         return method == "exact"
-    largest = EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP if causal or n != m else EXACT_MAX_SIZE
+    largest = EXACT_MAX_SIZE if has_eigen_gap(n, m, causal) else EXACT_MAX_SIZE_WITHOUT_EIGEN_GAP
     return min(n, m) <= largest
 
 
@@ -410,7 +411,7 @@ def _exact_spectral_metrics(matrices: Tensor, causal: bool, include_rank_sums: b
 
 def _exact_eigen_gap(matrices: Tensor, causal: bool) -> Tensor:
     batch, n, m = matrices.shape
-    if causal or n != m:
+    if not has_eigen_gap(n, m, causal):
         return torch.full((batch,), float("nan"), dtype=matrices.dtype, device=matrices.device)
     if n == 1:
         return torch.ones(batch, dtype=matrices.dtype, device=matrices.device)

@@ -24,9 +24,11 @@ from spectral_monitor.linalg import (
     lanczos_eigsh,
     top_singular,
 )
+from spectral_monitor.linalg.draws import independent_seeds
 from spectral_monitor.linalg.krylov_basis import GrowingRows, orthonormal_rows, reorthogonalise
 from spectral_monitor.linalg.lanczos_certificate import EACH_FLOOR
-from spectral_monitor.linalg.operators import Passenger, default_generator, gaussian
+from spectral_monitor.linalg.operators import Passenger, gaussian
+from spectral_monitor.metrics._common import has_eigen_gap
 from spectral_monitor.metrics.attention_rank_sums import rank_sums
 
 __all__ = ["KrylovState", "krylov_spectral_metrics"]
@@ -142,7 +144,7 @@ def krylov_spectral_metrics(
     # The Arnoldi iteration for |λ₂| rides in the Lanczos iteration's sweeps over A where the operator can
     # share them (a dense batch on the CPU), and finishes on its own products.
     arnoldi = None
-    if not causal and operator.rows == operator.cols:
+    if has_eigen_gap(operator.rows, operator.cols, causal):
         arnoldi = Passenger(_second_eigenvalue_modulus(operator, queries, arnoldi_draws))
     top = top_singular(
         operator if arnoldi is None else operator.carrying(arnoldi),
@@ -229,9 +231,8 @@ def _second_singular_deflated(
 
 
 def _independent_generators(generator: torch.Generator | None, count: int) -> list[torch.Generator]:
-    source = generator if generator is not None else default_generator(torch.device("cpu"))
-    seeds = torch.randint(0, 2**62, (count,), generator=source, device=source.device).tolist()
-    return [torch.Generator(device=source.device).manual_seed(seed) for seed in seeds]
+    device = generator.device if generator is not None else torch.device("cpu")
+    return [torch.Generator(device=device).manual_seed(seed) for seed in independent_seeds(generator, count)]
 
 
 def _second_eigenvalue_modulus(

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from spectral_monitor.linalg import BatchedOperator, GramOperator, lanczos_quadrature
-from spectral_monitor.linalg.operators import ProjectedOperator, default_generator, gaussian, rademacher
+from spectral_monitor.linalg.draws import independent_seeds
+from spectral_monitor.linalg.operators import ProjectedOperator, gaussian, rademacher
 from spectral_monitor.linalg.quadrature import QuadratureNodes
 from spectral_monitor.metrics._common import (
     ENERGY_LEVEL,
@@ -189,10 +190,10 @@ def _deflated_quadrature_rank_sums(
         else operator.matmat(top_vectors) / sigma.clamp_min(1e-30)[:, None, :]
     )
     top, _ = torch.linalg.qr(top)
-    source = generator if generator is not None else default_generator(sigma.device)
-    subspace_seed, probe_seed = torch.randint(0, 2**62, (2,), generator=source, device=source.device).tolist()
+    device = generator.device if generator is not None else torch.device("cpu")
+    subspace_seed, probe_seed = independent_seeds(generator, 2)
     ritz_vectors, ritz_sigma, usable = _ritz_deflation(
-        gram, top, sigma, torch.Generator(device=source.device).manual_seed(subspace_seed)
+        gram, top, sigma, torch.Generator(device=device).manual_seed(subspace_seed)
     )
     batch = sigma.shape[0]
     beneath_rounding = torch.zeros(batch, dtype=torch.bool, device=sigma.device)
@@ -200,23 +201,17 @@ def _deflated_quadrature_rank_sums(
         last = ritz_sigma.gather(1, (usable - 1).clamp_min(0)[:, None]).squeeze(1)
         rounding = torch.finfo(gram.dtype).eps * sigma[:, 0] * ritz_sigma[:, 0]
         beneath_rounding = last.square() < ROUNDING_MARGIN * rounding
-    # Elements to factorise instead sit in no group (-1).
-    groups_of = torch.where(beneath_rounding & skip_beneath_rounding, -1, usable)
-    groups = [count for count in groups_of.unique().tolist() if count >= 0]
-    if len(groups) > 1 and gram.restrict((groups_of == groups[0]).nonzero().flatten()) is None:
-        groups_of, groups = torch.full_like(usable, groups[0]), groups[:1]
+    estimated = ~(beneath_rounding & skip_beneath_rounding)  # the others are to be factorised
+    groups = _restricted_groups(gram, usable, estimated)
     erank = sigma.new_full((batch,), float("nan"))
     standard_error = sigma.new_full((batch,), float("nan"))
-    for count in groups:
-        members = (groups_of == count).nonzero().flatten()
-        restricted = gram if members.numel() == batch else gram.restrict(members)
-        assert restricted is not None  # every group restricts where the first one does
+    for count, members, restricted in groups:
         erank[members], standard_error[members] = _quadrature_rank_sums(
             restricted,
             torch.cat([top[members], ritz_vectors[members, :, :count]], dim=2),
             torch.cat([sigma[members], ritz_sigma[members, :count]], dim=1),
             frobenius_squared[members],
-            torch.Generator(device=source.device).manual_seed(probe_seed + count),
+            torch.Generator(device=device).manual_seed(probe_seed + count),
             rounds,
             members,
             batch,
@@ -231,13 +226,30 @@ def _deflated_quadrature_rank_sums(
     return metrics, beneath_rounding
 
 
+def _restricted_groups(
+    gram: GramOperator, usable: Tensor, estimated: Tensor
+) -> list[tuple[int, Tensor, BatchedOperator]]:
+    """(count, members, the operator restricted to them) for each number of Ritz pairs ``estimated``
+    elements deflate; where ``gram`` cannot be restricted, one group of every element at the smallest
+    count."""
+    counts = usable[estimated].unique().tolist()
+    groups = []
+    for count in counts:
+        members = (estimated & (usable == count)).nonzero().flatten()
+        restricted = gram if members.numel() == usable.numel() else gram.restrict(members)
+        if restricted is None:
+            return [(counts[0], torch.arange(usable.numel(), device=usable.device), gram)]
+        groups.append((count, members, restricted))
+    return groups
+
+
 def _ritz_deflation(
     gram: GramOperator, top: Tensor, sigma: Tensor, generator: torch.Generator
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Ritz pairs of P M P (M the Gram operator, P = I − top topᵀ) on one power step of a random subspace,
-    and how many of them each element may deflate: (B, side, w) vectors, (B, w) singular values √θ, (B,)
-    counts, a multiple of ``DEFLATION_STEP`` up to w = ``DEFLATION_WIDTH`` (w = 0 where the side leaves no
-    room for it). The subspace is ``DEFLATION_POWER_STEPS`` products of a Gaussian block of
+    """Ritz pairs of P M P (M the Gram operator, P = I − top topᵀ) on a random subspace, and how many of
+    them each element may deflate: (B, side, w) vectors, (B, w) singular values √θ, (B,) counts, a multiple
+    of ``DEFLATION_STEP`` up to w = ``DEFLATION_WIDTH`` (w = 0 where the side leaves no room for it). The
+    subspace is ``DEFLATION_POWER_STEPS`` products of a Gaussian block of
     w + ``DEFLATION_OVERSAMPLING`` columns.
 
     Deflating a Ritz pair (θ, v) whose residual r = P M P v − θ v is not zero moves Σσ, to second order in
