@@ -1,13 +1,13 @@
 """The curvature probe at the edge of stability, against the exact top eigenvalue of the float64 Hessian.
 
 Full-batch gradient descent on a tanh MLP fitting a random teacher (MSE), with the callback's curvature
-family on (warm starts as a run has them, every ``--every`` steps). At every curvature event the model's
-parameters are copied before the step; afterwards the Hessian of the same loss at those parameters is formed
-explicitly in float64 (``torch.autograd.functional.hessian``) and its top eigenvalues come from a dense
-symmetric eigensolver (LAPACK ``syevr``). Printed per learning rate: events, the largest relative error of the
-logged sharpness, how many events are above 1e-3, how many the probe flagged as not converged, the
-products per event, and the range of the logged and of the exact edge-of-stability ratio λ₁η/2 once at the
-edge (the second half of the run).
+family on (every ``--every`` steps, each event from a fresh random start). At every curvature event the
+model's parameters are copied before the step; afterwards the Hessian of the same loss at those parameters
+is formed explicitly in float64 (``torch.autograd.functional.hessian``) and its top eigenvalues come from a
+dense symmetric eigensolver (LAPACK ``syevr``). Printed per learning rate: events, the largest relative
+error of the logged sharpness, how many events are above 1e-3, how many the probe flagged as not converged,
+the products per event, and the range of the logged and of the exact edge-of-stability ratio λ₁η/2 once at
+the edge (the second half of the run).
 
     PYTHONPATH=$PWD python benchmarks/eos_accuracy.py                       # η = 0.8 and 1.2, 2000 steps
     PYTHONPATH=$PWD python benchmarks/eos_accuracy.py --steps 600 --lr 0.8

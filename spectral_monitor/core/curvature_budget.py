@@ -8,7 +8,7 @@ graph (built with ``create_graph`` and kept for every Hessian-vector product, ab
 :data:`GRAPH_PER_ACTIVATION` times the activations the forward of its batch saves) and parameter-sized
 vectors: the Lanczos basis at the product budget (one vector per product, and while its buffer grows the old
 buffer and the new one together), the Hutch++ sketch or the quadrature's bases when asked, the working
-vectors of a product and of an iteration, and the warm vectors kept between events. The activations are
+vectors of a product and of an iteration. The activations are
 counted by one forward of the probe batch with a saved-tensors hook (each storage once, the parameters
 left out), so no double backward is built to find out that it does not fit. ``docs/curvature.md`` compares
 the estimate with measured peaks.
@@ -73,7 +73,7 @@ class CurvatureMemory:
         probe_bytes: the probe's estimated peak, bytes.
         step_bytes: a training step's estimated peak, bytes.
         graph_bytes: the gradient's graph the probe keeps, bytes (part of ``probe_bytes``).
-        vectors: the parameter-sized vectors the probe holds at once, beside the warm ones.
+        vectors: the parameter-sized vectors the probe holds at once.
         vector_bytes: bytes of one vector over the largest parameter space.
         parameters: the size of the largest parameter space.
 
@@ -202,7 +202,7 @@ def estimate_curvature_memory(
     probe_batches: int = 1,
 ) -> CurvatureMemory:
     """The curvature probe's peak with ``options`` over the parameter spaces of ``space_sizes`` (measured one
-    after another: the largest sets the peak, the warm vectors of all are kept), and a training step's, as in
+    after another: the largest sets the peak), and a training step's, as in
     the module docstring.
 
     Args:
@@ -211,7 +211,7 @@ def estimate_curvature_memory(
         options: the curvature options (``top_k``, ``min_eigenvalue``, ``max_products``,
             ``trace_products``, ``density_probes``, ``density_steps``).
         optimizer: the training optimizer, whose state both peaks hold (before its first step, what it
-            will hold); an Adam, AdamW or RMSprop adds a preconditioned warm vector. None: no state.
+            will hold). None: no state.
         activation_bytes: what the forward of the probe loss saves (:func:`saved_activation_bytes`).
         probe_batches: how many batches of the training step's size the probe loss runs over.
 
@@ -232,9 +232,7 @@ def estimate_curvature_memory(
     dtype = next((p.dtype for p in parameters if p.dtype.is_floating_point), torch.float32)
     itemsize = torch.empty((), dtype=working_dtype(dtype)).element_size()
     largest = max(space_sizes)
-    preconditioned = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
     top_k = options.top_k
-    warm_per_space = top_k + int(options.min_eigenvalue) + int(preconditioned)
     # The eigenvalue runs, the trace and the density run one after another: the widest of them sets the peak.
     held = max(
         lanczos_vectors(options.max_products) + top_k,
@@ -243,8 +241,7 @@ def estimate_curvature_memory(
     )
     vectors = held + WORKING_VECTORS
     graph_bytes = math.ceil(GRAPH_PER_ACTIVATION * activation_bytes)
-    warm_bytes = warm_per_space * sum(space_sizes) * itemsize
-    probe = parameter_bytes + state_bytes + graph_bytes + vectors * largest * itemsize + warm_bytes
+    probe = parameter_bytes + state_bytes + graph_bytes + vectors * largest * itemsize
     step = parameter_bytes + gradient_bytes + state_bytes + activation_bytes // probe_batches
     return CurvatureMemory(
         probe_bytes=probe,

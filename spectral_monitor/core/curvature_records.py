@@ -30,11 +30,11 @@ def curvature_measurements(step: int, layer: str, estimate: CurvatureEstimate) -
 
     Examples:
         >>> import torch
-        >>> from spectral_monitor.probes.curvature import CurvatureWarmStart, EdgeOfStability
+        >>> from spectral_monitor.probes.curvature import EdgeOfStability
         >>> estimate = CurvatureEstimate(
         ...     eigenvalues=torch.tensor([4.0, 1.0]), sharpness=4.0, edge=EdgeOfStability("sgd", 0.5, 4.0),
         ...     min_eigenvalue=None, trace=None, density=None, gradient_alignment=float("nan"), products=12,
-        ...     converged=True, warm=CurvatureWarmStart(),
+        ...     converged=True,
         ... )
         >>> [(r.metric, r.value) for r in curvature_measurements(10, "model", estimate)]
         [('hessian_eigenvalue_1', 4.0), ('hessian_eigenvalue_2', 1.0), ('converged', 1.0),

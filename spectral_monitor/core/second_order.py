@@ -30,9 +30,10 @@ The options (:class:`CurvatureOptions`, :class:`JacobianOptions`, :class:`NTKOpt
 :class:`ProbeDataOptions`) live in :mod:`spectral_monitor.core.second_order_options` and are re-exported here.
 
 A checkpoint holds what a resumed run needs to go on measuring as the uninterrupted run would have: the
-probe batches, the curvature and Jacobian warm vectors, the probes' generator and step counter
-(:meth:`SecondOrderProbes.state_dict`, under ``"second_order"`` in the monitor's state). The curvature
-vectors are parameter-sized; ``CurvatureOptions(checkpoint_warm_vectors=False)`` leaves them out.
+probe batches, the Jacobian warm vectors, the probes' generator and step counter
+(:meth:`SecondOrderProbes.state_dict`, under ``"second_order"`` in the monitor's state). Every curvature
+event starts cold (:func:`~spectral_monitor.probes.curvature.hessian_eigenvalues` says why), so no
+parameter-sized vector is kept.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,14 +56,7 @@ from spectral_monitor.core.curvature_budget import (
     saved_activation_bytes,
 )
 from spectral_monitor.core.curvature_records import curvature_measurements
-from spectral_monitor.core.probe_checkpoint import (
-    Layout,
-    check_resumable,
-    checked_curvature_warm,
-    checked_list,
-    layout_of,
-    vectors_of,
-)
+from spectral_monitor.core.probe_checkpoint import check_resumable, checked_list
 from spectral_monitor.core.schedule import Cadence
 from spectral_monitor.core.second_order_options import (
     WHOLE_MODEL,
@@ -73,7 +67,7 @@ from spectral_monitor.core.second_order_options import (
 )
 from spectral_monitor.distributed import any_rank, global_rank
 from spectral_monitor.probes._autodiff import probing
-from spectral_monitor.probes.curvature import CurvatureWarmStart, check_unsharded, measure_curvature
+from spectral_monitor.probes.curvature import check_unsharded, measure_curvature
 from spectral_monitor.probes.jacobian import END_TO_END, block_jacobian_norms
 from spectral_monitor.probes.ntk import empirical_ntk
 from spectral_monitor.probes.parameter_space import ParameterSpace
@@ -205,11 +199,9 @@ class SecondOrderProbes:
         self._step_offset = step_offset
         self._device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))
         self._batches: list[Any] = []
-        self._curvature_warm: dict[str, CurvatureWarmStart] = {}
         self._jacobian_warm: dict[str, Tensor] = {}
         self._jacobian_skipped_warned: set[str] = set()
         self._spaces: dict[str, ParameterSpace] | None = None
-        self._space_layouts: dict[str, Layout] = {}  # of the spaces the curvature warm vectors belong to
         self._last_step = -1
         self._last_start: float | None = None
         self._last_probe_seconds = 0.0
@@ -286,11 +278,10 @@ class SecondOrderProbes:
         """What a resumed run needs to measure as this one would have gone on measuring.
 
         Returns:
-            The probe batches, the warm vectors (the curvature ones unless ``checkpoint_warm_vectors=False``),
-            the generator's state, the global rank, the last step seen and the last training step's duration
-            (for ``overhead_percent``), and with ``max_overhead_percent`` the last curvature event's step and
-            the interval after it. A probe batch that cannot be checkpointed is left out, through
-            ``failures_of``.
+            The probe batches, the Jacobian warm vectors, the generator's state, the global rank, the last
+            step seen and the last training step's duration (for ``overhead_percent``), and with
+            ``max_overhead_percent`` the last curvature event's step and the interval after it. A probe batch
+            that cannot be checkpointed is left out, through ``failures_of``.
         """
         state: dict[str, Any] = {
             "last_step": self._last_step,
@@ -306,11 +297,6 @@ class SecondOrderProbes:
         with self._failures_of("checkpointing the probe batch"):
             check_resumable(self._batches)
             state["probe_batches"] = list(self._batches)
-        if self.curvature is not None and self.curvature.checkpoint_warm_vectors:
-            state["curvature_warm"] = {
-                layer: {"layout": self._space_layouts[layer], **vectors_of(warm)}
-                for layer, warm in self._curvature_warm.items()
-            }
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any] | StateEntries) -> list[str]:
@@ -319,8 +305,7 @@ class SecondOrderProbes:
 
         The probe batches go to the model's device (Lightning's ``torch.load`` puts a checkpoint's tensors on
         the CPU), as many as ``probe_data`` uses. Under DDP the checkpoint holds global rank 0's state, so
-        another rank takes its own probe batch at its first event rather than rank 0's shard. Curvature
-        vectors are used only where the parameters are laid out (names and shapes) as when they were made.
+        another rank takes its own probe batch at its first event rather than rank 0's shard.
 
         Args:
             state_dict: What :meth:`state_dict` returned, or its entries already read from a checkpoint.
@@ -341,12 +326,6 @@ class SecondOrderProbes:
             used = {"fixed": 1, "averaged": self.data.probe_batches, "current": 0}[self.data.probe_batch]
             self._batches = [_on_device(batch, self._device) for batch in state["probe_batches"][:used]]
         self._jacobian_warm = state["jacobian_warm"]
-        warm = state["curvature_warm"]
-        self._curvature_warm = {
-            layer: CurvatureWarmStart(**{f.name: entry.get(f.name) for f in fields(CurvatureWarmStart)})
-            for layer, entry in warm.items()
-        }
-        self._space_layouts = {layer: entry["layout"] for layer, entry in warm.items()}
         self._spaces = None  # built at the first event, from the model as it is then
         return entries.dropped
 
@@ -359,13 +338,12 @@ class SecondOrderProbes:
                 are dropped, named in ``entries.dropped``.
 
         Returns:
-            The usable entries by key; ``probe_batches``, ``jacobian_warm``, ``curvature_warm`` and ``rank``
+            The usable entries by key; ``probe_batches``, ``jacobian_warm`` and ``rank``
             always (empty, or 0, where the checkpoint had none usable), the others where present.
         """
         state: dict[str, Any] = {
             "probe_batches": entries.read("probe_batches", [], checked_list),
             "jacobian_warm": entries.unit_vectors("jacobian_warm", ndim=2),
-            "curvature_warm": entries.by_name("curvature_warm", checked_curvature_warm),
         }
         if "last_step" in entries:
             state["last_step"] = entries.integer("last_step", None, smallest=-1, optional=True)
@@ -415,17 +393,8 @@ class SecondOrderProbes:
     ) -> None:
         if self._spaces is None or not _spaces_still_current(self._spaces, module):
             # First use in this process, or the model changed under the probe (a block removed, a weight
-            # replaced): measure it as it now is. Vectors restored from a checkpoint are kept where the
-            # parameters are laid out as when they were made; those of a changed model are of no use.
-            changed = self._spaces is not None
+            # replaced): measure it as it now is.
             self._spaces = self.curvature.spaces(module, self._warn)
-            layouts = {layer: layout_of(space) for layer, space in self._spaces.items()}
-            self._curvature_warm = {
-                layer: warm
-                for layer, warm in self._curvature_warm.items()
-                if not changed and self._space_layouts.get(layer) == layouts.get(layer)
-            }
-            self._space_layouts = layouts
         options = self.curvature
         if not self._memory_checked:
             self._memory_checked = True
@@ -445,13 +414,11 @@ class SecondOrderProbes:
                 optimizer=optimizer,
                 max_products=options.max_products,
                 tol=options.tol,
-                warm=self._curvature_warm.get(layer),
                 mode=self.data.mode,
                 method=options.method,
                 generator=self._generator,
                 average_over_ranks=True,
             )
-            self._curvature_warm[layer] = estimate.warm
             event.measurements += curvature_measurements(step, layer, estimate)
             if estimate.density is not None:
                 nodes = estimate.density.nodes[0].cpu().numpy()

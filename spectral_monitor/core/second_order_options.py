@@ -67,13 +67,6 @@ class CurvatureOptions:
             a layer's values at an event that did not converge.
         method: how Hessian-vector products are formed: ``"autograd"`` (a double backward through the
             gradient's kept graph) or ``"func"`` (``torch.func``).
-        checkpoint_warm_vectors: keep the last event's Ritz vectors in the callback's checkpoint state, so a
-            resumed run warm-starts as the uninterrupted one would. They are parameter-sized: per layer
-            (``"model"`` and each block) ``top_k`` vectors, one more with ``min_eigenvalue``, one more under
-            Adam, AdamW or RMSprop (the preconditioned sharpness), each as many float32 numbers (float64 for
-            float64 parameters) as the layer has parameters: ``top_k=1`` under AdamW on 100 M parameters adds
-            800 MB to every checkpoint. False leaves them out (the resumed run's first event starts cold); the
-            probe batch is checkpointed either way.
         max_overhead_percent: stretch the cadence so that each event's time, spread over the steps to the
             next one, is at most this percentage of the training steps' time: the next event waits for the
             first step of the cadence at least 100 · event seconds / (max_overhead_percent · median step
@@ -108,7 +101,6 @@ class CurvatureOptions:
     max_products: int = 128
     tol: float = 1e-3
     method: HessianMethod = "autograd"
-    checkpoint_warm_vectors: bool = True
     max_overhead_percent: float | None = None
     max_memory_ratio: float | None = None
 
@@ -132,7 +124,6 @@ class CurvatureOptions:
         check_int("max_products", self.max_products, smallest=max(2, self.top_k))
         check_number("tol", self.tol, above=0.0, below=1.0)
         check_choice("method", self.method, HESSIAN_METHODS)
-        check_bool("checkpoint_warm_vectors", self.checkpoint_warm_vectors)
         if self.max_overhead_percent is not None:
             check_number("max_overhead_percent", self.max_overhead_percent, above=0.0, unit="percentage")
         if self.max_memory_ratio is not None:

@@ -10,15 +10,21 @@ within r²/δ of θ (Kato–Temple). The solver takes δ as the distance from θ
 [θⱼ − rⱼ, θⱼ + rⱼ] of another Ritz pair, so an unresolved neighbour narrows the gap instead of widening it,
 and asks for three things: min(r, r²/δ) within ``tol`` of the eigenvalue (of each wanted one with
 ``relative_to="each"``); the first Ritz pair past the wanted ones resolved (its residual at most half its
-distance to them, or converged itself); and, with ``failure_probability`` p, a Krylov polynomial of high
-enough degree that an eigenvalue δ or more above θ, had the space missed it, would have pulled a Ritz value
-to it from a random start with probability 1 − p (the Kaniel–Paige–Saad bound,
-:func:`~spectral_monitor.linalg.lanczos_certificate.judge`).
+distance to them, or converged itself); and, with ``failure_probability`` p, that no eigenvalue the space
+missed lies above the answer, except with probability p over the random start
+(:func:`~spectral_monitor.linalg.lanczos_certificate.judge`). For the top value of a single-vector run
+(one operator, one start vector) that is gap-free: the Krylov space's Christoffel function bounds the
+start's component along every eigenvector τ₁ or more above θ₁
+(:func:`~spectral_monitor.linalg.lanczos_certificate.hidden_component`), so λ_max ∈ [θ₁, θ₁ + τ₁] whatever
+the rest of the spectrum, under an assumption on the products' rounding (below ``ROUNDING_FLOOR`` units of
+the largest product). For the values below it, and for block runs, a Krylov polynomial of high enough
+degree that an eigenvalue δ or more above θ would have pulled a Ritz value to it (the Kaniel–Paige–Saad
+bound).
 
 When it can still fail. A Krylov method sees nothing of an eigenvector orthogonal to its start space: the
-guarantee is over the random start, not over the operator. A Gaussian start has a component below p/√n
-along a fixed eigenvector with probability about p·√(2/π); the degree test is sized for that. It covers an
-unseen eigenvalue δ or more above θ; one closer than δ is excluded only by the Ritz intervals (an unsplit
+guarantee is over the random start, not over the operator. A Gaussian start has a component below p/(2√n)
+along a fixed eigenvector with probability below p; both tests are sized for that. The degree test covers
+an unseen eigenvalue δ or more above θ; one closer than δ is excluded only by the Ritz intervals (an unsplit
 cluster shows there as a wide interval next to θ, which shrinks δ, but nothing proves it must). The spread of
 the spectrum in that test is the Ritz values' span (widened by the end residuals), which underestimates the
 true spread until the far end has converged, so the test can be optimistic early. Without
@@ -48,6 +54,8 @@ from torch import Tensor
 from spectral_monitor.linalg.krylov_basis import BlockTridiagonal, GrowingRows, orthonormal_rows
 from spectral_monitor.linalg.lanczos_certificate import (
     CERTAINTY,
+    ROUNDING_FLOOR,
+    LanczosRecurrence,
     StopCriterion,
     least_degree,
     stop_test,
@@ -212,9 +220,9 @@ def lanczos_eigsh(
             an error can reach). Either way never below ``ROUNDING_FLOOR`` units of the operator dtype's
             rounding times the largest product norm seen.
         init_mode: ``"prepend"`` or ``"mix"`` (the module docstring says what each keeps).
-        failure_probability: p in (0, 1) of the Kaniel–Paige–Saad degree test, which makes a cluster the
-            space has not split, or a warm vector that is an eigenvector of a lower eigenvalue, cost products
-            instead of accuracy; ``None`` for the first two tests only.
+        failure_probability: p in (0, 1) of the test that no eigenvalue above the answer was missed, which
+            makes a cluster the space has not split, or a warm vector that is an eigenvector of a lower
+            eigenvalue, cost products instead of accuracy; ``None`` for the first two tests only.
 
     Returns:
         The :class:`EigenResult`, values and vectors in ``dtype``.
@@ -477,7 +485,11 @@ def _single_vector_lanczos(
     off_diagonal: list[float] = []
     undecided = torch.zeros(1, dtype=torch.bool, device=device)
     threshold_per_scale = 10 * n**0.5 * torch.finfo(work).eps
-    next_check = 1 if failure_probability is None else 1 + int(least_degree(n, failure_probability))
+    # The start-component route of the certificate has no degree below which it must fail (a spectrum
+    # concentrated on a few values lets it pass at once), so the test runs once there are k + 1 Ritz values.
+    next_check = k + 1
+    departures: list[float] = []
+    polynomial = True  # every basis vector so far is a polynomial of the operator applied to the start
     values = torch.full((1, k), float("nan"), dtype=work, device=device)
     vectors = torch.zeros((1, n, k), dtype=work, device=device)
     residual = torch.full((1, k), float("inf"), dtype=work, device=device)
@@ -499,7 +511,14 @@ def _single_vector_lanczos(
         coefficients = rows @ w
         diagonal.append(float(coefficients[-1]))
         w = w - rows.T @ coefficients
-        w = w - rows.T @ (rows @ w)
+        correction = rows @ w
+        w = w - rows.T @ correction
+        # What the three-term recurrence does not record (coefficients on older rows, the second pass's,
+        # the first pass's on the row before differing from its β), and the products' own rounding.
+        older = coefficients[:-2]
+        behind = float(coefficients[-2]) - off_diagonal[-1] if off_diagonal else 0.0
+        departure = float(older @ older) + behind * behind + float(correction @ correction)
+        departures.append(math.sqrt(departure) + ROUNDING_FLOOR * rounding * scale)
         room = n - basis.count
         coupling, next_row = 0.0, None
         if room > 0:
@@ -512,6 +531,7 @@ def _single_vector_lanczos(
                     _tensor(w).view(1, 1, n), basis_rows[None], scales, generator
                 )
                 coupling = float(filler_coupling)
+                polynomial = False
         exhausted = room <= 0
         last = exhausted or iteration == max_iters
         if len(diagonal) < k or (iteration < next_check and not last):
@@ -524,6 +544,11 @@ def _single_vector_lanczos(
         if off_diagonal:
             tridiagonal += np.diag(off_diagonal, 1) + np.diag(off_diagonal, -1)
         theta, ritz = np.linalg.eigh(tridiagonal)
+        recurrence = None
+        if polynomial and coupling > 0:
+            recurrence = LanczosRecurrence(
+                np.array([diagonal]), np.array([[*off_diagonal, coupling]]), np.array([departures])
+            )
         test = stop_test(
             theta[None],
             np.abs(coupling * ritz[-1])[None],
@@ -537,6 +562,7 @@ def _single_vector_lanczos(
             n=n,
             failure_probability=failure_probability,
             last=last,
+            recurrence=recurrence,
         )
         verdict = test.verdict
         # Every product exactly zero: the random start lies in the operator's null space (probability zero).

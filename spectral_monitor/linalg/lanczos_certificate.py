@@ -28,6 +28,10 @@ EACH_FLOOR = 1e-3
 """With ``relative_to="each"``, a wanted |θ| below this fraction of the largest is judged against the floor
 instead: near zero, float32 rounding of the products, not θ, sets the scale an error can reach."""
 
+DECISIVE = 1e200
+"""A Christoffel function this large decides the start-component bound: the rest of the recurrence cannot
+move it, and going on could overflow."""
+
 
 @dataclass
 class Verdict:
@@ -68,6 +72,30 @@ class StopTest:
     relative_residual: np.ndarray
 
 
+@dataclass
+class LanczosRecurrence:
+    """The three-term recurrence of a single-vector Lanczos run from a unit start q₀, which makes each basis
+    vector a polynomial of the operator applied to the start: β_{i+1} q_{i+1} = (H − α_i) q_i − β_i q_{i−1}
+    − f_i, so q_i = π_i(H) q₀ where f = 0. What the recurrence does not record (the Gram–Schmidt
+    coefficients on older vectors, the second pass's, rounding of the products) is the departure f_i.
+
+    Attributes:
+        diagonal: (B, L) α₀ … α_{L−1}.
+        off_diagonal: (B, L) β₁ … β_L, all positive; β_L couples the newest basis vector q_L.
+        departure: (B, L) bounds on ‖f₀‖ … ‖f_{L−1}‖.
+
+    Examples:
+        >>> import numpy as np
+        >>> chain = LanczosRecurrence(np.zeros((1, 1)), np.ones((1, 1)), np.zeros((1, 1)))
+        >>> chain.diagonal.shape
+        (1, 1)
+    """
+
+    diagonal: np.ndarray
+    off_diagonal: np.ndarray
+    departure: np.ndarray
+
+
 def stop_test(
     theta: np.ndarray,
     residual: np.ndarray,
@@ -82,6 +110,7 @@ def stop_test(
     n: int,
     failure_probability: float | None,
     last: bool,
+    recurrence: LanczosRecurrence | None = None,
 ) -> StopTest:
     """The stop test of one Lanczos iteration: each wanted value's absolute tolerance, then :func:`judge`.
 
@@ -101,6 +130,7 @@ def stop_test(
         n: The operator's size.
         failure_probability: p of the degree test, or ``None`` to skip it.
         last: Whether this is the last iteration: the full test then runs even where it cannot pass.
+        recurrence: As :func:`judge` takes it.
 
     Returns:
         The :class:`StopTest`; its ``verdict`` is ``None`` when this is not the ``last`` iteration and
@@ -133,7 +163,8 @@ def stop_test(
     relative = wanted_residual / magnitude[:, None]
     if not last and beyond_tolerance(theta, wanted_residual, tolerance, criterion):
         return StopTest(None, relative)
-    return StopTest(judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability), relative)
+    verdict = judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability, recurrence)
+    return StopTest(verdict, relative)
 
 
 @np.errstate(all="ignore")  # inf and NaN are values here, as in torch
@@ -146,6 +177,7 @@ def judge(
     degree: int,
     n: int,
     failure_probability: float | None,
+    recurrence: LanczosRecurrence | None = None,
 ) -> Verdict:
     """The stop test of :func:`~spectral_monitor.linalg.lanczos_eigsh` on the ascending Ritz values ``theta``
     (B, m) and the residuals of every Ritz pair ``residual`` (B, m), for the top ``k`` with absolute
@@ -167,7 +199,14 @@ def judge(
        or more above θᵢ. For the top value that is a contradiction already at ε₁ = δ₁: the Chebyshev
        polynomial of degree d on [λ_min, θ₁] gives a vector of the space whose Rayleigh quotient exceeds θ₁,
        the largest Ritz value. Below the top the Ritz values above θᵢ enter the bound for the i-th one, and
-       the stricter τᵢ leaves room for them.
+       the stricter τᵢ leaves room for them. This excludes unseen eigenvalues δᵢ or more above θᵢ only: one
+       hiding closer, between θᵢ and the next Ritz interval, is not ruled out.
+
+       Given the ``recurrence`` of a single-vector run, the top value's test is gap-free instead: it passes
+       where no eigenvalue τ₁ or more above θ₁ can have escaped, so λ_max ∈ [θ₁, θ₁ + τ₁] with probability
+       1 − p. Either the degree test with δ₁ = ε₁ = τ₁ holds, or :func:`hidden_component` bounds the start's
+       component along every eigenvector of eigenvalue θ₁ + τ₁ or more by p/(2√n), the same threshold read
+       from the Krylov space itself: a bulk the polynomials stay small on costs few steps.
 
     Args:
         theta: (B, m) the Ritz values, ascending.
@@ -179,9 +218,13 @@ def judge(
         degree: d, the Krylov degree of the space.
         n: The operator's size.
         failure_probability: p of test 3, or ``None`` to skip it.
+        recurrence: The single-vector recurrence behind ``theta``, which makes the top value's test 3
+            gap-free; ``None`` where the basis is not one start's polynomials (blocks, filler directions).
 
     Returns:
-        The :class:`Verdict`; its ``least_degree`` is set where tests 1 and 2 pass and test 3 does not.
+        The :class:`Verdict`; its ``least_degree`` is set where tests 1 and 2 pass and test 3 does not (for
+        a top value with a ``recurrence``, the next degree, unless the component bound's rounding echo alone
+        exceeds the threshold: how fast the bound falls cannot be told in advance).
 
     Examples:
         Ritz values 1, 2, 5, all exact, in a space of size 3: the degree test at p = 0.01 needs a degree of
@@ -225,26 +268,111 @@ def judge(
     else:
         met = np.zeros_like(met)
     least_degree = np.zeros(batch, dtype=theta.dtype)
-    if failure_probability is None or m <= k:
+    if failure_probability is None or m <= k or not met.any():  # test 3 decides nothing then
         return Verdict(met, least_degree)
     spread = np.maximum((theta[:, -1] - theta[:, 0] + residual[:, -1] + residual[:, 0])[:, None], tiny)
     certain = 2 * n**0.5 / failure_probability
     gap = np.maximum(interval_gap, tolerance)
+    if recurrence is not None:
+        gap[:, 0] = tolerance[:, 0]  # gap-free: no eigenvalue τ₁ or more above θ₁ may hide
     pulled = np.maximum(pulled_within(gap, tolerance), tiny)
     needed = np.arccosh(np.maximum(certain * np.sqrt(spread / pulled), 1))
-    certified = (degree * np.arccosh(1 + 2 * gap / spread) >= needed).all(axis=1)
+    certified = degree * np.arccosh(1 + 2 * gap / spread) >= needed
+    if recurrence is not None:
+        component, echo = hidden_component(recurrence, theta[:, -1] + tolerance[:, 0])
+        certified[:, 0] |= component * certain <= 1
     # Once the error bounds are met the wanted values have converged; the Ritz values below them only rise
     # and the span only widens, so the gap to the next Ritz value's centre (plus the tolerance) and the span
     # of today's values bound the degree the test will ever need from below.
     centre_gap = np.where(outside, centre_distance, inf).min(axis=2) + tolerance
+    if recurrence is not None:
+        centre_gap[:, 0] = tolerance[:, 0]
     bare_spread = np.maximum((theta[:, -1] - theta[:, 0])[:, None], tiny)
     lower = np.arccosh(
         np.maximum(certain * np.sqrt(bare_spread / np.maximum(pulled_within(centre_gap, tolerance), tiny)), 1)
     )
-    least = (lower / np.arccosh(1 + 2 * centre_gap / bare_spread)).max(axis=1)
+    least = lower / np.arccosh(1 + 2 * centre_gap / bare_spread)
+    if recurrence is not None:
+        # How fast the Christoffel function will grow cannot be told from the space so far (near the top Ritz
+        # value, a zero of the newest polynomial, its last step says little), so the route is tried at the
+        # next degree, unless rounding's echo alone exceeds the threshold once θ₁, and so μ, has settled
+        # within its residual: the echo then only grows with the space.
+        hopeless = (echo * certain >= 1) & (wanted_residual[:, 0] <= tolerance[:, 0])
+        least[:, 0] = np.where(hopeless, least[:, 0], degree + 1)
+    certified = certified.all(axis=1)
+    least = least.max(axis=1)
     least = np.where(np.isnan(least), 0.0, np.minimum(least, 2.0**31))
     least_degree = np.where(met & ~certified, least, least_degree).astype(theta.dtype)
     return Verdict(met & certified, least_degree)
+
+
+def hidden_component(recurrence: LanczosRecurrence, mu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The largest component the unit start q₀ can have along any eigenvector of eigenvalue μ or more, given
+    the recurrence its basis grew by, with μ above every Ritz value (where the recurrence's polynomials πᵢ
+    are positive and grow with μ).
+
+    For a unit eigenvector u of eigenvalue λ ≥ μ, sᵢ = uᵀqᵢ = πᵢ(λ)·(c + ξᵢ) with c = uᵀq₀ and ξᵢ the
+    departures' echo: |ξᵢ| ≤ Ξᵢ = Σ_{l<i} W_l/(β_{l+1}π_lπ_{l+1}), W_l = Σ_{m≤l} ‖f_m‖π_m (each departure
+    propagated by reduction of order of the recurrence). The basis is orthonormal, so Σᵢ sᵢ² ≤ 1 (Bessel)
+    and |c| ≤ Ξ + 1/√K with K = Σᵢ πᵢ(λ)², the Christoffel function of the Ritz values' quadrature: the
+    sharpest bound the Krylov space can give, with no assumption on the rest of the spectrum. K only grows
+    and Ξ only falls from μ up (past their zeros, πᵢ/π_l grows with λ for l < i), so the bound at μ holds
+    for every eigenvalue above it. Bessel holds for every prefix q₀ … q_P of the basis too; the least of
+    the prefixes' bounds is returned.
+
+    Ξ is as sound as the departures: they hold the Gram–Schmidt coefficients the recurrence does not
+    record, measured, and the products' own rounding, assumed below ``ROUNDING_FLOOR`` units of the
+    largest product. It grows with the start's weight along the eigenvectors just below μ, over which
+    rounding could carry part of the start to μ: in float32, with a tolerance of a few 1e-4 of the largest
+    eigenvalue or less, it alone can exceed the threshold, and the bound then cannot pass however far the
+    space grows.
+
+    Args:
+        recurrence: The :class:`LanczosRecurrence` of each batch element.
+        mu: (B,) the eigenvalue from which on components are bounded, above every Ritz value.
+
+    Returns:
+        ``(bound, echo)``, each (B,): the bound on |c|, and Ξ of the whole basis, the part of it that does
+        not fall as the space grows.
+
+    Examples:
+        Two Lanczos steps on diag(0, 0, 1) from q₀ = (1, 1, 1)/√3 (α = 1/3, 2/3; β₁ = √2/3, β₂ = 0 would
+        end the space: here β₂ is taken tiny): no eigenvalue at 1.5 or more can have a large component.
+
+        >>> import numpy as np
+        >>> alpha, beta = np.array([[1 / 3, 2 / 3]]), np.array([[2**0.5 / 3, 1e-9]])
+        >>> chain = LanczosRecurrence(alpha, beta, np.zeros((1, 2)))
+        >>> bound, _ = hidden_component(chain, np.array([1.5]))
+        >>> bool(bound[0] < 1e-8)
+        True
+    """
+    bounds, echoes = [], []
+    # Python floats: the recurrence is sequential and its batch is one run, where a numpy call per scalar
+    # operation would cost more than the rest of the stop test.
+    for alpha, beta, departure, point in zip(
+        recurrence.diagonal.tolist(),
+        recurrence.off_diagonal.tolist(),
+        recurrence.departure.tolist(),
+        mu.tolist(),
+        strict=True,
+    ):
+        previous, current, coupling = 0.0, 1.0, 0.0
+        christoffel, weighted, echo, bound = 1.0, 0.0, 0.0, 1.0
+        for diagonal, off_diagonal, departed in zip(alpha, beta, departure, strict=True):
+            weighted += departed * current
+            following = ((point - diagonal) * current - coupling * previous) / off_diagonal
+            if not following > 0:  # past the zeros the polynomials are positive: μ was not above them all
+                bound = math.inf
+                break
+            echo += weighted / (off_diagonal * current * following)
+            christoffel += following * following
+            previous, current, coupling = current, following, off_diagonal
+            bound = min(bound, echo + christoffel**-0.5)
+            if christoffel > DECISIVE:  # past any threshold, and short of overflow
+                break
+        bounds.append(bound)
+        echoes.append(echo)
+    return np.array(bounds, dtype=mu.dtype), np.array(echoes, dtype=mu.dtype)
 
 
 def pulled_within(gap: np.ndarray, tolerance: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ The defaults are reverse-over-reverse products, single-vector Lanczos, and a sto
 bound whose gap is certified from the random start (``docs/curvature.md`` describes the certificate).
 
 The Hessian is an operator of :mod:`spectral_monitor.linalg`, so the engine's block Lanczos (top-k largest
-algebraic eigenvalues, per-event product budget, warm start from the last event's Ritz vectors),
+algebraic eigenvalues, per-event product budget),
 Hutch++ and stochastic Lanczos quadrature all apply to it unchanged. The parameters it acts on are a
 :class:`~spectral_monitor.probes.parameter_space.ParameterSpace`; the optimizer's threshold, to which the
 sharpness is compared, comes from :mod:`spectral_monitor.probes.edge_of_stability`. Both are re-exported
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -36,7 +36,6 @@ from spectral_monitor.linalg import (
     lanczos_quadrature,
 )
 from spectral_monitor.linalg.lanczos import fresh_generator
-from spectral_monitor.linalg.lanczos_certificate import CERTAINTY
 from spectral_monitor.probes._autodiff import ProbeMode, batched_grad, probing
 from spectral_monitor.probes.edge_of_stability import PRECONDITIONED, EdgeOfStability, edge_of_stability
 from spectral_monitor.probes.parameter_space import BLOCK_PRESETS, ParameterSpace
@@ -44,7 +43,6 @@ from spectral_monitor.probes.parameter_space import BLOCK_PRESETS, ParameterSpac
 __all__ = [
     "BLOCK_PRESETS",
     "CurvatureEstimate",
-    "CurvatureWarmStart",
     "DiagonallyScaled",
     "EdgeOfStability",
     "HessianOperator",
@@ -300,6 +298,15 @@ class DiagonallyScaled(BatchedOperator):
         return self.base.agreed(flags)
 
 
+FAILURE_PROBABILITY = 0.05
+"""The chance, over the random start, that a certified Hessian eigenvalue has an unseen one above it. Larger
+than the linear-algebra default (``lanczos_certificate.CERTAINTY``, 1%): the top value's gap-free
+certificate compares the start's component along anything above θ₁ + τ₁ with p/(2√n), and in float32 the
+products' rounding alone can account for about 10·ε/tol of the start's weight near the top, so at
+``tol=1e-3`` and 1% the demo transformer's crowded top at initialisation could not be certified from two
+starts; at 5% it is, in 25 products."""
+
+
 def hessian_eigenvalues(
     op: BatchedOperator,
     k: int = 1,
@@ -320,12 +327,21 @@ def hessian_eigenvalues(
     Width 1 by default, single-vector Lanczos; a wider block batches its products into one backward pass, and
     a width of at least the multiplicity is needed to resolve exactly repeated eigenvalues.
 
-    Warm vectors ``init`` (n, r), the last event's Ritz vectors, are mixed into the random start
-    (``init_mode="mix"``): every start vector is a random direction plus a warm one, so the Krylov space
-    holds the warm directions from the first product and keeps a cold start's chance at every eigenvector,
-    one the warm vectors have turned away from included. The warm answer is accepted by the same test as a
-    cold one, so a stale vector inside a cluster (an eigenvector of λ₂ after an eigenvalue crossing) costs
-    products, not accuracy.
+    Warm vectors ``init`` (n, r), such as an earlier solve's Ritz vectors, are mixed into the random start
+    (``init_mode="mix"``): every start vector is a random direction plus a warm one, and the answer is
+    accepted by the same test as a cold one, so a stale vector inside a cluster (an eigenvector of λ₂ after
+    an eigenvalue crossing) cannot be returned as the top. They do not make the top value's certificate
+    cheaper: it must rule out every eigenvalue above θ₁ + τ, which only the random part of the start can,
+    and the more of the start lies along the top eigenvector, the more the products' rounding can hide
+    there; in float32 a start close to it can leave the certificate out of reach. The probes start cold.
+
+    A run that stops early because its certificate cannot be reached from its start (``info.out_of_budget``;
+    in float32 a start with much weight along the top eigenvector can do that,
+    :func:`~spectral_monitor.linalg.lanczos_certificate.hidden_component`) is followed by one more from a
+    fresh random start, which spends what is left of ``max_products``; ``info`` then counts both runs. Each
+    start misses an eigenvalue above the answer with probability at most p = :data:`FAILURE_PROBABILITY`, so
+    a value certified by the second is wrong with probability at most p·(1 + q) ≤ 2p, q the chance that the
+    first stops early.
 
     Args:
         op: A symmetric operator with a batch of one (a :class:`HessianOperator`, or a scaled one).
@@ -359,42 +375,35 @@ def hessian_eigenvalues(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     width = min(block_size, op.cols)
-    return lanczos_eigsh(
-        op,
-        k,
-        which=which,
-        block_size=width,
-        tol=tol,
-        max_iters=max(max_products // width, -(-k // width)),
-        init=None if init is None else init.reshape(1, op.cols, -1),
-        generator=generator,
-        criterion="eigenvalue",
-        relative_to="each",
-        init_mode="mix",
-        failure_probability=CERTAINTY,
+
+    def solve(start: Tensor | None, products: int) -> EigenResult:
+        return lanczos_eigsh(
+            op,
+            k,
+            which=which,
+            block_size=width,
+            tol=tol,
+            max_iters=max(products // width, -(-k // width)),
+            init=None if start is None else start.reshape(1, op.cols, -1),
+            generator=generator,
+            criterion="eigenvalue",
+            relative_to="each",
+            init_mode="mix",
+            failure_probability=FAILURE_PROBABILITY,
+        )
+
+    first = solve(init, max_products)
+    left = max_products - first.info.products
+    stopped_early = first.info.out_of_budget is not None and bool(first.info.out_of_budget.all())
+    if bool(first.info.converged.all()) or not stopped_early or left <= k:
+        return first
+    second = solve(None, left)
+    info = replace(
+        second.info,
+        iterations=first.info.iterations + second.info.iterations,
+        products=first.info.products + second.info.products,
     )
-
-
-@dataclass
-class CurvatureWarmStart:
-    """Ritz vectors of the last event, per quantity, to warm-start the next one.
-
-    Vectors of another space's size are not used (the start is then cold); the Lanczos engine accepts a warm
-    answer by the same test as a cold one.
-
-    Attributes:
-        top: (size, top_k), the top eigenvectors of H, or None.
-        bottom: (size, 1), the eigenvector of the most negative eigenvalue, or None.
-        preconditioned: (size, 1), the top eigenvector of P^-1/2 H P^-1/2, or None.
-
-    Examples:
-        >>> CurvatureWarmStart().top is None
-        True
-    """
-
-    top: Tensor | None = None
-    bottom: Tensor | None = None
-    preconditioned: Tensor | None = None
+    return EigenResult(second.values, second.vectors, info)
 
 
 @dataclass
@@ -413,7 +422,6 @@ class CurvatureEstimate:
         products: Hessian-vector products spent.
         converged: Every Lanczos run passed its test within its budget (:func:`hessian_eigenvalues`); the
             values are returned either way.
-        warm: Vectors for the next event.
 
     Examples:
         >>> import torch
@@ -435,7 +443,6 @@ class CurvatureEstimate:
     gradient_alignment: float
     products: int
     converged: bool
-    warm: CurvatureWarmStart
 
 
 def measure_curvature(
@@ -452,7 +459,6 @@ def measure_curvature(
     max_products: int = 128,
     tol: float = 1e-4,
     block_size: int = 1,
-    warm: CurvatureWarmStart | None = None,
     mode: ProbeMode = "eval",
     method: HessianMethod = "autograd",
     generator: torch.Generator | None = None,
@@ -481,7 +487,6 @@ def measure_curvature(
         max_products: The products each Lanczos run may spend.
         tol: The eigenvalue error bound, relative to each eigenvalue, at which a run stops.
         block_size: The Lanczos block width.
-        warm: The last event's vectors (``CurvatureEstimate.warm``); None: a cold start.
         mode: The module's mode during the probe: ``"eval"`` or ``"train"``.
         method: How Hessian-vector products are formed (:class:`HessianOperator`).
         generator: The random starts' generator (advanced); None: a fresh one.
@@ -490,7 +495,7 @@ def measure_curvature(
             given must be seeded alike on every rank (without one, rank 0's fresh seed is shared).
 
     Returns:
-        What the event measured, with the vectors to warm-start the next one.
+        What the event measured.
 
     Raises:
         ValueError: If ``top_k`` is not a positive int, the module is sharded, or the Hessian cannot be
@@ -514,7 +519,6 @@ def measure_curvature(
         raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
     check_unsharded(module, "the curvature probe")
     space = space if space is not None else ParameterSpace.of(module)
-    warm = warm if warm is not None else CurvatureWarmStart()
     if generator is None:
         # Averaged over ranks, every rank applies the mean Hessian to the same vectors: one seed for all.
         shared = average_over_ranks
@@ -527,7 +531,6 @@ def measure_curvature(
             max_products=max_products,
             tol=tol,
             block_size=block_size,
-            init=_usable(warm.top, space),
             generator=generator,
         )
         runs = [top]
@@ -537,7 +540,6 @@ def measure_curvature(
         alignment = float(
             (vectors[:, 0] @ gradient).abs() / gradient.norm().clamp_min(torch.finfo(gradient.dtype).tiny)
         )
-        new_warm = CurvatureWarmStart(top=vectors.detach().clone())
         bottom_value = None
         if min_eigenvalue:
             bottom = hessian_eigenvalues(
@@ -547,12 +549,10 @@ def measure_curvature(
                 max_products=max_products,
                 tol=tol,
                 block_size=block_size,
-                init=_usable(warm.bottom, space),
                 generator=generator,
             )
             runs.append(bottom)
             bottom_value = float(bottom.values[0, 0])
-            new_warm.bottom = bottom.vectors[0].detach().clone()
         edge = edge_of_stability(optimizer, space) if optimizer is not None else None
         sharpness = float(eigenvalues[0])
         if edge is None and isinstance(optimizer, PRECONDITIONED):
@@ -566,12 +566,10 @@ def measure_curvature(
                 max_products=max_products,
                 tol=tol,
                 block_size=block_size,
-                init=_usable(warm.preconditioned, space),
                 generator=generator,
             )
             runs.append(preconditioned)
             sharpness = float(preconditioned.values[0, 0])
-            new_warm.preconditioned = preconditioned.vectors[0].detach().clone()
         trace = None
         if trace_products:
             trace = hutchpp_trace(hessian, num_products=trace_products, generator=generator)
@@ -592,7 +590,6 @@ def measure_curvature(
         gradient_alignment=alignment,
         products=products,
         converged=all(bool(run.info.converged.all()) for run in runs),
-        warm=new_warm,
     )
 
 
@@ -622,8 +619,3 @@ def check_unsharded(module: nn.Module, probe: str) -> None:
             "(Lightning strategy='ddp'), whose ranks each hold the whole model, to measure it, or leave "
             "the curvature, jacobian and ntk families off under FSDP"
         )
-
-
-def _usable(vectors: Tensor | None, space: ParameterSpace) -> Tensor | None:
-    """Warm vectors of the same space only (a changed selection or model starts cold)."""
-    return vectors if vectors is not None and vectors.shape[0] == space.size else None

@@ -99,12 +99,10 @@ def test_the_defaults_are_valid() -> None:
 
 
 @pytest.mark.parametrize("value", ["no", 0, None])
-def test_checkpoint_warm_vectors_of_the_curvature_options_must_be_a_bool(value) -> None:
+def test_min_eigenvalue_of_the_curvature_options_must_be_a_bool(value) -> None:
     # The option dataclasses check their own fields; the table above covers the monitor's arguments.
-    with pytest.raises(
-        ValueError, match=rf"^checkpoint_warm_vectors must be a bool \(True or False\), got {value!r}$"
-    ):
-        CurvatureOptions(checkpoint_warm_vectors=value)
+    with pytest.raises(ValueError, match=rf"^min_eigenvalue must be a bool \(True or False\), got {value!r}"):
+        CurvatureOptions(min_eigenvalue=value)
 
 
 @pytest.mark.slow

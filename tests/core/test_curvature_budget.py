@@ -140,9 +140,9 @@ def test_a_probe_estimated_over_its_memory_ratio_is_refused_before_its_graph_wit
     (message,) = warned  # once: the family is off for the rest of the run
     assert message.startswith("SpectralMonitor: the curvature probe is off for this run: ")
     # 246 vectors of 2,099,200 float32 numbers (the basis at 128 products, the top-1 Ritz vector and the
-    # working vectors), 1.92 GiB, with the parameters, AdamW's two moments and two warm vectors (each one
-    # parameter-sized, 0.04 GiB in all): far over twice a training step's 32 MiB.
-    assert "estimated at 1.96 GiB" in message and "246 parameter-sized vectors of 2,099,200" in message
+    # working vectors), 1.92 GiB, with the parameters and AdamW's two moments (0.02 GiB in all): far over
+    # twice a training step's 32 MiB.
+    assert "estimated at 1.95 GiB" in message and "246 parameter-sized vectors of 2,099,200" in message
     for option in ("max_products=128", "blocks=[...], whole_model=False", "ProbeDataOptions(loss_fn=...)",
                    "max_memory_ratio=None"):  # fmt: skip
         assert option in message

@@ -1,0 +1,69 @@
+"""The start-component bound of the gap-free certificate against the exact components of a start along the
+eigenvectors of a diagonal operator, where every one of them is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spectral_monitor.linalg.lanczos_certificate import LanczosRecurrence, hidden_component
+
+
+def lanczos_recurrence(
+    spectrum: np.ndarray, start: np.ndarray, steps: int
+) -> tuple[LanczosRecurrence, float]:
+    """Single-vector Lanczos on diag(``spectrum``) in float64 with full reorthogonalisation; its recurrence
+    (departures: what the reorthogonalisation removed, plus float64 rounding) and its top Ritz value."""
+    basis = [start / np.linalg.norm(start)]
+    alpha, beta, departure = [], [], []
+    for _ in range(steps):
+        w = spectrum * basis[-1]
+        alpha.append(basis[-1] @ w)
+        w = w - alpha[-1] * basis[-1] - (beta[-1] * basis[-2] if beta else 0)
+        older = np.array(basis) @ w  # what the three-term recurrence left, removed twice
+        w = w - np.array(basis).T @ older
+        again = np.array(basis) @ w
+        w = w - np.array(basis).T @ again
+        departure.append(np.linalg.norm(older) + np.linalg.norm(again) + 1e-14)
+        beta.append(np.linalg.norm(w))
+        basis.append(w / beta[-1])
+    tridiagonal = np.diag(alpha) + np.diag(beta[:-1], 1) + np.diag(beta[:-1], -1)
+    recurrence = LanczosRecurrence(np.array([alpha]), np.array([beta]), np.array([departure]))
+    return recurrence, float(np.linalg.eigvalsh(tridiagonal)[-1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("steps", [4, 10, 25])
+def test_the_bound_holds_for_every_eigenvector_at_or_above_mu(seed: int, steps: int) -> None:
+    """Clusters just above a bulk, and a start whose components along the top are tiny: every true component
+    at an eigenvalue μ or more stays within the bound, for μ from just above the top Ritz value up."""
+    generator = np.random.default_rng(seed)
+    n = 300
+    bulk = generator.uniform(-0.3, 0.6, n - 6)
+    top = 1 + generator.choice([1e-4, 1e-3, 1e-2], 6) * np.arange(6)
+    spectrum = np.concatenate([top, bulk])
+    start = generator.standard_normal(n)
+    start[:6] *= generator.choice([1e-4, 1e-2, 1.0], 6)
+    start /= np.linalg.norm(start)
+    recurrence, theta = lanczos_recurrence(spectrum, start, steps)
+    for offset in (1e-5, 1e-4, 1e-3, 1e-2, 0.1):
+        mu = theta + offset
+        bound, _ = hidden_component(recurrence, np.array([mu]))
+        above = spectrum >= mu
+        if above.any():
+            assert np.abs(start[above]).max() <= bound[0], (offset, np.abs(start[above]).max(), bound[0])
+
+
+def test_the_bound_falls_below_the_components_of_eigenvalues_the_space_has_resolved() -> None:
+    """An isolated top over a bulk: after 30 steps nothing above the top Ritz value can have 1e-6 of the
+    start, and with μ below an eigenvalue the start has weight on, no bound can say less than that weight."""
+    n = 200
+    spectrum = np.concatenate([[1.0], np.linspace(-0.3, 0.6, n - 1)])
+    start = np.full(n, n**-0.5)
+    recurrence, theta = lanczos_recurrence(spectrum, start, 30)
+    bound, _ = hidden_component(recurrence, np.array([theta + 1e-4]))
+    assert bound[0] < 1e-6
+    shorter, theta = lanczos_recurrence(spectrum, start, 3)
+    assert theta < 1.0
+    bound, _ = hidden_component(shorter, np.array([theta + 1e-6]))
+    assert bound[0] >= n**-0.5
