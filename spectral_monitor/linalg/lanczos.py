@@ -489,7 +489,9 @@ def _single_vector_lanczos(
     # concentrated on a few values lets it pass at once), so the test runs once there are k + 1 Ritz values.
     next_check = k + 1
     departures: list[float] = []
-    polynomial = True  # every basis vector so far is a polynomial of the operator applied to the start
+    # Every basis vector so far is a polynomial of the operator applied to the start: the gap-free route's
+    # premise, tracked only where a certificate is asked for.
+    polynomial = failure_probability is not None
     values = torch.full((1, k), float("nan"), dtype=work, device=device)
     vectors = torch.zeros((1, n, k), dtype=work, device=device)
     residual = torch.full((1, k), float("inf"), dtype=work, device=device)
@@ -513,12 +515,13 @@ def _single_vector_lanczos(
         w = w - rows.T @ coefficients
         correction = rows @ w
         w = w - rows.T @ correction
-        # What the three-term recurrence does not record (coefficients on older rows, the second pass's,
-        # the first pass's on the row before differing from its β), and the products' own rounding.
-        older = coefficients[:-2]
-        behind = float(coefficients[-2]) - off_diagonal[-1] if off_diagonal else 0.0
-        departure = float(older @ older) + behind * behind + float(correction @ correction)
-        departures.append(math.sqrt(departure) + ROUNDING_FLOOR * rounding * scale)
+        if polynomial:
+            # What the three-term recurrence does not record (coefficients on older rows, the second pass's,
+            # the first pass's on the row before differing from its β), and the products' own rounding.
+            older = coefficients[:-2]
+            behind = float(coefficients[-2]) - off_diagonal[-1] if off_diagonal else 0.0
+            departure = float(older @ older) + behind * behind + float(correction @ correction)
+            departures.append(math.sqrt(departure) + ROUNDING_FLOOR * rounding * scale)
         room = n - basis.count
         coupling, next_row = 0.0, None
         if room > 0:

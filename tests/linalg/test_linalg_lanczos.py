@@ -316,7 +316,7 @@ def test_the_top_eigenvalue_certifies_from_the_least_start_component_it_assumes(
     each start here has exactly 1–2× the component p/√n the certificate assumes along the top eigenvector
     (λ₁ above a bulk in [−0.3, 0.6]). Every answer must be λ₁, certified gap-free from the Krylov space's
     Christoffel function in at most 45 and 18 products: the degree test with the true gap λ₁ − λ₂, which no
-    solver knows, would need 27 and 8; gap-free, with the tolerance as its gap, 815 and 300."""
+    solver knows, would need 29 and 9; gap-free, with the tolerance as its gap, 817 and 763."""
     n, p = 200, 0.01
     spectrum = torch.cat([torch.tensor([hidden]), torch.linspace(-0.3, 0.6, n - 1)]).double()
     for seed in starts_with_a_small_component(n, p / n**0.5, 2 * p / n**0.5, count=4):
