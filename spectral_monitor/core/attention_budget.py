@@ -21,7 +21,14 @@ from spectral_monitor.metrics.attention import has_eigen_gap, uses_exact_path
 from spectral_monitor.metrics.attention_rank_sums import FACTORISE_FIRST_MAX_SIZE
 from spectral_monitor.probes import CapturedAttention
 
-__all__ = ["LayerBudget", "layer_budget", "matrix_cost", "spectra_fit", "training_cost"]
+__all__ = [
+    "LEAST_MEASURED_RATIO",
+    "LayerBudget",
+    "layer_budget",
+    "matrix_cost",
+    "spectra_fit",
+    "training_cost",
+]
 
 FACTORISATION_COST = 2.0
 """Cost of measuring one matrix on a path that factorises it, per min(n, m)/d: the exact path, and the dense
@@ -47,6 +54,11 @@ over the blocks."""
 MIN_BUDGETED_TOKENS = 256
 """Layers with fewer queries or keys are measured whole: there per-call overheads, which the cost model does
 not count, dominate the measurement and the training step alike."""
+LEAST_MEASURED_RATIO = 1.0
+"""The least a budgeted layer's logging step measures is one matrix, whatever the budget: with the rank sums
+where that matrix alone costs at most this multiple of the layer's training work, so that a tight budget
+samples heads before it gives up the effective and threshold ranks (on the exact path the rank sums come
+with the factorisation, always)."""
 LINEAR_WORK_PER_ATTENTION = 6.0
 """A standard block's linear layers (q, k, v and output projections, an MLP 4 times as wide: 12·w²
 multiply-adds a token) cost this many times w/m the training attention of its heads (2·m·w a token)."""
@@ -153,7 +165,8 @@ def layer_budget(
 
     Every sequence of as many heads as fit, at least one head; where not one head of every sequence fits, one
     head of as many sequences as fit, at least one; where not even one matrix fits with the rank sums off the
-    exact path, without them. The heads measured rotate: step t measures heads t·k, t·k + 1, ...
+    exact path, without them, unless that one matrix with them costs at most :data:`LEAST_MEASURED_RATIO`
+    times the training work. The heads measured rotate: step t measures heads t·k, t·k + 1, ...
     (mod H), so every head is measured within ⌈H/k⌉ logging steps. Layers with fewer than
     :data:`MIN_BUDGETED_TOKENS` queries or keys, and an infinite ``ratio``, measure everything.
 
@@ -193,7 +206,9 @@ def layer_budget(
 
     matrices = affordable(rank_sums)
     if matrices == 0 and rank_sums and not exact:
-        rank_sums, matrices = False, affordable(False)
+        least = matrix_cost(n, m, d, exact=False, blockwise=blockwise, rank_sums=True, eigen_gap=eigen_gap)
+        if least > LEAST_MEASURED_RATIO * training_cost(sequences, heads, m, d):
+            rank_sums, matrices = False, affordable(False)
     if matrices >= sequences * heads:
         return LayerBudget(everything.heads, sequences, rank_sums, heads)
     measured_heads = max(1, min(heads, matrices // sequences))

@@ -84,7 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 0,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
-        "attention_cost_ratio": 0.5,
+        "attention_cost_ratio": 0.15,
     },
     "standard": {
         "families": FAMILIES,
@@ -94,7 +94,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_diversity_every_n_logs": 4,
         "weight_spectra_every_n_logs": 0,
         "curvature": None,
-        "attention_cost_ratio": 1.0,
+        "attention_cost_ratio": 0.3,
     },
     "full": {
         "families": FAMILIES,
@@ -268,12 +268,13 @@ class BudgetOptions:
             :mod:`spectral_monitor.core.attention_budget`. Over it a logging step measures fewer heads (all
             the sampled sequences of each), a different set each step so that every head is measured within
             ⌈H/k⌉ logging steps; at least one head of one sequence; and where even one matrix is over it
-            on the Krylov path, without the rank sums; off the exact path, a layer whose head diversity
+            on the Krylov path, without the rank sums, unless that matrix alone costs at most the layer's
+            training work; off the exact path, a layer whose head diversity
             (a factorisation of each matrix measured) would exceed it is left out of head diversity. The
             layer's ``heads_measured`` is then written, the per-layer means are over the heads measured,
             and each has a ``<metric>_head_se``, the standard error of that mean as an estimate of the mean
             over every head. ``math.inf``: every head always.
-            None: the preset's (0.5 in ``"light"``, 1 in ``"standard"``, ``math.inf`` in ``"full"``).
+            None: the preset's (0.15 in ``"light"``, 0.3 in ``"standard"``, ``math.inf`` in ``"full"``).
 
     Raises:
         ValueError: if a field is out of range (the message names it).

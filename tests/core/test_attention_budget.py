@@ -12,7 +12,13 @@ import torch
 from helpers.events import read_back, scalar_series
 
 from spectral_monitor import Monitor, MonitorOptions
-from spectral_monitor.core.attention_budget import LayerBudget, layer_budget, matrix_cost, training_cost
+from spectral_monitor.core.attention_budget import (
+    LEAST_MEASURED_RATIO,
+    LayerBudget,
+    layer_budget,
+    matrix_cost,
+    training_cost,
+)
 from spectral_monitor.core.attention_family import _layer_measurements, head_sample_standard_error
 from spectral_monitor.core.attention_plan import AttentionPlan
 from spectral_monitor.core.reports import Reports
@@ -82,6 +88,33 @@ def test_at_4096_tokens_the_budget_is_kept_by_leaving_the_rank_sums_out() -> Non
         * matrix_cost(4096, 4096, 64, exact=False, blockwise=True, rank_sums=False, eigen_gap=False)
     )
     assert 0 < spent <= allowed
+
+
+@pytest.mark.parametrize(("tokens", "keeps_rank_sums"), [(512, True), (1024, False)])
+def test_a_tight_budget_samples_heads_before_it_gives_up_the_rank_sums(
+    tokens: int, keeps_rank_sums: bool
+) -> None:
+    """Bidirectional GPT-2-like heads (6 of 64) on the Krylov path, under the standard preset's budget, which
+    affords no matrix with the rank sums at either length: at 512 tokens one such matrix costs less than the
+    layer's training work, so one is measured with them; at 1024 it costs more, so they go."""
+    ratio = MonitorOptions().budget.attention_cost_ratio
+    q = torch.zeros(SEQUENCES, 6, tokens, 64)
+    captured = CapturedAttention("encoder.0.attention", q, q, None, False, 0.125, None, None)
+    with_rank_sums = matrix_cost(
+        tokens, tokens, 64, exact=False, blockwise=False, rank_sums=True, eigen_gap=True
+    )
+    training = training_cost(SEQUENCES, 6, tokens, 64)
+    assert with_rank_sums > ratio * training
+    assert (with_rank_sums <= LEAST_MEASURED_RATIO * training) == keeps_rank_sums
+    budget = layer_budget(captured, ratio, 0, method="auto", rank_sums=True)
+    assert budget.rank_sums == keeps_rank_sums
+    if keeps_rank_sums:
+        assert (len(budget.heads), budget.sequences) == (1, 1)
+    else:
+        without = matrix_cost(
+            tokens, tokens, 64, exact=False, blockwise=False, rank_sums=False, eigen_gap=True
+        )
+        assert 0 < len(budget.heads) * budget.sequences * without <= ratio * training
 
 
 def test_the_sampled_heads_metrics_and_their_mean_equal_the_float64_reference_of_those_heads() -> None:
