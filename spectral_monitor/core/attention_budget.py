@@ -193,22 +193,19 @@ def layer_budget(
     everything = LayerBudget(tuple(range(heads)), sequences, rank_sums, heads)
     if math.isinf(ratio) or min(n, m) < MIN_BUDGETED_TOKENS:
         return everything
-    allowed = ratio * training_cost(sequences, heads, m, d)
+    training = training_cost(sequences, heads, m, d)
     exact = uses_exact_path(n, m, method, captured.causal)
     blockwise = captured.measured_blockwise()
     eigen_gap = has_eigen_gap(n, m, captured.causal)
 
-    def affordable(with_rank_sums: bool) -> int:
-        cost = matrix_cost(
+    def cost(with_rank_sums: bool) -> float:
+        return matrix_cost(
             n, m, d, exact=exact, blockwise=blockwise, rank_sums=with_rank_sums, eigen_gap=eigen_gap
         )
-        return math.floor(allowed / cost)
 
-    matrices = affordable(rank_sums)
-    if matrices == 0 and rank_sums and not exact:
-        least = matrix_cost(n, m, d, exact=False, blockwise=blockwise, rank_sums=True, eigen_gap=eigen_gap)
-        if least > LEAST_MEASURED_RATIO * training_cost(sequences, heads, m, d):
-            rank_sums, matrices = False, affordable(False)
+    matrices = math.floor(ratio * training / cost(rank_sums))
+    if matrices == 0 and rank_sums and not exact and cost(True) > LEAST_MEASURED_RATIO * training:
+        rank_sums, matrices = False, math.floor(ratio * training / cost(False))
     if matrices >= sequences * heads:
         return LayerBudget(everything.heads, sequences, rank_sums, heads)
     measured_heads = max(1, min(heads, matrices // sequences))

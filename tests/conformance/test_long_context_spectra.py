@@ -138,3 +138,39 @@ def test_every_heads_metrics_are_within_their_stated_accuracy_of_float64(
         assert deflated and min(deflated) > 0  # every head's quadrature deflated Ritz pairs
     if std == 0.02:
         assert smallest_ratio < 0.03  # σ₂² under 1e-3 of σ₁²: the regime the Gram operator cannot resolve
+
+
+def test_the_default_budget_measures_one_head_of_one_sequence_as_float64_does(tmp_path: Path) -> None:
+    """The standard preset's attention budget on the same encoder at 512 tokens (fresh, padded second
+    sequence): the floor, one head of the first sequence without the rank sums (one such matrix with them
+    costs more than the layer's training work), written as the layer's value and equal to that head's float64
+    reference; the heads rotate across logging steps."""
+    model, (x, padding) = encoder(0.1), inputs(0.0, 512)
+    seen: list[tuple[nn.MultiheadAttention, torch.Tensor]] = []
+    handles = [
+        block.self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append((module, args[0].detach().clone())), with_kwargs=True
+        )
+        for block in model.layers
+    ]
+    monitor = Monitor(model, tmp_path, every_n_steps=1, families=["attention"], figures_every_n_logs=0)
+    for step in range(2):
+        with monitor.step(step):
+            model(x, src_key_padding_mask=padding)
+    monitor.close()
+    for handle in handles:
+        handle.remove()
+    events = read_back(tmp_path)
+    layer = "layers.0.self_attn"
+    assert [scalar.value for scalar in events.Scalars(f"attention/heads_measured/{layer}")] == [1.0, 1.0]
+    assert f"attention/effective_rank/{layer}" not in events.Tags()["scalars"]
+    module, query = seen[0]
+    exact = copy.deepcopy(module).double().requires_grad_(False)
+    _, probabilities = exact(
+        *(query.double(),) * 3, key_padding_mask=padding, need_weights=True, average_attn_weights=False
+    )
+    for step, head in enumerate((0, 1)):  # one head a logging step, in turn
+        expected = attention_reference(probabilities[0, head].numpy())
+        for metric in ("entropy", "sigma1", "sigma2", "spectral_gap", "rank_one_residual", "sink_mass"):
+            written = events.Scalars(f"attention/{metric}/{layer}")[step].value
+            assert written == pytest.approx(expected[metric], rel=FRESH_RELATIVE[metric]), (step, metric)
