@@ -9,9 +9,19 @@ and to read event files back (:mod:`spectral_monitor.eventfiles`); nothing here 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import numpy as np
 
-__all__ = ["LANE_BYTES", "VECTORISED_FROM_BYTES", "crc32c", "masked_crc32c"]
+__all__ = [
+    "BATCH_BYTES",
+    "LANE_BYTES",
+    "VECTORISED_FROM_BYTES",
+    "crc32c",
+    "crc32c_of_each",
+    "masked_crc32c",
+    "masked_crc32c_of_each",
+]
 
 CASTAGNOLI_POLYNOMIAL = 0x82F63B78  # CRC-32C, bit-reflected
 _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum mask
@@ -19,6 +29,9 @@ _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum mask
 # (benchmarks/README.md); shorter records, such as an event's 8-byte header, take the byte loop.
 LANE_BYTES = 32
 VECTORISED_FROM_BYTES = 2048
+BATCH_BYTES = 32 << 20
+"""The most padded data checksummed in one batch of :func:`crc32c_of_each` (its lanes' registers take as
+much again)."""
 
 
 def _byte_table() -> np.ndarray:
@@ -73,29 +86,45 @@ def _register_after_bytes(register: int, data: bytes) -> int:
     return register
 
 
-def _register_after_bytes_from_ones(data: bytes) -> int:
-    """The register after ``data`` (at least 4 bytes) from 0xFFFFFFFF, by lanes of ``LANE_BYTES`` run side by
-    side, then merged in pairs.
+def _registers_after_bytes_from_ones(records: Sequence[bytes | memoryview]) -> list[int]:
+    """The register after each record (at least 4 bytes each) from 0xFFFFFFFF, by lanes of ``LANE_BYTES``
+    run side by side, then merged in pairs: the records of one batch together, each padded in front to the
+    batch's longest.
 
     Starting from 0xFFFFFFFF is starting from 0 with the first four bytes complemented, and zero bytes leave
-    a zero register unchanged, so the data is padded in front to whole lanes. With R(a) the register after
+    a zero register unchanged, so a record is padded in front to whole lanes. With R(a) the register after
     bytes ``a`` from 0, R(a + b) = Z^len(b) R(a) ^ R(b), where Z^m advances a register over m zero bytes.
     """
-    lanes = -(-len(data) // LANE_BYTES)
-    padded = np.zeros(lanes * LANE_BYTES, dtype=np.uint8)
-    start = padded.size - len(data)
-    padded[start:] = np.frombuffer(data, dtype=np.uint8)
-    padded[start : start + 4] ^= 0xFF
-    registers = np.zeros(lanes, dtype=np.uint32)
-    for column in padded.reshape(lanes, LANE_BYTES).T.copy():
+    lanes = -(-max(len(record) for record in records) // LANE_BYTES)
+    padded = np.zeros((len(records), lanes * LANE_BYTES), dtype=np.uint8)
+    for row, record in zip(padded, records, strict=True):
+        start = row.size - len(record)
+        row[start:] = np.frombuffer(record, dtype=np.uint8)
+        row[start : start + 4] ^= 0xFF
+    registers = np.zeros((len(records), lanes), dtype=np.uint32)
+    for column in np.moveaxis(padded.reshape(len(records), lanes, LANE_BYTES), 2, 0).copy():
         registers = np.take(_TABLE, registers.astype(np.uint8) ^ column) ^ (registers >> 8)
     power = LANE_BYTES.bit_length() - 1
-    while registers.size > 1:
-        if registers.size % 2:  # a zero lane in front: more leading zeros
-            registers = np.concatenate((np.zeros(1, dtype=np.uint32), registers))
-        registers = _apply(_ZERO_BYTES_TABLES[power], registers[0::2]) ^ registers[1::2]
+    while registers.shape[1] > 1:
+        if registers.shape[1] % 2:  # a zero lane in front: more leading zeros
+            registers = np.concatenate((np.zeros((len(records), 1), dtype=np.uint32), registers), axis=1)
+        registers = _apply(_ZERO_BYTES_TABLES[power], registers[:, 0::2]) ^ registers[:, 1::2]
         power += 1
-    return int(registers[0])
+    return registers[:, 0].tolist()
+
+
+def _batches_of_similar_length(records: Sequence[bytes | memoryview]) -> Iterator[list[int]]:
+    """Indices of the records at least ``VECTORISED_FROM_BYTES`` long, in batches of lengths within a factor
+    of two of each other (front padding to the batch's longest costs at most as much again) and at most
+    ``BATCH_BYTES`` of padded data each."""
+    by_octave: dict[int, list[int]] = {}
+    for index, record in enumerate(records):
+        if len(record) >= VECTORISED_FROM_BYTES:
+            by_octave.setdefault(len(record).bit_length(), []).append(index)
+    for octave, indices in by_octave.items():
+        per_batch = max(1, BATCH_BYTES >> octave)
+        for start in range(0, len(indices), per_batch):
+            yield indices[start : start + per_batch]
 
 
 def crc32c(data: bytes) -> int:
@@ -116,9 +145,34 @@ def crc32c(data: bytes) -> int:
         >>> crc32c(bytes(range(256)) * 16) == pywrap_tensorflow.crc32c(bytes(range(256)) * 16)
         True
     """
-    if len(data) < VECTORISED_FROM_BYTES:
-        return _register_after_bytes(0xFFFFFFFF, data) ^ 0xFFFFFFFF
-    return _register_after_bytes_from_ones(data) ^ 0xFFFFFFFF
+    return crc32c_of_each([data])[0]
+
+
+def crc32c_of_each(records: Sequence[bytes | memoryview]) -> list[int]:
+    """:func:`crc32c` of each record: those of similar length checksummed together, by lanes across all of
+    them, which a file's many records of a few kilobytes need (one at a time, each pays numpy's fixed costs
+    per lane column).
+
+    Args:
+        records: The byte strings to checksum.
+
+    Returns:
+        Each record's checksum, in order.
+
+    Examples:
+        >>> records = [b"123456789", bytes(range(256)) * 16, bytes(range(255)) * 9]
+        >>> crc32c_of_each(records) == [crc32c(record) for record in records]
+        True
+    """
+    checksums = [0] * len(records)
+    for index, record in enumerate(records):
+        if len(record) < VECTORISED_FROM_BYTES:
+            checksums[index] = _register_after_bytes(0xFFFFFFFF, record) ^ 0xFFFFFFFF
+    for batch in _batches_of_similar_length(records):
+        registers = _registers_after_bytes_from_ones([records[index] for index in batch])
+        for index, register in zip(batch, registers, strict=True):
+            checksums[index] = register ^ 0xFFFFFFFF
+    return checksums
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -134,5 +188,20 @@ def masked_crc32c(data: bytes) -> int:
         >>> hex(masked_crc32c(b"123456789"))
         '0xc78ab0e5'
     """
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+    return masked_crc32c_of_each([data])[0]
+
+
+def masked_crc32c_of_each(records: Sequence[bytes | memoryview]) -> list[int]:
+    """:func:`masked_crc32c` of each record, computed as :func:`crc32c_of_each` does.
+
+    Args:
+        records: The byte strings to checksum.
+
+    Returns:
+        Each record's masked checksum, in order.
+
+    Examples:
+        >>> [hex(checksum) for checksum in masked_crc32c_of_each([b"123456789", b""])]
+        ['0xc78ab0e5', '0xa282ead8']
+    """
+    return [(((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF for crc in crc32c_of_each(records)]

@@ -15,8 +15,9 @@ allows:
   match is about one in 2⁶⁴ offsets), and says how many bytes it skipped;
 - a file that ends inside a record (a run killed while writing): nothing follows, reading stops there.
 
-Memory is bounded whatever a length field says: the file is read through ``mmap`` and a record is sliced
-out only once its end is known to lie inside the file. Nothing here imports torch.
+Memory is bounded whatever a length field says: the file is read through ``mmap``, a record is sliced out
+only once its end is known to lie inside the file, and at most ``BATCH_BYTES`` of records wait for their
+checksums at once. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto.event_pb2 import Event
 
-from spectral_monitor.checksum import masked_crc32c
+from spectral_monitor.checksum import BATCH_BYTES, masked_crc32c, masked_crc32c_of_each
 
 __all__ = ["Cut", "EventFile", "read_event_file"]
 
@@ -149,10 +150,16 @@ def read_event_file(path: str | os.PathLike[str]) -> EventFile:
 
 
 def _records(data: mmap.mmap, size: int) -> Iterator[tuple[Event | None, tuple[int, str, int | None] | None]]:
-    """(event, None) for each readable record; (None, (offset, why, resumed at)) for each damage."""
+    """(event, None) for each readable record; (None, (offset, why, resumed at)) for each damage.
+
+    Where a record ends is read from its framing alone, so the walk over the framing goes ahead and the
+    events' checksums are computed a batch of records at a time (:func:`_checked`)."""
+    framed: list[tuple[int, int]] = []  # (offset, end) of records walked over, not yet checked
+    framed_bytes = 0
     offset = 0
     while offset < size:
         if size - offset < _HEADER + _FOOTER:
+            yield from _checked(data, framed)
             yield None, (offset, f"truncated: {size - offset} bytes, less than a record's framing", None)
             return
         header = data[offset : offset + 8]
@@ -163,20 +170,16 @@ def _records(data: mmap.mmap, size: int) -> Iterator[tuple[Event | None, tuple[i
         elif end > size:
             why = f"a record of {length} bytes runs past the end of the file"
         else:
-            payload = data[offset + _HEADER : end - _FOOTER]
-            if masked_crc32c(payload) != _CRC.unpack(data[end - _FOOTER : end])[0]:
-                # The length passed its CRC: trusted, so only this record is lost.
-                yield None, (offset, "bad data CRC", end)
-            else:
-                event = Event()
-                try:
-                    event.ParseFromString(payload)
-                except DecodeError:
-                    yield None, (offset, "unparseable event", end)
-                else:
-                    yield event, None
+            # The length passed its CRC: trusted, so an event that fails its own loses only its record.
+            framed.append((offset, end))
+            framed_bytes += length
+            if framed_bytes >= BATCH_BYTES:
+                yield from _checked(data, framed)
+                framed, framed_bytes = [], 0
             offset = end
             continue
+        yield from _checked(data, framed)
+        framed, framed_bytes = [], 0
         resumed = _resynchronised(data, size, offset + 1)
         if resumed is None and why.startswith("a record"):
             why = f"truncated: {why}"
@@ -186,6 +189,28 @@ def _records(data: mmap.mmap, size: int) -> Iterator[tuple[Event | None, tuple[i
         if resumed is None:
             return
         offset = resumed
+    yield from _checked(data, framed)
+
+
+def _checked(
+    data: mmap.mmap, framed: list[tuple[int, int]]
+) -> Iterator[tuple[Event | None, tuple[int, str, int | None] | None]]:
+    """The records framed at (offset, end), in order, as :func:`_records` yields them: each event whose
+    masked CRC checks and that parses, else a cut of that record alone."""
+    payloads = [data[offset + _HEADER : end - _FOOTER] for offset, end in framed]
+    for (offset, end), payload, checksum in zip(
+        framed, payloads, masked_crc32c_of_each(payloads), strict=True
+    ):
+        if checksum != _CRC.unpack(data[end - _FOOTER : end])[0]:
+            yield None, (offset, "bad data CRC", end)
+            continue
+        event = Event()
+        try:
+            event.ParseFromString(payload)
+        except DecodeError:
+            yield None, (offset, "unparseable event", end)
+        else:
+            yield event, None
 
 
 def _header_checks(data: mmap.mmap, offset: int) -> bool:
