@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from spectral_monitor.alerts.rules import AlertThreshold
+from spectral_monitor.alerts.rules import MEDIAN_WINDOW, AlertThreshold
 from spectral_monitor.catalog import DIAGNOSES, Diagnosis, MetricInfo, diagnosis
 
 __all__ = [
@@ -53,8 +53,6 @@ NOT_MEASURED = "not measured"
 NOT_FINITE = "no finite reading"
 """The verdict of a diagnosis whose metrics the run wrote, but whose latest reading is NaN or inf in every
 layer: the model went non-finite (the ``non_finite`` diagnosis says where), so nothing can be judged."""
-MEDIAN_WINDOW = 8
-"""Values in the running median of a ``median`` threshold, as the alert engine keeps them."""
 
 HOW_TO_MEASURE = {
     "rank_collapse": "measured by default: keep 'attention' in SpectralMonitor(families=...)",
@@ -529,11 +527,7 @@ def relative_levels(
             first = values[finite][0] if finite.any() else math.nan
             levels[layer] = np.full(len(values), level * first if first != 0 else math.nan)
         elif threshold.relative_to == "median":
-            medians = np.full(len(values), math.nan)
-            for index in range(1, len(values)):
-                previous = values[:index][finite[:index]][-MEDIAN_WINDOW:]
-                if previous.size:
-                    medians[index] = np.median(previous)
+            medians = _running_medians(values[finite])[np.cumsum(finite) - finite]
             levels[layer] = level * np.where(medians != 0, medians, math.nan)
         elif threshold.relative_to == "depth":
             first_steps, first_values = by_layer[min(by_layer, key=natural_order)]
@@ -544,6 +538,18 @@ def relative_levels(
                 f"threshold.relative_to must be first, median or depth, got {threshold.relative_to!r}"
             )
     return levels
+
+
+def _running_medians(readings: np.ndarray) -> np.ndarray:
+    """Entry c: the median of the last :data:`MEDIAN_WINDOW` of the first c ``readings`` (fewer where c is
+    smaller), NaN for c = 0; c runs to ``len(readings)``."""
+    medians = np.full(len(readings) + 1, math.nan)
+    for count in range(1, min(MEDIAN_WINDOW, len(readings) + 1)):
+        medians[count] = np.median(readings[:count])
+    if len(readings) >= MEDIAN_WINDOW:
+        windows = np.lib.stride_tricks.sliding_window_view(readings, MEDIAN_WINDOW)
+        medians[MEDIAN_WINDOW:] = np.median(windows, axis=1)
+    return medians
 
 
 def _relative_value(

@@ -308,6 +308,24 @@ def test_relative_levels_follow_the_first_value_the_running_median_and_the_first
     assert levels[10] == np.median([2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
 
 
+def test_the_running_median_levels_of_a_long_run_with_gaps_are_each_readings_own() -> None:
+    """Every step of a long series with NaN gaps and zeros against the median recomputed at that step from
+    the previous finite readings, up to the engine's window."""
+    from spectral_monitor.alerts.rules import MEDIAN_WINDOW
+    from spectral_monitor.catalog import diagnosis
+    from spectral_monitor.judging import relative_levels
+
+    median = next(t for _, t in diagnosis("entropy_collapse")[1] if t.relative_to == "median")
+    values = np.random.default_rng(0).random(500)
+    values[np.random.default_rng(1).random(500) < 0.2] = np.nan
+    values[[3, 40, 41, 42, 43, 44, 45, 46, 47]] = 0.0  # a zero median has no level
+    levels = relative_levels(median, {"l": (np.arange(values.size), values)}, 0.3)["l"]
+    for index, level in enumerate(levels):
+        previous = values[:index][np.isfinite(values[:index])][-MEDIAN_WINDOW:]
+        expected = 0.3 * np.median(previous) if previous.size and np.median(previous) != 0 else np.nan
+        assert level == pytest.approx(expected, nan_ok=True), index
+
+
 def test_a_plot_draws_each_layers_own_level_of_a_relative_threshold() -> None:
     from spectral_monitor.report import _metric_by_layer
 
