@@ -712,20 +712,20 @@ def _layer_step_heatmap(
     """``metric`` as a layer × step image, layers in model order, coloured over ``limits`` (None: from its
     smallest to its largest finite reading)."""
     import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.text import Text
 
     layers = sorted(by_layer, key=natural_order)
-    steps = sorted({int(step) for steps, _ in by_layer.values() for step in steps})
-    column = {step: index for index, step in enumerate(steps)}
+    steps = np.unique(np.concatenate([by_layer[layer][0] for layer in layers]).astype(np.int64))
     grid = np.full((len(layers), len(steps)), np.nan)
     for row, layer in enumerate(layers):
         layer_steps, values = by_layer[layer]
-        for step, value in zip(layer_steps, values, strict=True):
-            grid[row, column[int(step)]] = value
+        grid[row, np.searchsorted(steps, layer_steps.astype(np.int64))] = values
     # Half an inch a row, the whole at most 18 in; past 32 rows the labels shrink to their rows' height.
     height = min(2.0 + 0.5 * len(layers), 18.0)
     label_points = min(10.0, 0.7 * 72 * (height - 2.0) / len(layers))
-    figure = Figure(figsize=(7.2, height), dpi=_DPI, layout="constrained")
+    figure = Figure(figsize=(7.2, height), dpi=_DPI)
     axes = figure.subplots()
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
     if limits is None:
@@ -733,13 +733,26 @@ def _layer_step_heatmap(
         limits = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
     image = axes.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=limits[0], vmax=limits[1], aspect="auto",
                         interpolation="nearest")  # fmt: skip
-    # Every k-th column, evenly: rounded positions of 10 ticks over 11–19 columns skip some and not others.
-    ticks = range(0, len(steps), -(-len(steps) // 10))
-    axes.set_xticks(ticks, [str(steps[index]) for index in ticks])
     axes.set_yticks(range(len(layers)), layers, fontsize=label_points)
     axes.set_xlabel("step (grey: no reading, or NaN)")
     axes.set_title(f"{metric} (layer × step)")
-    figure.colorbar(image, ax=axes)
+    # Margins from the labels' widths, measured once: a layout engine measured every tick label again on
+    # each of its passes, most of a heatmap's drawing.
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    labels_width = max(label.get_window_extent(renderer).width for label in axes.get_yticklabels())
+    inch = figure.dpi
+    width, height = figure.get_size_inches() * inch  # pixels
+    left, right = min((labels_width + 0.15 * inch) / width, 0.6), 1 - 0.95 * inch / width
+    bottom, top = 0.7 * inch / height, 1 - 0.45 * inch / height
+    axes.set_position((left, bottom, right - left, top - bottom))
+    bar = figure.add_axes((right + 0.12 * inch / width, bottom, 0.15 * inch / width, top - bottom))
+    figure.colorbar(image, cax=bar)
+    # Every k-th column, evenly (rounded positions of 10 ticks over 11–19 columns skip some and not others),
+    # as many as the widest step fits with room between them.
+    widest = Text(text=str(steps[-1] if steps.size else ""), figure=figure).get_window_extent(renderer).width
+    fitting = max(2, min(10, int((right - left) * width / max(1.6 * widest, 1.0))))
+    ticks = range(0, len(steps), -(-len(steps) // fitting))
+    axes.set_xticks(ticks, [str(steps[index]) for index in ticks])
     return figure
 
 
