@@ -45,9 +45,10 @@ spectra.
     python benchmarks/bench_overhead.py --external --contexts 256 --rounds 3 --cycle 17 --train-steps 10 \
         --presets standard full
 
-``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every per-layer attention and
-token scalar of the catalogue for 6 layers (with the head spreads), written by the monitor's own sink, then
-the command in a fresh process (wall and CPU seconds), and ``import spectral_monitor.report`` alone.
+``--report N`` times ``spectral-monitor report`` on a run of N logging steps: every scalar the ``standard``
+preset writes on a logging step of the external GPT-2 (6 layers), recorded from one real logging step and
+written N times by the monitor's own event writer, each metric moving through a cycle of readings; then the
+command in a fresh process (wall and CPU seconds), and ``import spectral_monitor.report`` alone.
 
     python benchmarks/bench_overhead.py --report 2000
 """
@@ -417,30 +418,29 @@ class _ExternalRun:
 def report_time(logging_steps: int) -> None:
     import tempfile
 
-    from spectral_monitor.catalog import CATALOG
-    from spectral_monitor.records import Measurement
-    from spectral_monitor.sinks import TensorBoardSink
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
-    names = [
-        f"{info.name}{suffix}"
-        for info in CATALOG
-        if info.family in ("attention", "tokens") and "<k>" not in info.name
-        for suffix in ("", *(f"_{aggregate}" for aggregate in info.head_aggregates))
-    ]
-    layers = [f"blocks.{index}" for index in range(6)]
+    from spectral_monitor.sinks.tfrecord import EventFile
+
+    logged = _one_logging_step()
     logdir = Path(tempfile.mkdtemp())
-    sink = TensorBoardSink(str(logdir / "run"))
+    events = EventFile(str(logdir / "run"))
     start = time.perf_counter()
     for step in range(logging_steps):
-        sink.write_measurements(
-            Measurement(step * 50, family, name, layer, 0.5 + 0.4 * ((step + len(name)) % 7) / 7)
-            for family in ("attention", "tokens")
-            for name in names
-            for layer in layers
-        )
-    sink.close()
+        # Each metric moving through a cycle of 7 readings; the alert counters as the monitor left them.
+        values = [
+            Summary.Value(
+                tag=tag,
+                simple_value=value
+                if tag.startswith("alerts/")
+                else value * (1 + ((step + len(tag)) % 7) / 7),
+            )
+            for tag, value in logged
+        ]
+        events.add_summary(Summary(value=values), step=step * 50)
+    events.close()
     written = time.perf_counter() - start
-    scalars = logging_steps * 2 * len(names) * len(layers)
+    scalars = logging_steps * len(logged)
 
     def timed(command: list[str]) -> tuple[float, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -463,6 +463,35 @@ def report_time(logging_steps: int) -> None:
             ],
         )
     )
+
+
+def _one_logging_step() -> list[tuple[str, float]]:
+    """(tag, value) of every scalar the ``standard`` preset writes on a logging step of the external GPT-2
+    (6 layers, 64 tokens, the plain-loop monitor), read back from its event file."""
+    import tempfile
+
+    import torch
+    from _external_models import model_and_loss, token_batch
+
+    from spectral_monitor.eventfiles import read_event_file
+    from spectral_monitor.integrations.loop import Monitor
+
+    torch.manual_seed(0)
+    model, loss_of = model_and_loss("gpt2", 64, 6)
+    tokens = token_batch(2, 64)
+    logdir = Path(tempfile.mkdtemp())
+    monitor = Monitor(model, logdir=str(logdir), every_n_steps=1, preset="standard")
+    with monitor.step(0, batch=tokens):
+        loss_of(model, tokens).backward()
+    monitor.close()
+    return [
+        (value.tag, value.simple_value)
+        for file in logdir.rglob("*tfevents*")
+        for event in read_event_file(file).events
+        if event.step == 0
+        for value in event.summary.value
+        if value.HasField("simple_value")
+    ]
 
 
 def _spread(values: list[float], unit: str) -> str:
