@@ -3,6 +3,7 @@ known, aligned columns for long layer names, and a run that loads neither torch 
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -397,6 +398,36 @@ def test_a_heatmaps_step_ticks_are_evenly_spaced_columns() -> None:
     assert list(axes.get_xticks()) == [0, 2, 4, 6, 8, 10]
     assert [label.get_text() for label in axes.get_xticklabels()] == ["0", "19", "39", "59", "79", "99"]
     assert "grey" in axes.get_xlabel()
+
+
+def test_a_heatmaps_labels_and_colour_bar_lie_inside_it_and_its_step_ticks_do_not_overlap() -> None:
+    """37 weights of GPT-2 over 2,000 logging steps: the longest layer name, the colour bar's labels and
+    every step label are drawn inside the figure, the step labels apart from each other."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from spectral_monitor.report import _layer_step_heatmap
+
+    steps = np.arange(2000) * 50
+    parts = ("attn.c_proj", "attn.q", "attn.k", "attn.v", "mlp.c_fc", "mlp.c_proj")
+    names = ["lm_head"] + [f"transformer.h.{i}.{part}" for i in range(6) for part in parts]
+    by_layer = {name: (steps, np.linspace(100, 300, steps.size)) for name in names}
+    figure = _layer_step_heatmap("weights/stable_rank", by_layer)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    axes, bar = figure.axes
+    inside = figure.bbox
+    drawn = [*axes.get_yticklabels(), *bar.get_yticklabels(), *axes.get_xticklabels(), axes.title]
+    for label in drawn:
+        extent = label.get_window_extent(renderer)
+        assert inside.x0 <= extent.x0 and extent.x1 <= inside.x1, label.get_text()
+        assert inside.y0 <= extent.y0 and extent.y1 <= inside.y1, label.get_text()
+    step_labels = sorted(
+        (label.get_window_extent(renderer) for label in axes.get_xticklabels()), key=lambda e: e.x0
+    )
+    assert len(step_labels) >= 3
+    assert all(left.x1 < right.x0 for left, right in itertools.pairwise(step_labels))
+    assert axes.bbox.x1 < bar.bbox.x0  # the colour bar beside the image, not over it
 
 
 def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() -> None:
