@@ -134,6 +134,13 @@ def _add_report_command(commands: argparse._SubParsersAction) -> None:
     report.add_argument(
         "--out", type=Path, default=None, help="folder of the plots and report.md (default: LOGDIR/report)"
     )
+    report.add_argument(
+        "--processes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="processes that draw the plots (default: the usable cores, at most 4; 1: the report's own)",
+    )
     report.set_defaults(run=_run_report)
 
 
@@ -141,7 +148,7 @@ def _run_report(arguments: argparse.Namespace) -> int:
     from spectral_monitor.report import ReportError, write_report
 
     try:
-        write_report(arguments.logdir, arguments.out)
+        write_report(arguments.logdir, arguments.out, processes=arguments.processes or _drawing_processes())
     except ReportError as error:
         print(f"spectral-monitor report: error: {error}", file=sys.stderr)
         return 2
@@ -149,6 +156,13 @@ def _run_report(arguments: argparse.Namespace) -> int:
         print(f"spectral-monitor report: error: {_file_error(error, arguments.out)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _drawing_processes() -> int:
+    """The report's default plot drawers: one per core this process may run on, at most 4 (each process
+    costs its start and matplotlib's import, about half a second of CPU, and a share of fewer plots)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, usable))
 
 
 def _file_error(error: OSError, out: Path | None) -> str:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -335,7 +338,7 @@ def verdicts(run: RunScalars) -> list[Verdict]:
     return judge(run.series)
 
 
-def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
+def write_report(logdir: Path, out: Path | None = None, *, processes: int = 1) -> list[Path]:
     """Read every run under ``logdir``, print its summary, and write its plots and ``report.md``.
 
     Each run gets a folder under ``out`` named by its path relative to ``logdir`` (``out`` itself for
@@ -345,12 +348,17 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
     Args:
         logdir: The log directory, searched as :func:`find_runs` does.
         out: Where the reports go; None for ``<logdir>/report``.
+        processes: How many processes draw the plots. 1: this one. More: that many worker processes,
+            started (``spawn``) while the events are read and given the series they draw; the same PNG
+            files, in less wall time where there are cores to run them. A script that calls this with more
+            than 1 needs Python's ``if __name__ == "__main__":`` guard, as ``multiprocessing`` does.
 
     Returns:
         The Markdown files written, one per run reported.
 
     Raises:
         ReportError: As :func:`find_runs` raises it, or no run holds monitor scalars.
+        ValueError: ``processes`` is less than 1.
 
     Examples:
         The ``spectral-monitor report`` command, from Python:
@@ -363,9 +371,16 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
             print(summary)  # reports/version_0/report.md, next to reports/version_0/plots/*.png
         ```
     """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1 (1: draw the plots in this process), got {processes}")
     logdir = Path(logdir)
     runs = find_runs(logdir)
     out = logdir / "report" if out is None else Path(out)
+    with _drawing_processes(processes) as drawers:
+        return _write_reports(logdir, runs, out, drawers)
+
+
+def _write_reports(logdir: Path, runs: list[Path], out: Path, drawers: _Drawers | None) -> list[Path]:
     written = []
     for path in runs:
         run = RunScalars.load(path)
@@ -393,7 +408,7 @@ def write_report(logdir: Path, out: Path | None = None) -> list[Path]:
         if convergence := _text_convergence(run):
             print(convergence)
         plots = _write_plots(
-            run, folder, {entry.diagnosis.rule for entry in judged if entry.verdict != NOT_MEASURED}
+            run, folder, {entry.diagnosis.rule for entry in judged if entry.verdict != NOT_MEASURED}, drawers
         )
         markdown = folder / "report.md"
         markdown.write_text(_markdown(path, judged, rows, alerts, fired, plots, folder))
@@ -519,31 +534,102 @@ def _markdown(
     return "\n".join(lines) + "\n"
 
 
-def _write_plots(run: RunScalars, folder: Path, judged_rules: set[str]) -> list[Path]:
+@dataclass(frozen=True)
+class _Plot:
+    """One plot to draw: a metric's lines by layer, or its layer × step heatmap.
+
+    Attributes:
+        path: The PNG file.
+        metric: ``family/metric``.
+        by_layer: Its series, layer -> (steps, values).
+        heatmap: Whether it is drawn as a heatmap.
+        limits: A heatmap's colour limits; None: its own range.
+        spread: A line plot's (lowest, highest) head aggregates, shaded.
+    """
+
+    path: Path
+    metric: str
+    by_layer: dict[str, tuple[np.ndarray, np.ndarray]]
+    heatmap: bool
+    limits: tuple[float, float] | None = None
+    spread: tuple[Mapping[str, tuple[np.ndarray, np.ndarray]], ...] = ({}, {})
+
+
+@dataclass(frozen=True)
+class _Drawers:
+    """Worker processes that draw plots, and how many."""
+
+    pool: ProcessPoolExecutor
+    count: int
+
+
+@contextmanager
+def _drawing_processes(processes: int) -> Iterator[_Drawers | None]:
+    """``processes`` workers that draw plots (None for 1), each started and importing matplotlib at once,
+    while the caller reads the events; shut down on leaving."""
+    if processes == 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for _ in range(processes):
+            pool.submit(_import_drawing)
+        yield _Drawers(pool, processes)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _import_drawing() -> None:
+    """Import what drawing a plot needs (about half a second), so that a worker does it while the events are
+    read."""
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+
+
+def _write_plots(
+    run: RunScalars, folder: Path, judged_rules: set[str], drawers: _Drawers | None = None
+) -> list[Path]:
     """Every metric's plot, with the levels of the rules in ``judged_rules`` (those the run is judged on: a
-    causal model's entropy near 1 is not uniform attention), and the effective-rank heatmap."""
+    causal model's entropy near 1 is not uniform attention), and the effective-rank heatmap; drawn by the
+    ``drawers``, each a share of the plots, where given."""
     plots_folder = folder / "plots"
     plots_folder.mkdir(exist_ok=True)
-    plots = []
+    plots: list[_Plot] = []
     heatmap = run.series.get(HEATMAP_METRIC)
     if heatmap:
-        figure = _layer_step_heatmap(HEATMAP_METRIC, heatmap, (0.0, 1.0))
-        plots.append(_save(figure, plots_folder / "heatmap_effective_rank.png"))
-        figure.clear()
-    # One figure redrawn for every metric: its axes, ticks and text objects are made once, not per plot.
-    figure = None
+        plots.append(
+            _Plot(plots_folder / "heatmap_effective_rank.png", HEATMAP_METRIC, heatmap, True, (0.0, 1.0))
+        )
     for metric, by_layer in sorted(run.series.items()):
         if _AGGREGATE.search(metric):
             continue  # drawn as the range over heads on its mean's plot
+        path = plots_folder / _plot_file_name(metric)
         if len(by_layer) > _LINES_AT_MOST:
-            many = _layer_step_heatmap(metric, by_layer)
-            plots.append(_save(many, plots_folder / _plot_file_name(metric)))
+            plots.append(_Plot(path, metric, by_layer, True))
+        else:
+            spread = (run.series.get(f"{metric}_min", {}), run.series.get(f"{metric}_max", {}))
+            plots.append(_Plot(path, metric, by_layer, False, spread=spread))
+    if drawers is None:
+        return _draw_plots(plots, judged_rules)
+    shares = [plots[start :: drawers.count] for start in range(drawers.count)]
+    for future in [drawers.pool.submit(_draw_plots, share, judged_rules) for share in shares if share]:
+        future.result()
+    return [plot.path for plot in plots]
+
+
+def _draw_plots(plots: list[_Plot], judged_rules: set[str]) -> list[Path]:
+    """Draw and save ``plots`` in order (a worker's share, or all of them), the line plots on one figure."""
+    # One figure redrawn for every metric: its axes, ticks and text objects are made once, not per plot.
+    figure = None
+    for plot in plots:
+        if plot.heatmap:
+            many = _layer_step_heatmap(plot.metric, plot.by_layer, plot.limits)
+            _save(many, plot.path)
             many.clear()
             continue
-        spread = (run.series.get(f"{metric}_min", {}), run.series.get(f"{metric}_max", {}))
-        figure = _metric_by_layer(metric, by_layer, judged_rules, figure, spread)
-        plots.append(_save(figure, plots_folder / _plot_file_name(metric)))
-    return plots
+        figure = _metric_by_layer(plot.metric, plot.by_layer, judged_rules, figure, plot.spread)
+        _save(figure, plot.path)
+    return [plot.path for plot in plots]
 
 
 def _metric_by_layer(

@@ -389,6 +389,26 @@ def test_a_metric_of_more_than_a_dozen_layers_is_drawn_as_a_heatmap_over_its_own
     assert "attention/entropy" not in heatmaps  # two layers: lines
 
 
+def test_plots_drawn_by_two_worker_processes_are_the_files_the_report_draws_alone(tmp_path: Path) -> None:
+    from spectral_monitor.report import write_report
+
+    norms = {f"blocks.{i}.mlp": [1.0 + i, 2.0 + i, 3.0 + i] for i in range(13)}  # a heatmap among the lines
+    write_events(tmp_path / "logs", {**SERIES, "weights/spectral_norm": norms})
+    (alone,) = write_report(tmp_path / "logs", tmp_path / "alone")
+    (shared,) = write_report(tmp_path / "logs", tmp_path / "shared", processes=2)
+    assert shared.read_text() == alone.read_text().replace("alone", "shared")
+    plots = sorted(path.name for path in (tmp_path / "alone" / "plots").iterdir())
+    assert len(plots) == 4 and plots == sorted(
+        path.name for path in (tmp_path / "shared" / "plots").iterdir()
+    )
+    for name in plots:
+        assert (tmp_path / "shared" / "plots" / name).read_bytes() == (
+            tmp_path / "alone" / "plots" / name
+        ).read_bytes(), name
+    with pytest.raises(ValueError, match="processes must be at least 1"):
+        write_report(tmp_path / "logs", tmp_path / "none", processes=0)
+
+
 def test_a_heatmaps_step_ticks_are_evenly_spaced_columns() -> None:
     from spectral_monitor.report import _layer_step_heatmap
 
