@@ -12,6 +12,7 @@ ENERGY_LEVEL = 0.99
 
 
 _LARGEST_SCALE_EXPONENT = 120
+_NORMAL_NORM_LOW, _NORMAL_NORM_HIGH = 2.0**-40, 2.0**40
 
 
 def check_matrices(value: object, name: str) -> Tensor:
@@ -87,6 +88,27 @@ def power_of_two_exponents(matrices: Tensor) -> Tensor:
     _, exponent = torch.frexp(largest)
     usable = largest.isfinite() & (largest > 0)
     return torch.where(usable, exponent.clamp(-_LARGEST_SCALE_EXPONENT, _LARGEST_SCALE_EXPONENT), 0)
+
+
+def scaled_where_needed(matrices: Tensor, frobenius: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``matrices`` (B, n, m) with each one whose Frobenius norm ``frobenius`` (B,) lies outside
+    [2⁻⁴⁰, 2⁴⁰] (or is not finite) divided by 2ᵉ, e from :func:`power_of_two_exponents`; the others as
+    they are (e = 0).
+
+    Within that range no sum of squares of the matrix can overflow, nor its largest entries' squares
+    underflow, so scaling would change no result: a power of two multiplies exactly. Skipping it saves two
+    reductions and a multiply over every entry in the common case.
+
+    Returns:
+        The matrices (``matrices`` itself when none is scaled, else a scaled copy), their Frobenius norms
+        (``frobenius`` where none is scaled) and the exponents e, (B,) ints.
+    """
+    normal = frobenius.isfinite() & (frobenius >= _NORMAL_NORM_LOW) & (frobenius <= _NORMAL_NORM_HIGH)
+    if bool(normal.all()):
+        return matrices, frobenius, torch.zeros(frobenius.shape, dtype=torch.int32, device=frobenius.device)
+    exponents = torch.where(normal, 0, power_of_two_exponents(matrices))
+    scaled = matrices * powers_of_two(-exponents, matrices.dtype)[:, None, None]
+    return scaled, torch.linalg.matrix_norm(scaled), exponents
 
 
 def powers_of_two(exponents: Tensor, dtype: torch.dtype) -> Tensor:

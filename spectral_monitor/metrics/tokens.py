@@ -11,8 +11,7 @@ from spectral_monitor.metrics._common import (
     effective_rank_from_singular_values,
     flat_mask,
     nonfinite_matrices,
-    power_of_two_exponents,
-    powers_of_two,
+    scaled_where_needed,
     stable_rank,
     working_dtype_of,
 )
@@ -50,11 +49,15 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     batch_shape, (n, d) = x.shape[:-2], x.shape[-2:]
     mask = flat_mask(token_mask, "token_mask", batch_shape, n, x.device)
     states = x.reshape(-1, n, d).to(working_dtype_of(x))
-    nonfinite = nonfinite_matrices(states)
-    states = torch.where(nonfinite[:, None, None], torch.zeros_like(states), states) * mask[:, :, None]
-    # Every metric here is scale-invariant: scaled by a power of two (exact), finite states near 1e19 cannot
-    # overflow the sums of squares.
-    states = states * powers_of_two(-power_of_two_exponents(states), states.dtype)[:, None, None]
+    frobenius = torch.linalg.matrix_norm(states)
+    nonfinite = nonfinite_matrices(states, frobenius)
+    every_token = bool(mask.all())
+    if nonfinite.any() or not every_token:
+        states = torch.where(nonfinite[:, None, None], torch.zeros_like(states), states) * mask[:, :, None]
+        frobenius = torch.linalg.matrix_norm(states)
+    # Every metric here is scale-invariant: scaled by a power of two (exact) where its norm is far from 1,
+    # finite states near 1e19 cannot overflow the sums of squares.
+    states, frobenius, _ = scaled_where_needed(states, frobenius)
     count = mask.sum(dim=1).to(states.dtype)
 
     norms = states.norm(dim=2, keepdim=True)
@@ -64,8 +67,8 @@ def token_metrics(x: Tensor, *, token_mask: Tensor | None = None) -> dict[str, T
     cosine = torch.where(pairs > 0, cosine / pairs.clamp_min(1), torch.full_like(cosine, float("nan")))
 
     mean = states.sum(dim=1) / count.clamp_min(1)[:, None]
-    frobenius = states.norm(dim=(1, 2))
-    residual = (states - mask[:, :, None] * mean[:, None, :]).norm(dim=(1, 2))
+    centred = states - (mean[:, None, :] if every_token else mask[:, :, None] * mean[:, None, :])
+    residual = torch.linalg.matrix_norm(centred)
     residual = torch.where(
         frobenius > 0,
         residual / frobenius.clamp_min(torch.finfo(states.dtype).tiny),

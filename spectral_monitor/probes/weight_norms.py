@@ -24,9 +24,9 @@ error is bounded on one side: it never exceeds σ₁ (a Ritz value of the Gram m
 eigenvalue) and lies within its residual of some singular value, so after two singular values cross it can
 follow the one that was on top, from below.
 
-Every function works on detached float32 copies (float64 stays float64), each scaled by a power of two so
-that no sum of squares overflows, and scales the norms back in float64: the matrices given are never
-modified. A matrix holding NaN or inf has NaN norms.
+Every function works on detached float32 copies (float64 stays float64), each whose norm lies far from 1
+scaled by a power of two so that no sum of squares overflows, and scales the norms back in float64: the
+matrices given are never modified. A matrix holding NaN or inf has NaN norms.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from spectral_monitor.linalg.operators import DenseOperator, GramOperator, Stack
 from spectral_monitor.metrics._common import (
     all_singular_values,
     nonfinite_matrices,
-    power_of_two_exponents,
     powers_of_two,
+    scaled_where_needed,
     stable_rank,
 )
 from spectral_monitor.probes.attention_weights import AttentionWeights, check_head_split
@@ -167,8 +167,7 @@ def estimate_spectral_norms(
     waiting: list[tuple[list[NormTarget], Tensor, Tensor, Tensor]] = []
     waiting_bytes = 0
     for group in _batches(targets):
-        matrices, scale = _scaled_copy([_in_storage_order(target.matrix) for target in group])
-        frobenius = torch.linalg.matrix_norm(matrices)
+        matrices, frobenius, scale = _scaled_copy([_in_storage_order(target.matrix) for target in group])
         if min(matrices.shape[1:]) <= _EXACT_MAX_SIZE:
             sigma = _largest_singular_values(matrices, ~nonfinite_matrices(matrices, frobenius))
             estimates.update(_estimates_of(group, sigma, frobenius, torch.zeros_like(sigma), scale))
@@ -273,8 +272,8 @@ def attention_query_key_norms(weights: AttentionWeights) -> list[float]:
         >>> [f"{norm:.3g}" for norm in attention_query_key_norms(weights)]
         ['1e+30', '1e+30']
     """
-    (query,), query_scale = _scaled_copy([weights.query])
-    (key,), key_scale = _scaled_copy([weights.key])
+    (query,), _, query_scale = _scaled_copy([weights.query])
+    (key,), _, key_scale = _scaled_copy([weights.key])
     norms = query_key_spectral_norms(query, key, weights.num_heads, weights.key_value_heads)
     return (norms.double() * query_scale * key_scale).tolist()
 
@@ -376,15 +375,15 @@ def _estimates_of(
     }
 
 
-def _scaled_copy(matrices: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """:func:`_stacked_copy` of ``matrices``, each divided by the power of two that brings its largest entry
-    into [0.5, 1) (:func:`~spectral_monitor.metrics._common.power_of_two_exponents`: exact, and no sum of
-    squares of a finite float32 weight overflows), and those powers as float64 (batch,). A non-finite matrix
-    stays as it is."""
+def _scaled_copy(matrices: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_stacked_copy` of ``matrices``, those whose ‖·‖_F lies far from 1 divided by the power of two
+    that brings the largest entry into [0.5, 1)
+    (:func:`~spectral_monitor.metrics._common.scaled_where_needed`: exact, and no sum of squares of a finite
+    float32 weight overflows); their ‖·‖_F, and the powers as float64 (batch,). A non-finite matrix stays as
+    it is."""
     stacked = _stacked_copy(matrices)
-    exponents = power_of_two_exponents(stacked)
-    stacked.mul_(powers_of_two(-exponents, stacked.dtype)[:, None, None])
-    return stacked, powers_of_two(exponents, torch.float64)
+    stacked, frobenius, exponents = scaled_where_needed(stacked, torch.linalg.matrix_norm(stacked))
+    return stacked, frobenius, powers_of_two(exponents, torch.float64)
 
 
 def _stacked_copy(matrices: list[Tensor]) -> Tensor:

@@ -91,3 +91,35 @@ def test_token_metrics_of_states_near_1e19_are_those_of_the_same_states_unscaled
     assert not torch.linalg.vector_norm(states * 2.0**63).square().isfinite()
     for name, values in ordinary.items():
         assert torch.equal(huge[name], values), name  # a power of two scales exactly: bit for bit
+
+
+def test_token_metrics_and_weight_norms_of_tiny_values_are_those_of_the_same_values_unscaled() -> None:
+    """Entries near 1e-30 have squares below float32's smallest normal: unscaled, their norms read 0."""
+    states = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(0))
+    ordinary = token_metrics(states)
+    tiny = token_metrics(states * 2.0**-100)
+    assert torch.linalg.vector_norm(states * 2.0**-100) == 0
+    for name, values in ordinary.items():
+        assert torch.equal(tiny[name], values), name
+    model = huge_model(1.0)
+    small = huge_model(2.0**-100)
+    for metric in ("frobenius_norm", "spectral_norm"):
+        expected = by_name(WeightProbe(model, per_head=False), metric)
+        measured = by_name(WeightProbe(small, per_head=False), metric)
+        for layer in ("0", "1"):
+            assert measured[layer] == pytest.approx(expected[layer] * 2.0**-100, rel=1e-5), (metric, layer)
+
+
+def test_only_matrices_whose_norm_lies_far_from_one_are_scaled() -> None:
+    from spectral_monitor.metrics._common import scaled_where_needed
+
+    matrices = torch.stack(
+        [torch.full((3, 4), 0.5), torch.full((3, 4), 2.0**41), torch.full((3, 4), 2.0**-45)]
+    )
+    ordinary = matrices[:1]
+    same, norms, exponents = scaled_where_needed(ordinary, torch.linalg.matrix_norm(ordinary))
+    assert same is ordinary and exponents.tolist() == [0]  # in range: no copy, no pass over the entries
+    scaled, norms, exponents = scaled_where_needed(matrices, torch.linalg.matrix_norm(matrices))
+    assert exponents.tolist() == [0, 42, -44]
+    assert scaled.amax(dim=(1, 2)).tolist() == [0.5, 0.5, 0.5]
+    assert torch.equal(norms, torch.linalg.matrix_norm(scaled))
