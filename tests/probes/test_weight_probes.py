@@ -380,6 +380,24 @@ def test_grouped_query_heads_pair_each_query_head_with_its_key_head() -> None:
     np.testing.assert_allclose(norms.numpy(), dense, rtol=1e-12)
 
 
+def test_query_heads_of_deficient_rank_take_the_factored_route_to_the_same_norm() -> None:
+    """A zero query head and one whose rows repeat have no Cholesky factor of their Gram matrix: their norms
+    come from QR factors, the others' from the Gram matrices, each within float32 rounding of float64."""
+    generator = torch.Generator().manual_seed(13)
+    query = torch.randn(4 * 3, 10, generator=generator)
+    query[0:3] = 0.0
+    query[3:6] = query[3].repeat(3, 1)
+    query[6:9] *= 1e-3  # small but of full rank: the Gram route
+    key = torch.randn(4 * 3, 7, generator=generator)
+    norms = query_key_spectral_norms(query, key, num_heads=4)
+    dense = [
+        reference_singular_values(query[3 * h : 3 * h + 3].double().T @ key[3 * h : 3 * h + 3].double())[0]
+        for h in range(4)
+    ]
+    assert norms[0].item() == 0.0
+    np.testing.assert_allclose(norms[1:].numpy(), dense[1:], rtol=1e-6)
+
+
 def test_llama_separate_projections_with_grouped_keys_are_read_per_head() -> None:
     model = tiny_llama(
         seed=12,
