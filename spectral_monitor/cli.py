@@ -148,7 +148,9 @@ def _run_report(arguments: argparse.Namespace) -> int:
     from spectral_monitor.report import ReportError, write_report
 
     try:
-        write_report(arguments.logdir, arguments.out, processes=arguments.processes or _drawing_processes())
+        write_report(
+            arguments.logdir, arguments.out, processes=arguments.processes or _default_report_processes()
+        )
     except ReportError as error:
         print(f"spectral-monitor report: error: {error}", file=sys.stderr)
         return 2
@@ -158,7 +160,7 @@ def _run_report(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _drawing_processes() -> int:
+def _default_report_processes() -> int:
     """The report's default plot drawers: one per core this process may run on, at most 4 (each process
     costs its start and matplotlib's import, about half a second of CPU, and a share of fewer plots)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
