@@ -23,6 +23,7 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -565,8 +566,9 @@ class _Drawers:
 
 @contextmanager
 def _drawing_processes(processes: int) -> Iterator[_Drawers | None]:
-    """``processes`` workers that draw plots (None for 1), each started and importing matplotlib at once,
-    while the caller reads the events; shut down on leaving."""
+    """``processes`` workers that draw plots, each started and importing matplotlib at once, while the caller
+    reads the events; shut down on leaving. None for 1, or where no process can be started (a sandbox
+    without subprocesses): the plots are then drawn in this process."""
     if processes == 1:
         yield None
         return
@@ -574,6 +576,11 @@ def _drawing_processes(processes: int) -> Iterator[_Drawers | None]:
     try:
         for _ in range(processes):
             pool.submit(_import_drawing)
+    except (OSError, BrokenProcessPool):
+        pool.shutdown(cancel_futures=True)
+        yield None
+        return
+    try:
         yield _Drawers(pool, processes)
     finally:
         pool.shutdown(cancel_futures=True)
@@ -612,8 +619,11 @@ def _write_plots(
     if drawers is None:
         return _draw_plots(plots, judged_rules)
     shares = [plots[start :: drawers.count] for start in range(drawers.count)]
-    for future in [drawers.pool.submit(_draw_plots, share, judged_rules) for share in shares if share]:
-        future.result()
+    try:
+        for future in [drawers.pool.submit(_draw_plots, share, judged_rules) for share in shares if share]:
+            future.result()
+    except BrokenProcessPool:  # a worker died (killed for memory, say): every plot drawn again here
+        return _draw_plots(plots, judged_rules)
     return [plot.path for plot in plots]
 
 

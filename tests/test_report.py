@@ -409,6 +409,44 @@ def test_plots_drawn_by_two_worker_processes_are_the_files_the_report_draws_alon
         write_report(tmp_path / "logs", tmp_path / "none", processes=0)
 
 
+@pytest.mark.parametrize("failure", ["no process starts", "a worker dies"])
+def test_plots_are_drawn_in_process_where_worker_processes_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    from spectral_monitor import report as report_module
+
+    class FailingPool:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def submit(self, function: object, *args: object) -> Future:
+            if failure == "no process starts":
+                raise PermissionError(1, "Operation not permitted")
+            future: Future = Future()
+            if function is report_module._import_drawing:
+                future.set_result(None)
+            else:
+                future.set_exception(BrokenProcessPool("A child process terminated abruptly"))
+            return future
+
+        def shutdown(self, cancel_futures: bool = False) -> None:
+            pass
+
+    write_events(tmp_path / "logs")
+    (alone,) = report_module.write_report(tmp_path / "logs", tmp_path / "alone")
+    monkeypatch.setattr(report_module, "ProcessPoolExecutor", FailingPool)
+    (shared,) = report_module.write_report(tmp_path / "logs", tmp_path / "shared", processes=2)
+    plots = sorted((tmp_path / "alone" / "plots").iterdir())
+    assert plots and [path.name for path in plots] == sorted(
+        p.name for p in (tmp_path / "shared" / "plots").iterdir()
+    )
+    for path in plots:
+        assert (tmp_path / "shared" / "plots" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_a_heatmaps_step_ticks_are_evenly_spaced_columns() -> None:
     from spectral_monitor.report import _layer_step_heatmap
 
