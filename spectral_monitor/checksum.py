@@ -30,8 +30,8 @@ _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum mask
 LANE_BYTES = 32
 VECTORISED_FROM_BYTES = 2048
 BATCH_BYTES = 32 << 20
-"""The most padded data checksummed in one batch of :func:`crc32c_of_each` (its lanes' registers take as
-much again)."""
+"""The most padded record data checksummed in one batch of :func:`crc32c_of_each`: the batch holds it twice
+(the records in rows, then in lane columns) and its lanes' registers, an eighth as much."""
 
 
 def _byte_table() -> np.ndarray:

@@ -837,16 +837,18 @@ def _layer_step_heatmap(
     renderer = FigureCanvasAgg(figure).get_renderer()
     labels_width = max(label.get_window_extent(renderer).width for label in axes.get_yticklabels())
     inch = figure.dpi
-    width, height = figure.get_size_inches() * inch  # pixels
-    left, right = min((labels_width + 0.15 * inch) / width, 0.6), 1 - 0.95 * inch / width
-    bottom, top = 0.7 * inch / height, 1 - 0.45 * inch / height
+    width_pixels, height_pixels = figure.get_size_inches() * inch
+    left, right = min((labels_width + 0.15 * inch) / width_pixels, 0.6), 1 - 0.95 * inch / width_pixels
+    bottom, top = 0.7 * inch / height_pixels, 1 - 0.45 * inch / height_pixels
     axes.set_position((left, bottom, right - left, top - bottom))
-    bar = figure.add_axes((right + 0.12 * inch / width, bottom, 0.15 * inch / width, top - bottom))
+    bar = figure.add_axes(
+        (right + 0.12 * inch / width_pixels, bottom, 0.15 * inch / width_pixels, top - bottom)
+    )
     figure.colorbar(image, cax=bar)
     # Every k-th column, evenly (rounded positions of 10 ticks over 11–19 columns skip some and not others),
     # as many as the widest step fits with room between them.
     widest = Text(text=str(steps[-1] if steps.size else ""), figure=figure).get_window_extent(renderer).width
-    fitting = max(2, min(10, int((right - left) * width / max(1.6 * widest, 1.0))))
+    fitting = max(2, min(10, int((right - left) * width_pixels / max(1.6 * widest, 1.0))))
     ticks = range(0, len(steps), -(-len(steps) // fitting))
     axes.set_xticks(ticks, [str(steps[index]) for index in ticks])
     return figure

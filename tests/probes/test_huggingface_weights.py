@@ -148,7 +148,8 @@ def test_each_head_of_hugging_face_attention_is_measured_against_float64(family:
         bilinear = head(query, index).T @ head(key, index // group)
         expected_norms.append(largest_singular_value(bilinear))
         assert records[f"weights/qk_spectral_norm/{name}/head_{index}"] == pytest.approx(
-            expected_norms[-1], rel=1e-5
+            expected_norms[-1],
+            rel=1e-6,  # float64 Gram matrices: float32 rounding of the result alone
         )
         assert records[f"weights/spectral_norm/{name}.q/head_{index}"] == pytest.approx(
             largest_singular_value(head(query, index)), rel=1e-5
