@@ -484,6 +484,9 @@ def _single_vector_lanczos(
     diagonal: list[float] = []
     off_diagonal: list[float] = []
     undecided = torch.zeros(1, dtype=torch.bool, device=device)
+    decision = torch.zeros(1, dtype=torch.bool, device=device)
+    # The projected tridiagonal matrix, written entry by entry into room that grows with the basis.
+    tridiagonal = np.zeros((basis.capacity, basis.capacity))
     threshold_per_scale = 10 * n**0.5 * torch.finfo(work).eps
     # The start-component route of the certificate has no degree below which it must fail (a spectrum
     # concentrated on a few values lets it pass at once), so the test runs once there are k + 1 Ritz values.
@@ -512,6 +515,14 @@ def _single_vector_lanczos(
         # coefficient on the last row is the diagonal entry.
         coefficients = rows @ w
         diagonal.append(float(coefficients[-1]))
+        size = len(diagonal)
+        if size > tridiagonal.shape[0]:
+            grown = np.zeros((basis.capacity, basis.capacity))
+            grown[: size - 1, : size - 1] = tridiagonal[: size - 1, : size - 1]
+            tridiagonal = grown
+        tridiagonal[size - 1, size - 1] = diagonal[-1]
+        if off_diagonal:
+            tridiagonal[size - 1, size - 2] = tridiagonal[size - 2, size - 1] = off_diagonal[-1]
         w = w - rows.T @ coefficients
         correction = rows @ w
         w = w - rows.T @ correction
@@ -543,10 +554,7 @@ def _single_vector_lanczos(
             off_diagonal.append(coupling)
             continue
 
-        tridiagonal = np.diag(diagonal)
-        if off_diagonal:
-            tridiagonal += np.diag(off_diagonal, 1) + np.diag(off_diagonal, -1)
-        theta, ritz = np.linalg.eigh(tridiagonal)
+        theta, ritz = np.linalg.eigh(tridiagonal[:size, :size])
         recurrence = None
         if polynomial and coupling > 0:
             recurrence = LanczosRecurrence(
@@ -570,7 +578,8 @@ def _single_vector_lanczos(
         verdict = test.verdict
         # Every product exactly zero: the random start lies in the operator's null space (probability zero).
         met_here = (verdict is not None and bool(verdict.met[0])) or scale == 0
-        met = bool(op.agreed(torch.tensor([met_here], device=device))[0])
+        decision.fill_(met_here)
+        met = bool(op.agreed(decision)[0])
         # The budget is short only if it also cannot exhaust the space (which makes the answer exact).
         least = 0.0 if verdict is None else float(verdict.least_degree[0])
         unreachable = not met and least > max_iters - 1 and not (exhausted or iteration + room <= max_iters)

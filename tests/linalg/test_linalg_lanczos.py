@@ -403,3 +403,51 @@ def test_single_vector_lanczos_takes_the_same_steps_on_torch_vectors_as_on_numpy
     )
     expected = torch.linalg.eigvalsh(matrix.double())[0, -3:].flip(0)
     torch.testing.assert_close(on_numpy.values[0].double(), expected, atol=1e-4 * 7, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("top", "dtype", "tol", "max_iters"),
+    [
+        ([1.0, 0.9], torch.float64, 1e-3, 200),
+        ([1.0, 1.0 - 1e-4, 0.9], torch.float64, 1e-5, 200),
+        ([1.0, 1.0 - 3e-4], torch.float32, 1e-3, 200),
+        # Rounding's echo alone exceeds the component threshold: the full test must see it to stop early.
+        ([1.0, 0.9], torch.float32, 1e-5, 60),
+    ],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_stop_tests_quick_refusals_decide_as_the_full_test(
+    monkeypatch: pytest.MonkeyPatch,
+    top: list[float],
+    dtype: torch.dtype,
+    tol: float,
+    max_iters: int,
+    seed: int,
+) -> None:
+    """The stop test skips its full form where a cheap bound shows it must fail; the same solve with the full
+    form at every step must spend the same products and return the same values and flags."""
+    matrices = spectrum_operator(top, n=400, seed=seed)[0].to(dtype)
+
+    def solve() -> lanczos.EigenResult:
+        return lanczos_eigsh(
+            matrices,
+            1,
+            block_size=1,
+            tol=tol,
+            max_iters=max_iters,
+            criterion="eigenvalue",
+            relative_to="each",
+            failure_probability=0.05,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    quick = solve()
+    full_test = lanczos.stop_test
+    monkeypatch.setattr(
+        lanczos, "stop_test", lambda *args, **kwargs: full_test(*args, **{**kwargs, "last": True})
+    )
+    full = solve()
+    assert quick.info.products == full.info.products
+    assert torch.equal(quick.values, full.values)
+    for flag in ("converged", "out_of_budget", "iterations"):
+        assert torch.equal(getattr(quick.info, flag), getattr(full.info, flag)), flag
