@@ -161,8 +161,6 @@ def stop_test(
         theta.dtype
     )
     relative = wanted_residual / magnitude[:, None]
-    if not last and beyond_tolerance(theta, wanted_residual, tolerance, criterion):
-        return StopTest(None, relative)
     if not last and k == 1 and recurrence is not None and failure_probability is not None:
         # Until the top value's gap-free test passes, the full test can only fail and ask for the next degree
         # (unless rounding's echo makes it hopeless, which the full test must see): a few scalar operations
@@ -171,6 +169,8 @@ def stop_test(
         certified, echo = gap_free_top(theta, residual, tolerance[:, 0], degree, certain, recurrence)
         if not certified.any() and not (echo * certain >= 1).any():
             return StopTest(None, relative)
+    if not last and beyond_tolerance(theta, wanted_residual, tolerance, criterion):
+        return StopTest(None, relative)
     verdict = judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability, recurrence)
     return StopTest(verdict, relative)
 
@@ -333,7 +333,6 @@ def widened_span(theta: np.ndarray, residual: np.ndarray) -> np.ndarray:
     return np.maximum(span, np.finfo(theta.dtype).tiny)
 
 
-@np.errstate(all="ignore")  # inf and NaN are values here, as in torch
 def gap_free_top(
     theta: np.ndarray,
     residual: np.ndarray,
@@ -371,11 +370,15 @@ def gap_free_top(
         >>> certified, echo
         (array([ True]), array([0.]))
     """
-    spread = widened_span(theta, residual)
-    needed = np.arccosh(np.maximum(certain * np.sqrt(spread / tolerance), 1))
-    by_degree = degree * np.arccosh(1 + 2 * tolerance / spread) >= needed
     component, echo = hidden_component(recurrence, theta[:, -1] + tolerance)
-    return by_degree | (component * certain <= 1), echo
+    certified = component * certain <= 1
+    # Python floats: the batch is one run, where each numpy call would cost more than its arithmetic.
+    spreads = widened_span(theta, residual).tolist()
+    for element, (spread, tau) in enumerate(zip(spreads, tolerance.tolist(), strict=True)):
+        if not certified[element] and tau > 0 and spread / tau >= 0:  # NaN fails both routes
+            needed = math.acosh(max(certain * math.sqrt(spread / tau), 1.0))
+            certified[element] = degree * math.acosh(1 + 2 * tau / spread) >= needed
+    return certified, echo
 
 
 def hidden_component(recurrence: LanczosRecurrence, mu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
