@@ -58,8 +58,9 @@ class StopTest:
     """What :func:`stop_test` found.
 
     Attributes:
-        verdict: The :class:`Verdict`, or ``None`` where a cheap bound already fails test 1 of :func:`judge`
-            for every batch element, so the full test was not run.
+        verdict: The :class:`Verdict`, or ``None`` where a cheap bound shows the full test of :func:`judge`
+            could only fail and ask for no degree beyond the next (test 1 fails for every batch element, or
+            the top value's :func:`gap_free_top` test does), so it was not run.
         relative_residual: (B, k) the wanted Ritz pairs' residuals relative to max |θ|, largest θ first.
 
     Examples:
@@ -134,7 +135,9 @@ def stop_test(
 
     Returns:
         The :class:`StopTest`; its ``verdict`` is ``None`` when this is not the ``last`` iteration and
-        :func:`beyond_tolerance` shows test 1 fails everywhere.
+        either :func:`beyond_tolerance` shows test 1 fails everywhere or, for the top value alone (k = 1)
+        of a single-vector ``recurrence``, :func:`gap_free_top` fails everywhere while rounding's echo
+        leaves it within reach (where it does not, the full test runs: its degree bound may stop the run).
 
     Examples:
         A top Ritz value 5 with residual 0.05 and the next Ritz value 3 below it: the Kato–Temple bound
