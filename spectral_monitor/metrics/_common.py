@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from spectral_monitor.linalg.host_lapack import gram_eigenvalues
+
 METHODS = ("auto", "exact", "krylov")
 """How the spectral metrics are computed: every singular value, the Krylov engine, or whichever fits n."""
 ENERGY_LEVEL = 0.99
@@ -135,8 +137,7 @@ def all_singular_values(matrices: Tensor, dtype: torch.dtype | None = None) -> T
     precise = matrices.double()
     if matrices.shape[1] > matrices.shape[2]:
         precise = precise.transpose(1, 2)
-    gram = precise @ precise.transpose(1, 2)
-    return torch.linalg.eigvalsh(gram).flip(-1).clamp_min(0).sqrt().to(dtype)
+    return gram_eigenvalues(precise).flip(-1).clamp_min(0).sqrt().to(dtype)
 
 
 def effective_rank_from_singular_values(singular_values: Tensor) -> Tensor:
