@@ -5,7 +5,8 @@ torch's CPU builds call Intel's MKL, which takes its generic code path on other 
 ``eigvalsh`` 142 ms, where numpy's OpenBLAS took 34 ms (a symmetric rank-k update, half the
 multiplications) and 95 ms. From 192 rows up, and only there, numpy's was the faster of the two on that
 machine; on Intel processors MKL is kept. OpenBLAS keeps a thread pool of its own, so each call runs with
-torch's thread count (``openblas_set_num_threads_local``, OpenBLAS 0.3.27 and later) or not at all.
+torch's thread count (``openblas_set_num_threads_local``, OpenBLAS 0.3.27 and later), or the route stays
+closed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -30,7 +31,8 @@ def gram_eigenvalues(matrices: Tensor) -> Tensor:
     On a CPU that is not Intel's, with torch calling MKL and numpy an OpenBLAS whose thread count can be
     set per call, batches of n ≥ :data:`HOST_LAPACK_MIN_ROWS` that need no gradient go to numpy (the
     product as a symmetric rank-k update, then ``eigvalsh``) at torch's thread count; everything else to
-    torch. Either way the eigenvalues are LAPACK's ``syevd`` of the float64 Gram matrix.
+    torch (also where numpy's ``eigvalsh`` does not converge). Either way the eigenvalues are LAPACK's
+    ``syevd`` of the float64 Gram matrix.
 
     Args:
         matrices: float64 (B, n, m) A.
@@ -48,10 +50,11 @@ def gram_eigenvalues(matrices: Tensor) -> Tensor:
         and matrices.shape[1] >= HOST_LAPACK_MIN_ROWS
         and not matrices.requires_grad
         and not torch.compiler.is_compiling()
-        and _openblas_thread_setter() is not None
+        and _openblas_thread_setters()
     ):
         rows = np.ascontiguousarray(matrices.detach().numpy())
-        with _openblas_threads(torch.get_num_threads()):
+        # Where numpy's LAPACK does not converge, torch's answer (or its error) is the one callers expect.
+        with _openblas_threads(torch.get_num_threads()), contextlib.suppress(np.linalg.LinAlgError):
             # numpy recognises a matrix times its own transpose and calls syrk.
             return torch.from_numpy(np.linalg.eigvalsh(rows @ rows.transpose(0, 2, 1)))
     return torch.linalg.eigvalsh(matrices @ matrices.mT)
@@ -59,26 +62,31 @@ def gram_eigenvalues(matrices: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def _openblas_threads(count: int) -> Iterator[None]:
-    setter = _openblas_thread_setter()
-    previous = setter(count)
+    setters = _openblas_thread_setters()
+    previous = [setter(count) for setter in setters]
     try:
         yield
     finally:
-        setter(previous)
+        for setter, count_before in zip(setters, previous, strict=True):
+            setter(count_before)
 
 
 @functools.cache
-def _openblas_thread_setter() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """OpenBLAS's per-thread thread-count setter (returns the previous count) where the numpy route is to be
-    taken, else None."""
+def _openblas_thread_setters() -> tuple[Callable[[int], int], ...]:
+    """The per-thread thread-count setter (which returns the previous count) of every OpenBLAS in the process
+    where the numpy route is to be taken, else none. Which of them is numpy's is not known (scipy brings one
+    of its own), so each is set, and the route stays closed unless each can be."""
     if not torch.backends.mkl.is_available() or _cpu_vendor() in ("GenuineIntel", None):
-        return None
+        return ()
+    setters = []
     for library in _loaded_openblas_libraries():
-        with contextlib.suppress(OSError, AttributeError):
+        try:
             setter = ctypes.CDLL(library).openblas_set_num_threads_local
-            setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
-            return setter
-    return None
+        except (OSError, AttributeError):
+            return ()
+        setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+        setters.append(setter)
+    return tuple(setters)
 
 
 def _cpu_vendor() -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from spectral_monitor.linalg.host_lapack import HOST_LAPACK_MIN_ROWS, gram_eigen
 @pytest.fixture
 def vendor(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Lets a test name the processor's vendor; the route's cached decision is forgotten before and after."""
-    decision = host_lapack._openblas_thread_setter
+    decision = host_lapack._openblas_thread_setters
     decision.cache_clear()
     yield monkeypatch
     decision.cache_clear()
@@ -52,9 +53,9 @@ def test_the_eigenvalues_of_the_gram_matrix_are_the_squared_singular_values_by_e
     expected = singular_values.square().expand(2, rows)
     vendor.setattr(host_lapack, "_cpu_vendor", lambda: "GenuineIntel")
     torch.testing.assert_close(gram_eigenvalues(matrices), expected, rtol=0, atol=1e-13 * expected.max())
-    host_lapack._openblas_thread_setter.cache_clear()
+    host_lapack._openblas_thread_setters.cache_clear()
     vendor.setattr(host_lapack, "_cpu_vendor", lambda: "AuthenticAMD")
-    if host_lapack._openblas_thread_setter() is None:
+    if not host_lapack._openblas_thread_setters():
         pytest.skip("torch without MKL, or numpy without an OpenBLAS whose thread count can be set per call")
     torch.testing.assert_close(gram_eigenvalues(matrices), expected, rtol=0, atol=1e-13 * expected.max())
 
@@ -63,7 +64,7 @@ def test_numpys_route_runs_at_torchs_thread_count_and_gives_the_count_back(
     vendor: pytest.MonkeyPatch,
 ) -> None:
     calls: list[int] = []
-    vendor.setattr(host_lapack, "_openblas_thread_setter", lambda: recording_setter(calls))
+    vendor.setattr(host_lapack, "_openblas_thread_setters", lambda: (recording_setter(calls),))
     matrices = torch.randn(1, HOST_LAPACK_MIN_ROWS, 4, dtype=torch.float64)
     gram_eigenvalues(matrices)
     assert calls == [torch.get_num_threads(), 7]
@@ -78,9 +79,9 @@ def test_numpys_route_stays_closed_below_its_size_for_a_gradient_and_on_intel(
     calls: list[int] = []
     if case == "intel":
         vendor.setattr(host_lapack, "_cpu_vendor", lambda: "GenuineIntel")
-        assert host_lapack._openblas_thread_setter() is None
+        assert host_lapack._openblas_thread_setters() == ()
     else:
-        vendor.setattr(host_lapack, "_openblas_thread_setter", lambda: recording_setter(calls))
+        vendor.setattr(host_lapack, "_openblas_thread_setters", lambda: (recording_setter(calls),))
     rows = HOST_LAPACK_MIN_ROWS - 1 if case == "small" else HOST_LAPACK_MIN_ROWS
     matrices = torch.randn(1, rows, 3, dtype=torch.float64, requires_grad=case == "gradient")
     values = gram_eigenvalues(matrices)
@@ -88,3 +89,17 @@ def test_numpys_route_stays_closed_below_its_size_for_a_gradient_and_on_intel(
     if case == "gradient":
         values.sum().backward()
         torch.testing.assert_close(matrices.grad, 2 * matrices.detach(), rtol=1e-10, atol=1e-10)
+
+
+def test_where_numpys_lapack_does_not_converge_torchs_answers(vendor: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    vendor.setattr(host_lapack, "_openblas_thread_setters", lambda: (recording_setter(calls),))
+
+    def not_converging(matrices: object) -> None:
+        raise np.linalg.LinAlgError("Eigenvalues did not converge")
+
+    vendor.setattr(host_lapack.np.linalg, "eigvalsh", not_converging)
+    matrices = torch.randn(2, HOST_LAPACK_MIN_ROWS, 5, dtype=torch.float64)
+    expected = torch.linalg.eigvalsh(matrices @ matrices.mT)
+    torch.testing.assert_close(gram_eigenvalues(matrices), expected, rtol=0, atol=0)
+    assert calls == [torch.get_num_threads(), 7]
