@@ -57,7 +57,13 @@ def test_the_eigenvalues_of_the_gram_matrix_are_the_squared_singular_values_by_e
     vendor.setattr(host_lapack, "_cpu_vendor", lambda: "AuthenticAMD")
     if not host_lapack._openblas_thread_setters():
         pytest.skip("torch without MKL, or numpy without an OpenBLAS whose thread count can be set per call")
+    numpy_calls = []
+    numpy_eigenvalues = np.linalg.eigvalsh
+    vendor.setattr(
+        host_lapack.np.linalg, "eigvalsh", lambda gram: numpy_calls.append(1) or numpy_eigenvalues(gram)
+    )
     torch.testing.assert_close(gram_eigenvalues(matrices), expected, rtol=0, atol=1e-13 * expected.max())
+    assert len(numpy_calls) == (rows >= HOST_LAPACK_MIN_ROWS)
 
 
 def test_numpys_route_runs_at_torchs_thread_count_and_gives_the_count_back(
