@@ -52,10 +52,10 @@ def gram_eigenvalues(matrices: Tensor) -> Tensor:
         and not torch.compiler.is_compiling()
         and _openblas_thread_setters()
     ):
-        rows = np.ascontiguousarray(matrices.detach().numpy())
+        rows = matrices.detach().numpy()
         # Where numpy's LAPACK does not converge, torch's answer (or its error) is the one callers expect.
         with _openblas_threads(torch.get_num_threads()), contextlib.suppress(np.linalg.LinAlgError):
-            # numpy recognises a matrix times its own transpose and calls syrk.
+            # numpy recognises a matrix times its own transpose, in either layout, and calls syrk.
             return torch.from_numpy(np.linalg.eigvalsh(rows @ rows.transpose(0, 2, 1)))
     return torch.linalg.eigvalsh(matrices @ matrices.mT)
 
