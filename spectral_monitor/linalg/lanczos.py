@@ -483,7 +483,7 @@ def _single_vector_lanczos(
     products, scale = 0, 0.0
     diagonal: list[float] = []
     off_diagonal: list[float] = []
-    undecided = torch.zeros(1, dtype=torch.bool, device=device)
+    # Each stop decision goes to every party of the operator (op.agreed), refused ones included.
     decision = torch.zeros(1, dtype=torch.bool, device=device)
     # The projected tridiagonal matrix, written entry by entry into room that grows with the basis.
     tridiagonal = np.zeros((basis.capacity, basis.capacity))
@@ -549,7 +549,7 @@ def _single_vector_lanczos(
         exhausted = room <= 0
         last = exhausted or iteration == max_iters
         if len(diagonal) < k or (iteration < next_check and not last):
-            op.agreed(undecided)
+            op.agreed(decision.fill_(False))
             basis.append(next_row)
             off_diagonal.append(coupling)
             continue
