@@ -22,6 +22,7 @@ from helpers.reference_metrics import (
     AttentionCase,
     attention_cases,
     attention_reference,
+    attention_reference_batch,
     causal_uniform_attention,
     near_degenerate_attention,
     one_intra_op_thread,
@@ -954,3 +955,27 @@ def test_matrices_whose_squares_overflow_are_finite_and_those_holding_nan_or_inf
     huge[1, 0, 0], huge[2, 2, 2] = math.nan, -math.inf
     norms = torch.linalg.matrix_norm(huge) if given_norms else None
     assert nonfinite_matrices(huge, norms).tolist() == [False, True, True, False]
+
+
+def test_a_hugging_face_gpt2_at_256_tokens_is_measured_as_float64_measures_it() -> None:
+    """A freshly initialised GPT-2 written elsewhere (256 wide, eager attention), two sequences of 256 tokens,
+    the second right-padded to 200: its layers' token states and causal attention, measured exactly, agree
+    with the float64 reference on the same float32 inputs. Their Gram matrices have 256 and 200 rows, where
+    the route to numpy's OpenBLAS opens on processors MKL serves generically."""
+    from helpers.hf_models import tiny_gpt2
+
+    model = tiny_gpt2(attention="eager", n_embd=256, n_positions=256).eval()
+    ids = torch.randint(0, 64, (2, 256), generator=torch.Generator().manual_seed(3))
+    real = torch.arange(256)[None, :] < torch.tensor([256, 200])[:, None]
+    with torch.no_grad():
+        out = model(ids, attention_mask=real.long(), output_hidden_states=True, output_attentions=True)
+    for states in out.hidden_states[1:]:
+        expected = token_reference_batch(states.double().numpy(), token_mask=real.numpy())
+        result = token_metrics(states, token_mask=real)
+        actual = {name: value.double().numpy() for name, value in result.items() if name in expected}
+        assert_metrics_match(actual, expected, "tokens", **FLOAT32_TOLERANCE)
+    probabilities = out.attentions[-1][:1]  # the unpadded sequence: every query row a distribution
+    expected = attention_reference_batch(probabilities.double().numpy(), causal=True)
+    result = attention_metrics(probabilities, causal=True, method="exact")
+    actual = {name: value.double().numpy() for name, value in result.items() if name in expected}
+    assert_metrics_match(actual, expected, "attention", **FLOAT32_TOLERANCE)
