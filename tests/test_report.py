@@ -409,6 +409,23 @@ def test_plots_drawn_by_two_worker_processes_are_the_files_the_report_draws_alon
         write_report(tmp_path / "logs", tmp_path / "none", processes=0)
 
 
+def test_plots_are_dealt_to_the_drawers_so_that_each_has_the_same_drawing_to_within_a_line_plot() -> None:
+    from spectral_monitor.report import _balanced_shares, _Plot
+
+    steps = np.arange(3)
+    lines = [_Plot(Path(f"line{i}.png"), f"m/{i}", {"a": (steps, steps * 1.0)}, False) for i in range(22)]
+    weights = {f"blocks.{i}.mlp": (steps, steps * 1.0) for i in range(37)}
+    heatmaps = [_Plot(Path(f"heat{i}.png"), f"w/{i}", weights, True) for i in range(4)]
+    # The report's order: a small heatmap first, the lines, the large heatmaps last (dealt in turn, one
+    # drawer drew a heatmap more than the other).
+    plots = [_Plot(Path("rank.png"), "a/r", {"a": (steps, steps * 1.0)}, True), *lines, *heatmaps]
+    for count in (2, 3):
+        shares = _balanced_shares(plots, count)
+        assert sorted(plot.path for share in shares for plot in share) == sorted(plot.path for plot in plots)
+        loads = [sum(plot.cost for plot in share) for share in shares]
+        assert max(loads) - min(loads) <= 1.0, loads
+
+
 @pytest.mark.parametrize("failure", ["no process starts", "a worker dies"])
 def test_plots_are_drawn_in_process_where_worker_processes_fail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
