@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    route_open = bool(host_lapack._openblas_thread_setters())
+    route_open = host_lapack.numpy_route_open()
     rows = []
     for n in SIZES:
         batch = max(1, 2048 // n)

@@ -50,7 +50,7 @@ def gram_eigenvalues(matrices: Tensor) -> Tensor:
         and matrices.shape[1] >= HOST_LAPACK_MIN_ROWS
         and not matrices.requires_grad
         and not torch.compiler.is_compiling()
-        and _openblas_thread_setters()
+        and numpy_route_open()
     ):
         rows = matrices.detach().numpy()
         # Where numpy's LAPACK does not converge, torch's answer (or its error) is the one callers expect.
@@ -58,6 +58,20 @@ def gram_eigenvalues(matrices: Tensor) -> Tensor:
             # numpy recognises a matrix times its own transpose, in either layout, and calls syrk.
             return torch.from_numpy(np.linalg.eigvalsh(rows @ rows.transpose(0, 2, 1)))
     return torch.linalg.eigvalsh(matrices @ matrices.mT)
+
+
+def numpy_route_open() -> bool:
+    """Whether :func:`gram_eigenvalues` sends large CPU batches to numpy in this process: torch calls MKL, the
+    processor is not Intel's, and every OpenBLAS loaded can have its thread count set per call.
+
+    Returns:
+        True where batches of :data:`HOST_LAPACK_MIN_ROWS` rows or more, without gradient, go to numpy.
+
+    Examples:
+        >>> isinstance(numpy_route_open(), bool)
+        True
+    """
+    return bool(_openblas_thread_setters())
 
 
 @contextlib.contextmanager

@@ -87,8 +87,10 @@ def test_numpys_route_stays_closed_below_its_size_for_a_gradient_and_on_intel(
     if case == "intel":
         vendor.setattr(host_lapack, "_cpu_vendor", lambda: "GenuineIntel")
         assert host_lapack._openblas_thread_setters() == ()
+        assert not host_lapack.numpy_route_open()
     else:
         vendor.setattr(host_lapack, "_openblas_thread_setters", lambda: (recording_setter(calls),))
+        assert host_lapack.numpy_route_open()
     rows = HOST_LAPACK_MIN_ROWS - 1 if case == "small" else HOST_LAPACK_MIN_ROWS
     matrices = torch.randn(1, rows, 3, dtype=torch.float64, requires_grad=case == "gradient")
     values = gram_eigenvalues(matrices)
