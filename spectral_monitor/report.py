@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 import re
+import textwrap
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -89,6 +90,12 @@ _MARKED_POINTS = 200
 _LINES_AT_MOST = 12
 """A metric of more layers is drawn as a layer × step heatmap: past a dozen, lines are told apart by neither
 colour nor legend (the tab switches at the same count)."""
+_PLOT_INCHES = (8.4, 3.6)
+"""A line plot's size; taller where its legend needs it."""
+_PLOT_MARGINS_INCHES = (0.36, 0.5)
+"""Above and below a line plot's axes: the title, the step axis."""
+_LEGEND_CHARACTERS = 34
+"""Legend entries longer than this wrap onto further lines (the legend stands beside the axes)."""
 _ENVELOPE_BUCKETS = 125
 """Series longer than twice this are drawn through their envelope (:func:`_envelope`) in this many runs,
 about one per four pixel columns of a plot's axes."""
@@ -683,6 +690,7 @@ def _metric_by_layer(
         axes.get_legend().remove()
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, len(by_layer)))
     layers = sorted(by_layer.items(), key=lambda item: natural_order(item[0]))
+    pattern, names = _legend_names([layer for layer, _ in layers])
     lowest, highest = spread
     shaded = False
     for (layer, mean), color in zip(layers, colors, strict=True):
@@ -695,13 +703,13 @@ def _metric_by_layer(
                 label="_nolegend_" if shaded else "spread over heads, to the worst (shaded)",
             )  # fmt: skip
             shaded = True
-    for (layer, (steps, values)), color in zip(layers, colors, strict=True):
+    for (_, (steps, values)), color, name in zip(layers, colors, names, strict=True):
         if len(steps) <= _MARKED_POINTS:
-            axes.plot(steps, values, marker=".", color=color, label=layer)
+            axes.plot(steps, values, marker=".", color=color, label=name)
         elif len(steps) <= 2 * _ENVELOPE_BUCKETS:
-            axes.plot(steps, values, color=color, label=layer)
+            axes.plot(steps, values, color=color, label=name)
         else:
-            axes.plot(*_envelope(steps, values, _ENVELOPE_BUCKETS), color=color, label=layer)
+            axes.plot(*_envelope(steps, values, _ENVELOPE_BUCKETS), color=color, label=name)
     for threshold in _plotted_thresholds(metric, judged_rules):
         watch = threshold.clear if threshold.clear is not None else threshold.threshold
         for verdict, level in (("collapsed", threshold.threshold), ("watch", watch)):
@@ -747,16 +755,55 @@ def _metric_by_layer(
         axes.text(0.5, 0.5, "no finite reading", transform=axes.transAxes, ha="center", va="center")
     # A title at a given height: placing it automatically measured every tick label at every draw.
     axes.set_title(metric, y=1.0, pad=6.0)
-    axes.legend(fontsize="x-small")
+    # Beside the axes: a legend of a dozen layers and the rules' levels, placed over them, hid their lines.
+    handles, labels = axes.get_legend_handles_labels()
+    legend = axes.legend(
+        handles, [textwrap.fill(label, _LEGEND_CHARACTERS) for label in labels], loc="upper left",
+        bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize="x-small", title=pattern,
+        title_fontsize="x-small",
+    )  # fmt: skip
+    # As tall as the legend needs (a dozen layers and two rules' levels need more than the usual height),
+    # the margins above and below the axes kept.
+    legend_inches = legend.get_window_extent(figure.canvas.get_renderer()).height / figure.dpi
+    height = max(_PLOT_INCHES[1], _PLOT_MARGINS_INCHES[0] + legend_inches + 0.1)
+    if height != figure.get_figheight():
+        figure.set_size_inches(_PLOT_INCHES[0], height)
+        figure.subplots_adjust(
+            top=1 - _PLOT_MARGINS_INCHES[0] / height, bottom=_PLOT_MARGINS_INCHES[1] / height
+        )
     return figure
 
 
+def _legend_names(layers: list[str]) -> tuple[str | None, list[str]]:
+    """The layers' names as a legend shows them: the dotted parts that every name starts or ends with go into
+    a pattern, the legend's title (``transformer.h.*.attn``: names ``0`` … ``5``); each name keeps at least
+    one part of its own. (None, the names) for a single layer or where no part is shared."""
+    parts = [layer.split(".") for layer in layers]
+    shortest = min((len(split) for split in parts), default=0)
+    head = 0
+    while len(layers) > 1 and head < shortest - 1 and len({split[head] for split in parts}) == 1:
+        head += 1
+    tail = 0
+    while len(layers) > 1 and head + tail < shortest - 1 and len({split[-1 - tail] for split in parts}) == 1:
+        tail += 1
+    if not head and not tail:
+        return None, layers
+    first = parts[0]
+    pattern = ".".join([*first[:head], "*", *first[len(first) - tail :]])
+    return pattern, [".".join(split[head : len(split) - tail]) for split in parts]
+
+
 def _metric_figure() -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    # Fixed margins rather than a layout engine, which would be solved again at every plot drawn.
-    figure = Figure(figsize=(6.4, 3.6), dpi=_DPI)
-    figure.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
+    # Fixed margins rather than a layout engine, which would be solved again at every plot drawn; room
+    # beside the axes for the legend.
+    width, height = _PLOT_INCHES
+    figure = Figure(figsize=_PLOT_INCHES, dpi=_DPI)
+    FigureCanvasAgg(figure)
+    top, bottom = _PLOT_MARGINS_INCHES
+    figure.subplots_adjust(left=0.75 / width, right=0.73, top=1 - top / height, bottom=bottom / height)
     axes = figure.subplots()
     axes.set_xlabel("step")
     axes.grid(True, alpha=0.3)

@@ -526,6 +526,50 @@ def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() 
     np.testing.assert_array_equal(drawn, values[index])
 
 
+@pytest.mark.parametrize(
+    ("layers", "pattern", "names"),
+    [
+        ([f"transformer.h.{i}.attn" for i in range(3)], "transformer.h.*.attn", ["0", "1", "2"]),
+        (["blocks.0", "blocks.10"], "blocks.*", ["0", "10"]),
+        (["encoder.a.mlp", "decoder.a.mlp"], "*.a.mlp", ["encoder", "decoder"]),
+        (["a.b", "a.b.c"], "a.*", ["b", "b.c"]),  # every name keeps a part of its own
+        (["a.x", "a.x"], "a.*", ["x", "x"]),
+        (["head", "embedding"], None, ["head", "embedding"]),
+        (["blocks.0.attn"], None, ["blocks.0.attn"]),  # one layer: its whole name
+    ],
+)
+def test_a_legend_names_layers_by_what_sets_them_apart_under_the_pattern_they_share(
+    layers: list[str], pattern: str | None, names: list[str]
+) -> None:
+    from spectral_monitor.report import _legend_names
+
+    assert _legend_names(layers) == (pattern, names)
+
+
+def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entries_it_holds() -> None:
+    from spectral_monitor.report import _PLOT_INCHES, _metric_by_layer
+
+    steps = np.arange(0, 3000, 10)
+    layers = {f"model.h.{i}.attn": (steps, 0.5 + 0.3 * np.sin(steps / 300 + i)) for i in range(12)}
+    low = {layer: (steps, values - 0.1) for layer, (steps, values) in layers.items()}
+    high = {layer: (steps, values + 0.1) for layer, (steps, values) in layers.items()}
+    figure = None
+    # A dozen layers, their spread, two rules' levels and a relative level; then a layer and no level.
+    for by_layer, spread, metric in [
+        (layers, (low, high), "attention/entropy"),
+        ({"blocks.0": (steps, np.cos(steps))}, ({}, {}), "attention/dobrushin"),
+    ]:
+        figure = _metric_by_layer(metric, by_layer, EVERY_RULE, figure, spread)
+        figure.canvas.draw()
+        (axes,) = figure.axes
+        legend = axes.get_legend().get_window_extent(figure.canvas.get_renderer())
+        inside = figure.bbox
+        assert inside.x0 <= legend.x0 and legend.x1 <= inside.x1 and inside.y0 <= legend.y0, metric
+        assert legend.y1 <= inside.y1 and axes.bbox.x1 < legend.x0, metric
+        assert figure.get_figwidth() == _PLOT_INCHES[0]
+    assert figure.get_figheight() == _PLOT_INCHES[1]  # back to the usual height for a short legend
+
+
 def test_a_figure_redrawn_for_another_metric_shows_that_metric_alone() -> None:
     from spectral_monitor.report import _metric_by_layer
 
