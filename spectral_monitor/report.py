@@ -759,8 +759,8 @@ def _metric_by_layer(
     handles, labels = axes.get_legend_handles_labels()
     legend = axes.legend(
         handles, [textwrap.fill(label, _LEGEND_CHARACTERS) for label in labels], loc="upper left",
-        bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize="x-small", title=pattern,
-        title_fontsize="x-small",
+        bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize="x-small",
+        title=pattern and textwrap.fill(pattern, _LEGEND_CHARACTERS), title_fontsize="x-small",
     )  # fmt: skip
     # As tall as the legend needs (a dozen layers and two rules' levels need more than the usual height),
     # the margins above and below the axes kept.

@@ -550,7 +550,8 @@ def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entrie
     from spectral_monitor.report import _PLOT_INCHES, _metric_by_layer
 
     steps = np.arange(0, 3000, 10)
-    layers = {f"model.h.{i}.attn": (steps, 0.5 + 0.3 * np.sin(steps / 300 + i)) for i in range(12)}
+    name = "model.a_module_name_longer_than_a_legend_line.h.{}.attn"  # a title that must wrap
+    layers = {name.format(i): (steps, 0.5 + 0.3 * np.sin(steps / 300 + i)) for i in range(12)}
     low = {layer: (steps, values - 0.1) for layer, (steps, values) in layers.items()}
     high = {layer: (steps, values + 0.1) for layer, (steps, values) in layers.items()}
     figure = None
