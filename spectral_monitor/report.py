@@ -94,6 +94,8 @@ _PLOT_INCHES = (8.4, 3.6)
 """A line plot's size; taller where its legend needs it."""
 _PLOT_MARGINS_INCHES = (0.36, 0.5)
 """Above and below a line plot's axes: the title, the step axis."""
+_AXES_EDGES_INCHES = (0.75, 6.13)
+"""A line plot's axes' left and right edges, from the figure's left: the legend stands right of them."""
 _LEGEND_CHARACTERS = 34
 """Legend entries longer than this wrap onto further lines (the legend stands beside the axes)."""
 _ENVELOPE_BUCKETS = 125
@@ -762,16 +764,24 @@ def _metric_by_layer(
         bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize="x-small",
         title=pattern and textwrap.fill(pattern, _LEGEND_CHARACTERS), title_fontsize="x-small",
     )  # fmt: skip
-    # As tall as the legend needs (a dozen layers and two rules' levels need more than the usual height),
-    # the margins above and below the axes kept.
-    legend_inches = legend.get_window_extent(figure.canvas.get_renderer()).height / figure.dpi
-    height = max(_PLOT_INCHES[1], _PLOT_MARGINS_INCHES[0] + legend_inches + 0.1)
-    if height != figure.get_figheight():
-        figure.set_size_inches(_PLOT_INCHES[0], height)
-        figure.subplots_adjust(
-            top=1 - _PLOT_MARGINS_INCHES[0] / height, bottom=_PLOT_MARGINS_INCHES[1] / height
-        )
+    # As tall and as wide as the legend needs (a dozen layers and two rules' levels need more than the usual
+    # height, a font of wider glyphs more width), the axes where they were.
+    extent = legend.get_window_extent(figure.canvas.get_renderer())
+    width = max(_PLOT_INCHES[0], extent.x1 / figure.dpi + 0.1)
+    height = max(_PLOT_INCHES[1], _PLOT_MARGINS_INCHES[0] + extent.height / figure.dpi + 0.1)
+    if (width, height) != tuple(figure.get_size_inches()):
+        _size_plot(figure, width, height)
     return figure
+
+
+def _size_plot(figure: Figure, width: float, height: float) -> None:
+    """``figure`` made ``width`` × ``height`` inches, its axes at the same distances from its left, top and
+    bottom edges and as wide as ever: what grows is the room beside and below them."""
+    figure.set_size_inches(width, height)
+    (left, right), (top, bottom) = _AXES_EDGES_INCHES, _PLOT_MARGINS_INCHES
+    figure.subplots_adjust(
+        left=left / width, right=right / width, top=1 - top / height, bottom=bottom / height
+    )
 
 
 def _legend_names(layers: list[str]) -> tuple[str | None, list[str]]:
@@ -799,11 +809,9 @@ def _metric_figure() -> Figure:
 
     # Fixed margins rather than a layout engine, which would be solved again at every plot drawn; room
     # beside the axes for the legend.
-    width, height = _PLOT_INCHES
     figure = Figure(figsize=_PLOT_INCHES, dpi=_DPI)
     FigureCanvasAgg(figure)
-    top, bottom = _PLOT_MARGINS_INCHES
-    figure.subplots_adjust(left=0.75 / width, right=0.73, top=1 - top / height, bottom=bottom / height)
+    _size_plot(figure, *_PLOT_INCHES)
     axes = figure.subplots()
     axes.set_xlabel("step")
     axes.grid(True, alpha=0.3)

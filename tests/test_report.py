@@ -555,9 +555,11 @@ def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entrie
     low = {layer: (steps, values - 0.1) for layer, (steps, values) in layers.items()}
     high = {layer: (steps, values + 0.1) for layer, (steps, values) in layers.items()}
     figure = None
-    # A dozen layers, their spread, two rules' levels and a relative level; then a layer and no level.
+    wide = {name * 34: (steps, np.cos(steps)) for name in "WM"}  # lines of the widest glyphs
+    # A dozen layers, their spread, two rules' levels and a relative level; wide names; a layer, no level.
     for by_layer, spread, metric in [
         (layers, (low, high), "attention/entropy"),
+        (wide, ({}, {}), "attention/dobrushin"),
         ({"blocks.0": (steps, np.cos(steps))}, ({}, {}), "attention/dobrushin"),
     ]:
         figure = _metric_by_layer(metric, by_layer, EVERY_RULE, figure, spread)
@@ -567,8 +569,8 @@ def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entrie
         inside = figure.bbox
         assert inside.x0 <= legend.x0 and legend.x1 <= inside.x1 and inside.y0 <= legend.y0, metric
         assert legend.y1 <= inside.y1 and axes.bbox.x1 < legend.x0, metric
-        assert figure.get_figwidth() == _PLOT_INCHES[0]
-    assert figure.get_figheight() == _PLOT_INCHES[1]  # back to the usual height for a short legend
+        assert axes.bbox.x0 == 75 and axes.bbox.x1 == pytest.approx(613), metric  # the axes stay put
+    assert tuple(figure.get_size_inches()) == _PLOT_INCHES  # back to the usual size for a short legend
 
 
 def test_a_figure_redrawn_for_another_metric_shows_that_metric_alone() -> None:
