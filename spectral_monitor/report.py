@@ -91,7 +91,7 @@ _LINES_AT_MOST = 12
 """A metric of more layers is drawn as a layer × step heatmap: past a dozen, lines are told apart by neither
 colour nor legend (the tab switches at the same count)."""
 _PLOT_INCHES = (8.4, 3.6)
-"""A line plot's size; taller where its legend needs it."""
+"""A line plot's usual size; taller or wider where its legend needs it."""
 _PLOT_MARGINS_INCHES = (0.36, 0.5)
 """Above and below a line plot's axes: the title, the step axis."""
 _AXES_EDGES_INCHES = (0.75, 6.13)
@@ -788,13 +788,15 @@ def _legend_names(layers: list[str]) -> tuple[str | None, list[str]]:
     """The layers' names as a legend shows them: the dotted parts that every name starts or ends with go into
     a pattern, the legend's title (``transformer.h.*.attn``: names ``0`` … ``5``); each name keeps at least
     one part of its own. (None, the names) for a single layer or where no part is shared."""
+    if len(layers) < 2:
+        return None, layers
     parts = [layer.split(".") for layer in layers]
-    shortest = min((len(split) for split in parts), default=0)
+    shortest = min(len(split) for split in parts)
     head = 0
-    while len(layers) > 1 and head < shortest - 1 and len({split[head] for split in parts}) == 1:
+    while head < shortest - 1 and len({split[head] for split in parts}) == 1:
         head += 1
     tail = 0
-    while len(layers) > 1 and head + tail < shortest - 1 and len({split[-1 - tail] for split in parts}) == 1:
+    while head + tail < shortest - 1 and len({split[-1 - tail] for split in parts}) == 1:
         tail += 1
     if not head and not tail:
         return None, layers

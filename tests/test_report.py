@@ -416,8 +416,8 @@ def test_plots_are_dealt_to_the_drawers_so_that_each_has_the_same_drawing_to_wit
     lines = [_Plot(Path(f"line{i}.png"), f"m/{i}", {"a": (steps, steps * 1.0)}, False) for i in range(22)]
     weights = {f"blocks.{i}.mlp": (steps, steps * 1.0) for i in range(37)}
     heatmaps = [_Plot(Path(f"heat{i}.png"), f"w/{i}", weights, True) for i in range(4)]
-    # The report's order: a small heatmap first, the lines, the large heatmaps last (dealt in turn, one
-    # drawer drew a heatmap more than the other).
+    # The report's order: a small heatmap first, the lines, the large heatmaps last (dealt in turn, the
+    # first drawer would get three heatmaps of the five).
     plots = [_Plot(Path("rank.png"), "a/r", {"a": (steps, steps * 1.0)}, True), *lines, *heatmaps]
     for count in (2, 3):
         shares = _balanced_shares(plots, count)
@@ -533,7 +533,6 @@ def test_a_long_series_is_drawn_through_its_envelope_with_every_spike_and_gap() 
         (["blocks.0", "blocks.10"], "blocks.*", ["0", "10"]),
         (["encoder.a.mlp", "decoder.a.mlp"], "*.a.mlp", ["encoder", "decoder"]),
         (["a.b", "a.b.c"], "a.*", ["b", "b.c"]),  # every name keeps a part of its own
-        (["a.x", "a.x"], "a.*", ["x", "x"]),
         (["head", "embedding"], None, ["head", "embedding"]),
         (["blocks.0.attn"], None, ["blocks.0.attn"]),  # one layer: its whole name
     ],
@@ -555,7 +554,7 @@ def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entrie
     low = {layer: (steps, values - 0.1) for layer, (steps, values) in layers.items()}
     high = {layer: (steps, values + 0.1) for layer, (steps, values) in layers.items()}
     figure = None
-    wide = {name * 34: (steps, np.cos(steps)) for name in "WM"}  # lines of the widest glyphs
+    wide = {glyph * 34: (steps, np.cos(steps)) for glyph in "WM"}  # lines of the widest glyphs
     # A dozen layers, their spread, two rules' levels and a relative level; wide names; a layer, no level.
     for by_layer, spread, metric in [
         (layers, (low, high), "attention/entropy"),
@@ -569,7 +568,7 @@ def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entrie
         inside = figure.bbox
         assert inside.x0 <= legend.x0 and legend.x1 <= inside.x1 and inside.y0 <= legend.y0, metric
         assert legend.y1 <= inside.y1 and axes.bbox.x1 < legend.x0, metric
-        assert axes.bbox.x0 == 75 and axes.bbox.x1 == pytest.approx(613), metric  # the axes stay put
+        assert (axes.bbox.x0, axes.bbox.x1) == pytest.approx((75, 613)), metric  # the axes stay put
     assert tuple(figure.get_size_inches()) == _PLOT_INCHES  # back to the usual size for a short legend
 
 
