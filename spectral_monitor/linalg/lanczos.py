@@ -22,23 +22,25 @@ degree that an eigenvalue δ or more above θ would have pulled a Ritz value to 
 bound).
 
 When it can still fail. A Krylov method sees nothing of an eigenvector orthogonal to its start space: the
-guarantee is over the random start, not over the operator. A Gaussian start has a component below p/(2√n)
-along a fixed eigenvector with probability below p; both tests are sized for that. The degree test covers
-an unseen eigenvalue δ or more above θ; one closer than δ is excluded only by the Ritz intervals (an unsplit
-cluster shows there as a wide interval next to θ, which shrinks δ, but nothing proves it must). The spread of
-the spectrum in that test is the Ritz values' span (widened by the end residuals), which underestimates the
-true spread until the far end has converged, so the test can be optimistic early. Without
-``failure_probability`` only the first two tests apply: a cluster the space has not yet split (1% apart,
-say) can then pass as one eigenvalue. Exactly repeated eigenvalues need a block at least as wide as the
+guarantee is over the random start, not over the operator. A Gaussian start has a component below p/√(2n/π)
+along a fixed eigenvector with probability at most p (a mixed warm start, half that;
+:func:`~spectral_monitor.linalg.lanczos_certificate.start_certainty`); both tests are sized for that. The
+degree test covers an unseen eigenvalue δ or more above θ; one closer than δ is excluded only by the Ritz
+intervals (an unsplit cluster shows there as a wide interval next to θ, which shrinks δ, but nothing proves it
+must). The spread of the spectrum in that test is the Ritz values' span (widened by the end residuals), which
+underestimates the true spread until the far end has converged, so the test can be optimistic early. Without
+``failure_probability`` only the first two tests apply: a cluster the space has not yet split (1% apart, say)
+can then pass as one eigenvalue. Exactly repeated eigenvalues need a block at least as wide as the
 multiplicity. Products are formed in the operator's dtype; in float32 a residual cannot fall much below
 float32 rounding of the largest |θ|.
 
 Warm starts. ``init_mode="prepend"``: previous Ritz vectors are put in front of a random block of the cold
 width; the warm Krylov space contains the cold one at every iteration, so by the min-max principle its
 extreme Ritz values are at least as accurate as a cold start's after the same number of iterations.
-``init_mode="mix"``: each warm vector is added to a random start vector, so a single-vector Lanczos keeps
-its width and every start vector keeps a random component along every eigenvector. Either way the answer
-is accepted only by the same test as a cold one.
+``init_mode="mix"``: each warm vector is added to a random start vector (those sharing one as a unit
+vector along their sum), so a single-vector Lanczos keeps its width and every start vector keeps a random
+component along every eigenvector (the certificate's threshold on it is halved, since the start's norm may
+double). Either way the answer is accepted only by the same test as a cold one.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from spectral_monitor.linalg.lanczos_certificate import (
     LanczosRecurrence,
     StopCriterion,
     least_degree,
+    start_certainty,
     stop_test,
 )
 from spectral_monitor.linalg.operators import (
@@ -289,6 +292,8 @@ def lanczos_eigsh(
             start = _mixed_start(warm, start)
 
     rounding = torch.finfo(op.dtype if op.dtype.is_floating_point else work).eps
+    mixed = init is not None and init_mode == "mix"
+    certainty = None if failure_probability is None else start_certainty(n, failure_probability, mixed=mixed)
     if batch == 1 and start.shape[2] == 1:
         return _single_vector_lanczos(
             op,
@@ -300,7 +305,7 @@ def lanczos_eigsh(
             generator=generator,
             criterion=criterion,
             relative_to=relative_to,
-            failure_probability=failure_probability,
+            certainty=certainty,
             rounding=rounding,
         )
 
@@ -330,7 +335,7 @@ def lanczos_eigsh(
     undecided = torch.zeros(batch, dtype=torch.bool, device=op.device)
     # The certificate cannot pass below this degree (the gap is at most the spread and the tolerance at most
     # the spread), so the small eigenproblem is not solved before it.
-    next_check = 1 if failure_probability is None else 1 + int(least_degree(n, failure_probability))
+    next_check = 1 if certainty is None else 1 + int(least_degree(certainty))
 
     for iteration in range(1, max_iters + 1):
         w = apply(active_op, q)
@@ -396,8 +401,7 @@ def lanczos_eigsh(
             rounding=rounding,
             scale=scale.detach().cpu().numpy(),
             degree=iteration - 1,
-            n=n,
-            failure_probability=failure_probability,
+            certainty=certainty,
             last=last,
         )
         if test.verdict is None:
@@ -426,7 +430,7 @@ def lanczos_eigsh(
             settled = settled | finishing
         if bool(settled.all()):
             break
-        if failure_probability is not None:
+        if certainty is not None:
             waiting = least[~settled]
             next_check = iteration + 1
             if waiting.numel():
@@ -466,7 +470,7 @@ def _single_vector_lanczos(
     generator: torch.Generator,
     criterion: StopCriterion,
     relative_to: str,
-    failure_probability: float | None,
+    certainty: float | None,
     rounding: float,
 ) -> EigenResult:
     """:func:`lanczos_eigsh` for one operator and one start vector (n,): the same iteration, basis and stop
@@ -494,7 +498,7 @@ def _single_vector_lanczos(
     departures: list[float] = []
     # Every basis vector so far is a polynomial of the operator applied to the start: the gap-free route's
     # premise, tracked only where a certificate is asked for.
-    polynomial = failure_probability is not None
+    polynomial = certainty is not None
     values = torch.full((1, k), float("nan"), dtype=work, device=device)
     vectors = torch.zeros((1, n, k), dtype=work, device=device)
     residual = torch.full((1, k), float("inf"), dtype=work, device=device)
@@ -570,8 +574,7 @@ def _single_vector_lanczos(
             rounding=rounding,
             scale=np.array([scale]),
             degree=iteration - 1,
-            n=n,
-            failure_probability=failure_probability,
+            certainty=certainty,
             last=last,
             recurrence=recurrence,
         )
@@ -590,7 +593,7 @@ def _single_vector_lanczos(
             residual[0] = torch.from_numpy(test.relative_residual[0])
             iterations, converged, out_of_budget = iteration, met or exhausted, unreachable
             break
-        if failure_probability is not None:
+        if certainty is not None:
             next_check = max(iteration + 1, 1 + math.ceil(least))
         basis.append(next_row)
         off_diagonal.append(coupling)
@@ -625,13 +628,16 @@ def _norm(vector: np.ndarray | Tensor) -> float:
 
 def _mixed_start(warm: Tensor, fresh: Tensor) -> Tensor:
     """The start block (B, n, b) of a ``"mix"`` warm start: each column of ``fresh`` (random) normalised,
-    plus the normalised warm vectors, warm vector j added to column j mod b."""
+    plus a unit vector along the sum of the normalised warm vectors dealt to it (warm vector j to column
+    j mod b), so every start vector has norm at most 2, as the certificate's threshold assumes
+    (:func:`~spectral_monitor.linalg.lanczos_certificate.start_certainty`)."""
     unit = torch.finfo(fresh.dtype).tiny
     start = fresh / fresh.norm(dim=1, keepdim=True).clamp_min(unit)
     warm = warm / warm.norm(dim=1, keepdim=True).clamp_min(unit)
+    dealt = torch.zeros_like(start)
     for column in range(warm.shape[2]):
-        start[:, :, column % start.shape[2]] += warm[:, :, column]
-    return start
+        dealt[:, :, column % start.shape[2]] += warm[:, :, column]
+    return start + dealt / dealt.norm(dim=1, keepdim=True).clamp_min(unit)
 
 
 def as_symmetric_tensor(matrices: Tensor) -> Tensor:

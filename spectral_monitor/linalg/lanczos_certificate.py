@@ -108,8 +108,7 @@ def stop_test(
     rounding: float,
     scale: np.ndarray,
     degree: int,
-    n: int,
-    failure_probability: float | None,
+    certainty: float | None,
     last: bool,
     recurrence: LanczosRecurrence | None = None,
 ) -> StopTest:
@@ -128,8 +127,7 @@ def stop_test(
         rounding: The rounding unit ε of the operator's dtype.
         scale: (B,) the largest product norm seen so far.
         degree: The Krylov degree of the space (iterations less one).
-        n: The operator's size.
-        failure_probability: p of the degree test, or ``None`` to skip it.
+        certainty: :func:`start_certainty` of the run's start, or ``None`` to skip the degree test.
         last: Whether this is the last iteration: the full test then runs even where it cannot pass.
         recurrence: As :func:`judge` takes it.
 
@@ -146,7 +144,7 @@ def stop_test(
         >>> import numpy as np
         >>> theta, residual = np.array([[1.0, 2.0, 5.0]]), np.array([[0.0, 0.0, 0.05]])
         >>> common = dict(k=1, tol=2e-4, relative_to="largest", rounding=1e-7, scale=np.array([5.0]))
-        >>> more = dict(degree=5, n=3, failure_probability=None, last=False)
+        >>> more = dict(degree=5, certainty=None, last=False)
         >>> stop_test(theta, residual, criterion="eigenvalue", **common, **more).verdict.met
         array([ True])
         >>> test = stop_test(theta, residual, criterion="residual", **common, **more)
@@ -164,17 +162,16 @@ def stop_test(
         theta.dtype
     )
     relative = wanted_residual / magnitude[:, None]
-    if not last and k == 1 and recurrence is not None and failure_probability is not None:
+    if not last and k == 1 and recurrence is not None and certainty is not None:
         # Until the top value's gap-free test passes, the full test can only fail and ask for the next degree
         # (unless rounding's echo makes it hopeless, which the full test must see): a few scalar operations
         # tell that, where the full test costs as much as a product of a small network.
-        certain = 2 * n**0.5 / failure_probability
-        certified, echo = gap_free_top(theta, residual, tolerance[:, 0], degree, certain, recurrence)
-        if not certified.any() and not (echo * certain >= 1).any():
+        certified, echo = gap_free_top(theta, residual, tolerance[:, 0], degree, certainty, recurrence)
+        if not certified.any() and not (echo * certainty >= 1).any():
             return StopTest(None, relative)
     if not last and beyond_tolerance(theta, wanted_residual, tolerance, criterion):
         return StopTest(None, relative)
-    verdict = judge(theta, residual, k, tolerance, criterion, degree, n, failure_probability, recurrence)
+    verdict = judge(theta, residual, k, tolerance, criterion, degree, certainty, recurrence)
     return StopTest(verdict, relative)
 
 
@@ -186,8 +183,7 @@ def judge(
     tolerance: np.ndarray,
     criterion: StopCriterion,
     degree: int,
-    n: int,
-    failure_probability: float | None,
+    certainty: float | None,
     recurrence: LanczosRecurrence | None = None,
 ) -> Verdict:
     """The stop test of :func:`~spectral_monitor.linalg.lanczos_eigsh` on the ascending Ritz values ``theta``
@@ -202,22 +198,21 @@ def judge(
        narrows the gap instead of widening it), within the tolerance.
     2. The first Ritz pair below the k-th wanted one's cluster resolved: its residual at most half its
        distance to it, or within the tolerance.
-    3. With ``failure_probability`` p, the Kaniel–Paige–Saad degree test: T_d(1 + 2δᵢ/S) ≥ (2√n/p)·√(S/εᵢ),
-       with δᵢ floored at τᵢ, S the span of the Ritz values widened by the end residuals, ε₁ = δ₁ for the
-       top value and εᵢ = τᵢ below it. A random start has a component above p/√n along any fixed
-       eigenvector with probability 1 − p·√(2/π) (a warm vector added to it keeps that density, at twice the
-       norm), and a Krylov polynomial of degree d then pulls a Ritz value to within εᵢ of any eigenvalue δᵢ
-       or more above θᵢ. For the top value that is a contradiction already at ε₁ = δ₁: the Chebyshev
-       polynomial of degree d on [λ_min, θ₁] gives a vector of the space whose Rayleigh quotient exceeds θ₁,
-       the largest Ritz value. Below the top the Ritz values above θᵢ enter the bound for the i-th one, and
-       the stricter τᵢ leaves room for them. This excludes unseen eigenvalues δᵢ or more above θᵢ only: one
-       hiding closer, between θᵢ and the next Ritz interval, is not ruled out.
+    3. With a ``certainty`` C, the Kaniel–Paige–Saad degree test: T_d(1 + 2δᵢ/S) ≥ C·√(S/εᵢ), with δᵢ floored
+       at τᵢ, S the span of the Ritz values widened by the end residuals, ε₁ = δ₁ for the top value and εᵢ =
+       τᵢ below it. The random start has a component of at least 1/C along any fixed eigenvector except with
+       probability p (:func:`start_certainty`), and a Krylov polynomial of degree d then pulls a Ritz value to
+       within εᵢ of any eigenvalue δᵢ or more above θᵢ. For the top value that is a contradiction already at
+       ε₁ = δ₁: the Chebyshev polynomial of degree d on [λ_min, θ₁] gives a vector of the space whose Rayleigh
+       quotient exceeds θ₁, the largest Ritz value. Below the top the Ritz values above θᵢ enter the bound for
+       the i-th one, and the stricter τᵢ leaves room for them. This excludes unseen eigenvalues δᵢ or more
+       above θᵢ only: one hiding closer, between θᵢ and the next Ritz interval, is not ruled out.
 
        Given the ``recurrence`` of a single-vector run, the top value's test is gap-free instead: it passes
        where no eigenvalue τ₁ or more above θ₁ can have escaped, so λ_max ∈ [θ₁, θ₁ + τ₁] with probability
        1 − p. Either the degree test with δ₁ = ε₁ = τ₁ holds, or :func:`hidden_component` bounds the start's
-       component along every eigenvector of eigenvalue θ₁ + τ₁ or more by p/(2√n), the same threshold read
-       from the Krylov space itself: a bulk the polynomials stay small on costs few steps.
+       component along every eigenvector of eigenvalue θ₁ + τ₁ or more by 1/C, the same threshold read from
+       the Krylov space itself: a bulk the polynomials stay small on costs few steps.
 
     Args:
         theta: (B, m) the Ritz values, ascending.
@@ -227,8 +222,7 @@ def judge(
         tolerance: (B, k) absolute tolerances of the wanted values, largest θ first.
         criterion: ``"residual"`` (error bound r) or ``"eigenvalue"`` (min(r, r²/δ)).
         degree: d, the Krylov degree of the space.
-        n: The operator's size.
-        failure_probability: p of test 3, or ``None`` to skip it.
+        certainty: C of test 3, :func:`start_certainty` of the run's start, or ``None`` to skip the test.
         recurrence: The single-vector recurrence behind ``theta``, which makes the top value's test 3
             gap-free; ``None`` where the basis is not one start's polynomials (blocks, filler directions).
 
@@ -239,16 +233,17 @@ def judge(
 
     Examples:
         Ritz values 1, 2, 5, all exact, in a space of size 3: the degree test at p = 0.01 needs a degree of
-        at least 4.27 for the gap of 3 below the top.
+        at least 3.68 for the gap of 3 below the top.
 
         >>> import numpy as np
         >>> theta, exact, tolerance = np.array([[1.0, 2.0, 5.0]]), np.zeros((1, 3)), np.full((1, 1), 1e-3)
-        >>> judge(theta, exact, 1, tolerance, "residual", 2, 3, None).met
+        >>> judge(theta, exact, 1, tolerance, "residual", 2, None).met
         array([ True])
-        >>> verdict = judge(theta, exact, 1, tolerance, "residual", 2, 3, 0.01)
+        >>> certainty = start_certainty(3, 0.01)
+        >>> verdict = judge(theta, exact, 1, tolerance, "residual", 2, certainty)
         >>> verdict.met, round(verdict.least_degree.item(), 2)
-        (array([False]), 4.27)
-        >>> judge(theta, exact, 1, tolerance, "residual", 5, 3, 0.01).met
+        (array([False]), 3.68)
+        >>> judge(theta, exact, 1, tolerance, "residual", 5, certainty).met
         array([ True])
     """
     tiny = np.finfo(theta.dtype).tiny
@@ -279,18 +274,17 @@ def judge(
     else:
         met = np.zeros_like(met)
     least_degree = np.zeros(batch, dtype=theta.dtype)
-    if failure_probability is None or m <= k or not met.any():  # test 3 decides nothing then
+    if certainty is None or m <= k or not met.any():  # test 3 decides nothing then
         return Verdict(met, least_degree)
     spread = widened_span(theta, residual)[:, None]
-    certain = 2 * n**0.5 / failure_probability
     gap = np.maximum(interval_gap, tolerance)
     if recurrence is not None:
         gap[:, 0] = tolerance[:, 0]  # gap-free: no eigenvalue τ₁ or more above θ₁ may hide
     pulled = np.maximum(pulled_within(gap, tolerance), tiny)
-    needed = np.arccosh(np.maximum(certain * np.sqrt(spread / pulled), 1))
+    needed = np.arccosh(np.maximum(certainty * np.sqrt(spread / pulled), 1))
     certified = degree * np.arccosh(1 + 2 * gap / spread) >= needed
     if recurrence is not None:
-        certified[:, 0], echo = gap_free_top(theta, residual, tolerance[:, 0], degree, certain, recurrence)
+        certified[:, 0], echo = gap_free_top(theta, residual, tolerance[:, 0], degree, certainty, recurrence)
     # Once the error bounds are met the wanted values have converged; the Ritz values below them only rise
     # and the span only widens, so the gap to the next Ritz value's centre (plus the tolerance) and the span
     # of today's values bound the degree the test will ever need from below.
@@ -299,7 +293,9 @@ def judge(
         centre_gap[:, 0] = tolerance[:, 0]
     bare_spread = np.maximum((theta[:, -1] - theta[:, 0])[:, None], tiny)
     lower = np.arccosh(
-        np.maximum(certain * np.sqrt(bare_spread / np.maximum(pulled_within(centre_gap, tolerance), tiny)), 1)
+        np.maximum(
+            certainty * np.sqrt(bare_spread / np.maximum(pulled_within(centre_gap, tolerance), tiny)), 1
+        )
     )
     least = lower / np.arccosh(1 + 2 * centre_gap / bare_spread)
     if recurrence is not None:
@@ -307,7 +303,7 @@ def judge(
         # value, a zero of the newest polynomial, its last step says little), so the route is tried at the
         # next degree, unless rounding's echo alone exceeds the threshold once θ₁, and so μ, has settled
         # within its residual: the echo then only grows with the space.
-        hopeless = (echo * certain >= 1) & (wanted_residual[:, 0] <= tolerance[:, 0])
+        hopeless = (echo * certainty >= 1) & (wanted_residual[:, 0] <= tolerance[:, 0])
         least[:, 0] = np.where(hopeless, least[:, 0], degree + 1)
     certified = certified.all(axis=1)
     least = least.max(axis=1)
@@ -341,21 +337,21 @@ def gap_free_top(
     residual: np.ndarray,
     tolerance: np.ndarray,
     degree: int,
-    certain: float,
+    certainty: float,
     recurrence: LanczosRecurrence,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Test 3 of :func:`judge` for the top value of a single-vector run: no eigenvalue τ₁ or more above θ₁
-    escaped the space, except with the probability p behind ``certain``. Either the degree test with
+    escaped the space, except with the probability p behind ``certainty``. Either the degree test with
     δ₁ = ε₁ = τ₁ holds, or :func:`hidden_component` bounds the start's component along every eigenvector of
-    eigenvalue θ₁ + τ₁ or more by 1/``certain``.
+    eigenvalue θ₁ + τ₁ or more by 1/``certainty``.
 
     Args:
         theta: (B, m) the Ritz values, ascending.
         residual: (B, m) the residual norm of every Ritz pair, in the order of ``theta``.
         tolerance: (B,) τ₁, the top value's absolute tolerance, positive.
         degree: d, the Krylov degree of the space.
-        certain: 2√n/p, the inverse of the least component a random start has along a fixed eigenvector
-            except with probability p.
+        certainty: :func:`start_certainty`, the inverse of the least component the random start has along
+            a fixed eigenvector except with probability p.
         recurrence: The single-vector recurrence behind ``theta``.
 
     Returns:
@@ -374,12 +370,12 @@ def gap_free_top(
         (array([ True]), array([0.]))
     """
     component, echo = hidden_component(recurrence, theta[:, -1] + tolerance)
-    certified = component * certain <= 1
+    certified = component * certainty <= 1
     # Python floats: the batch is one run, where each numpy call would cost more than its arithmetic.
     spreads = widened_span(theta, residual).tolist()
     for element, (spread, tau) in enumerate(zip(spreads, tolerance.tolist(), strict=True)):
         if not certified[element] and tau > 0 and spread / tau >= 0:  # NaN fails both routes
-            needed = math.acosh(max(certain * math.sqrt(spread / tau), 1.0))
+            needed = math.acosh(max(certainty * math.sqrt(spread / tau), 1.0))
             certified[element] = degree * math.acosh(1 + 2 * tau / spread) >= needed
     return certified, echo
 
@@ -511,19 +507,50 @@ def beyond_tolerance(
     return bool(((least_error > tolerance) & (span > 2 * tolerance)).any(axis=1).all())
 
 
-def least_degree(n: int, failure_probability: float) -> float:
+def start_certainty(n: int, failure_probability: float, *, mixed: bool = False) -> float:
+    """C = 1/t, with t the component along a fixed unit vector u below which the random start of a Lanczos
+    run falls with probability at most p: the threshold of :func:`judge`'s test 3.
+
+    A Gaussian start g ∈ ℝⁿ has c = uᵀg/‖g‖ with c² ~ Beta(1/2, (n − 1)/2), so for n ≥ 3
+    P(|c| < t) ≤ 2t/B(1/2, (n − 1)/2) ≤ t·√(2(n − 1)/π) (the density's factor (1 − c²)^((n−3)/2) is at most
+    1, and Γ(x + ½)/Γ(x) ≤ √x, Wendel's inequality); for n = 2, P = (2/π)·asin t ≤ t. Either way
+    t = p/√(2n/π) keeps P ≤ p. A mixed start, g/‖g‖ + w with w a unit vector drawn independently of g
+    (``init_mode="mix"``), has norm at most 2 and component at least |c + uᵀw|/2; for n ≥ 3 the density of c
+    is symmetric and non-increasing in |c|, so shifting it by uᵀw makes no interval around 0 likelier
+    (Anderson's inequality) and t halves. For n = 2 that density is not unimodal: P(|c + a| < s) ≤ √s
+    there, so t = p²/2 (for n = 1 one product exhausts the space, which makes any answer exact).
+
+    Args:
+        n: The operator's size, at least 1.
+        failure_probability: p, in (0, 1).
+        mixed: Whether the start is a random unit vector plus a warm unit vector.
+
+    Returns:
+        C, so that the start's component along any fixed eigenvector is at least 1/C except with
+        probability p.
+
+    Examples:
+        >>> round(start_certainty(1000, 0.01), 1), round(start_certainty(1000, 0.01, mixed=True), 1)
+        (2523.1, 5046.3)
+    """
+    if mixed and n <= 2:
+        return 2 / failure_probability**2
+    cold = math.sqrt(2 * n / math.pi) / failure_probability
+    return 2 * cold if mixed else cold
+
+
+def least_degree(certainty: float) -> float:
     """The degree below which the certificate of :func:`judge` fails whatever the spectrum: its gap is at
     most the span of the spectrum and its tolerance at most that span.
 
     Args:
-        n: The operator's size.
-        failure_probability: p of the degree test, in (0, 1).
+        certainty: C of the degree test, :func:`start_certainty`.
 
     Returns:
-        acosh(2√n/p) / acosh(3), a Krylov degree (not rounded).
+        acosh(C) / acosh(3), a Krylov degree (not rounded).
 
     Examples:
-        >>> round(least_degree(1000, 0.01), 3)
-        5.358
+        >>> round(least_degree(start_certainty(1000, 0.01)), 3)
+        4.837
     """
-    return math.acosh(2 * n**0.5 / failure_probability) / math.acosh(3)
+    return math.acosh(certainty) / math.acosh(3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spectral_monitor.linalg.lanczos_certificate import LanczosRecurrence, hidden_component
+from spectral_monitor.linalg.lanczos_certificate import LanczosRecurrence, hidden_component, start_certainty
 
 
 def lanczos_recurrence(
@@ -67,3 +67,40 @@ def test_the_bound_falls_below_the_components_of_eigenvalues_the_space_has_resol
     assert theta < 1.0
     bound, _ = hidden_component(shorter, np.array([theta + 1e-6]))
     assert bound[0] >= n**-0.5
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 200])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_random_start_falls_below_the_threshold_with_probability_at_most_p(n: int, mixed: bool) -> None:
+    """The start's component along a fixed eigenvector u, sampled 400,000 times, is below 1/C no more often
+    than p (with four standard errors of the sampling to spare); a mixed start is tried with the warm vector
+    along u (its component shifted as far as it goes), against it, orthogonal to it and in between. Cold
+    starts at n ≥ 3 meet at least 0.7·p: the threshold is not a loose constant (at n = 3, 0.72·p exactly)."""
+    p, draws = 0.05, 400_000
+    rng = np.random.default_rng(n)
+    # A Gaussian start's first two coordinates and its squared norm (the rest of it: chi-squared, n − 2).
+    first, second = rng.standard_normal(draws), rng.standard_normal(draws)
+    rest = rng.chisquare(n - 2, draws) if n > 2 else np.zeros(draws)
+    norm = np.sqrt(first**2 + second**2 + rest)
+    along, across = first / norm, second / norm  # along u and along a unit vector orthogonal to it
+    threshold = 1 / start_certainty(n, p, mixed=mixed)
+    margin = 4 * (p * (1 - p) / draws) ** 0.5
+    if not mixed:
+        below = float(np.mean(np.abs(along) < threshold))
+        assert below <= p + margin
+        if n >= 3:
+            assert below >= 0.7 * p
+        return
+    for warm_along in (1.0, -1.0, 0.0, 0.5**0.5, 0.2 / 1.04**0.5):
+        warm_across = (1 - warm_along**2) ** 0.5
+        # ‖g/‖g‖ + w‖² = 2 + 2·(g/‖g‖)ᵀw, w in the plane of u and the orthogonal unit vector
+        start_norm = np.sqrt(np.maximum(2 + 2 * (along * warm_along + across * warm_across), 0))
+        component = np.abs(along + warm_along) / np.maximum(start_norm, 1e-300)
+        assert float(np.mean(component < threshold)) <= p + margin
+
+
+def test_the_threshold_tightens_with_n_and_p_and_halves_for_a_mixed_start() -> None:
+    assert start_certainty(1000, 0.01) == pytest.approx((2 * 1000 / np.pi) ** 0.5 / 0.01)
+    assert start_certainty(1000, 0.01, mixed=True) == pytest.approx(2 * start_certainty(1000, 0.01))
+    assert start_certainty(4000, 0.01) == pytest.approx(2 * start_certainty(1000, 0.01))
+    assert start_certainty(2, 0.1, mixed=True) == pytest.approx(200)

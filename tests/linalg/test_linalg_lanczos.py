@@ -9,6 +9,7 @@ import torch
 
 from spectral_monitor.linalg import FunctionOperator, lanczos, lanczos_eigsh, top_singular
 from spectral_monitor.linalg.krylov_basis import GrowingRows
+from spectral_monitor.linalg.lanczos_certificate import start_certainty
 from spectral_monitor.linalg.operators import gaussian
 
 
@@ -313,13 +314,14 @@ def test_the_top_eigenvalue_certifies_from_the_least_start_component_it_assumes(
     hidden: float, most_products: int
 ) -> None:
     """A diagonal operator keeps a start's component along the first coordinate exact in floating point, so
-    each start here has exactly 1–2× the component p/√n the certificate assumes along the top eigenvector
+    each start here has exactly 1–2× the component 1/C the certificate assumes along the top eigenvector
     (λ₁ above a bulk in [−0.3, 0.6]). Every answer must be λ₁, certified gap-free from the Krylov space's
     Christoffel function in at most 45 and 18 products: the degree test with the true gap λ₁ − λ₂, which no
-    solver knows, would need 29 and 9; gap-free, with the tolerance as its gap, 817 and 763."""
+    solver knows, would need 27 and 8; gap-free, with the tolerance as its gap, 761 and 711."""
     n, p = 200, 0.01
     spectrum = torch.cat([torch.tensor([hidden]), torch.linspace(-0.3, 0.6, n - 1)]).double()
-    for seed in starts_with_a_small_component(n, p / n**0.5, 2 * p / n**0.5, count=4):
+    least = 1 / start_certainty(n, p)
+    for seed in starts_with_a_small_component(n, least, 2 * least, count=4):
         result = lanczos_eigsh(
             torch.diag(spectrum)[None],
             1,
@@ -341,13 +343,14 @@ def test_an_eigenvalue_hidden_just_above_the_top_ritz_value_is_never_certified_a
     dtype: torch.dtype, hidden_gap: float
 ) -> None:
     """λ₁ = 1 + g sits just above λ₂ = 1, well inside the gap from the top Ritz value to the next one, and
-    each start has only 1–1.05× the component p/(2√n) the certificate assumes along it: Lanczos meets a
+    each start has only 1–1.05× the component 1/C the certificate assumes along it: Lanczos meets a
     converged-looking pair at 1 long before it resolves λ₁. A top value is reported converged only within
     the tolerance of λ₁; in float64 every run gets there."""
     n, p, tol = 200, 0.01, 1e-4
     spectrum = torch.cat([torch.tensor([1 + hidden_gap, 1.0]), torch.linspace(-0.3, 0.6, n - 2)]).double()
     converged = 0
-    for seed in starts_with_a_small_component(n, p / (2 * n**0.5), 1.05 * p / (2 * n**0.5), count=6):
+    least = 1 / start_certainty(n, p)
+    for seed in starts_with_a_small_component(n, least, 1.05 * least, count=6):
         result = lanczos_eigsh(
             torch.diag(spectrum).to(dtype)[None],
             1,
@@ -451,3 +454,15 @@ def test_the_stop_tests_quick_refusals_decide_as_the_full_test(
     assert torch.equal(quick.values, full.values)
     for flag in ("converged", "out_of_budget", "iterations"):
         assert torch.equal(getattr(quick.info, flag), getattr(full.info, flag)), flag
+
+
+def test_a_mixed_start_stays_within_twice_a_cold_starts_norm_however_many_warm_vectors_share_it() -> None:
+    """The certificate halves its threshold for a mixed start on the premise that its norm is at most 2:
+    three orthonormal warm vectors dealt to one column, each normalised and summed, would reach 1 + √3."""
+    generator = torch.Generator().manual_seed(0)
+    warm = torch.linalg.qr(torch.randn(1, 50, 3, dtype=torch.float64, generator=generator)).Q
+    fresh = torch.randn(1, 50, 1, dtype=torch.float64, generator=generator)
+    for aligned in (warm.sum(dim=2, keepdim=True), -warm.sum(dim=2, keepdim=True), fresh):
+        start = lanczos._mixed_start(warm, aligned)
+        assert float(start.norm()) <= 2 + 1e-12
+    assert float(lanczos._mixed_start(warm, warm.sum(dim=2, keepdim=True)).norm()) == pytest.approx(2)
