@@ -974,8 +974,14 @@ def test_a_hugging_face_gpt2_at_256_tokens_is_measured_as_float64_measures_it() 
         result = token_metrics(states, token_mask=real)
         actual = {name: value.double().numpy() for name, value in result.items() if name in expected}
         assert_metrics_match(actual, expected, "tokens", **FLOAT32_TOLERANCE)
-    probabilities = out.attentions[-1][:1]  # the unpadded sequence: every query row a distribution
-    expected = attention_reference_batch(probabilities.double().numpy(), causal=True)
-    result = attention_metrics(probabilities, causal=True, method="exact")
+    # Both sequences, the padded one as its 200 real queries × 200 real keys (GPT-2's padded query rows still
+    # attend the real keys; the metrics leave them out, as the reference does).
+    probabilities = out.attentions[-1]
+    masks = {"key_mask": real[:, None, :], "query_mask": real[:, None, :]}
+    expected = attention_reference_batch(
+        probabilities.double().numpy(), causal=True, **{name: mask.numpy() for name, mask in masks.items()}
+    )
+    result = attention_metrics(probabilities, causal=True, method="exact", **masks)
     actual = {name: value.double().numpy() for name, value in result.items() if name in expected}
     assert_metrics_match(actual, expected, "attention", **FLOAT32_TOLERANCE)
+    assert not np.allclose(actual["entropy"][0], actual["entropy"][1])  # the padded sequence measured apart
