@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -13,7 +15,7 @@ ENERGY_LEVEL = 0.99
 """Threshold rank keeps this fraction of the squared Frobenius norm (the threshold rank's definition)."""
 
 
-_LARGEST_SCALE_EXPONENT = 120
+_SCALE_EXPONENT_MARGIN = 8
 _NORMAL_NORM_LOW, _NORMAL_NORM_HIGH = 2.0**-40, 2.0**40
 
 
@@ -79,17 +81,20 @@ def nonfinite_matrices(matrices: Tensor, norms: Tensor | None = None) -> Tensor:
 
 def power_of_two_exponents(matrices: Tensor) -> Tensor:
     """(B,) int exponents e with each matrix of a (B, n, m) batch times 2⁻ᵉ having its largest entry in
-    [0.5, 1), within 2^±120 (a normal float32); 0 for a zero or non-finite matrix.
+    [0.5, 1), within the normal range of the batch's dtype less 8 bits of exponent (2^±120 in float32,
+    2^±1016 in float64); 0 for a zero or non-finite matrix.
 
-    Sums of squares of finite float32 entries near 1e19 overflow (‖X‖_F, Gram matrices); of the scaled
-    matrix they cannot. A power of two multiplies exactly, so a norm scaled back, or a scale-invariant ratio,
-    is bit for bit what the unscaled matrix gives wherever that does not overflow or underflow.
+    Sums of squares of finite float32 entries near 1e19 overflow (‖X‖_F, Gram matrices), of float64 entries
+    near 1e154; of the scaled matrix they cannot. A power of two multiplies exactly, so a norm scaled back, or
+    a scale-invariant ratio, is bit for bit what the unscaled matrix gives wherever that does not overflow or
+    underflow.
     """
     # Two reductions: ``abs`` would first write a copy of every entry.
     largest = torch.maximum(matrices.amax(dim=(1, 2)), -matrices.amin(dim=(1, 2)))
     _, exponent = torch.frexp(largest)
     usable = largest.isfinite() & (largest > 0)
-    return torch.where(usable, exponent.clamp(-_LARGEST_SCALE_EXPONENT, _LARGEST_SCALE_EXPONENT), 0)
+    largest_exponent = math.frexp(torch.finfo(matrices.dtype).max)[1] - _SCALE_EXPONENT_MARGIN
+    return torch.where(usable, exponent.clamp(-largest_exponent, largest_exponent), 0)
 
 
 def scaled_where_needed(matrices: Tensor, frobenius: Tensor) -> tuple[Tensor, Tensor, Tensor]:

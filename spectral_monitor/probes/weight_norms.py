@@ -248,9 +248,12 @@ def query_key_spectral_norms(
     head_dim = query.shape[0] // num_heads
     query_heads = query.reshape(num_heads, head_dim, -1).transpose(1, 2)
     key_heads_per_query = key.reshape(key_heads, head_dim, -1).transpose(1, 2)
-    key_heads_per_query = key_heads_per_query.repeat_interleave(num_heads // key_heads, dim=0)
-    norms = query.new_full((num_heads,), math.nan)
+    if key_heads != num_heads:
+        key_heads_per_query = key_heads_per_query.repeat_interleave(num_heads // key_heads, dim=0)
     finite = ~(nonfinite_matrices(query_heads) | nonfinite_matrices(key_heads_per_query))  # QR raises on NaN
+    if bool(finite.all()):
+        return _largest_singular_values_of_products(query_heads, key_heads_per_query)
+    norms = query.new_full((num_heads,), math.nan)
     if finite.any():
         norms[finite] = _largest_singular_values_of_products(query_heads[finite], key_heads_per_query[finite])
     return norms
@@ -274,7 +277,9 @@ def _largest_singular_values_of_products(left: Tensor, right: Tensor) -> Tensor:
 def attention_query_key_norms(weights: AttentionWeights) -> list[float]:
     """:func:`query_key_spectral_norms` of an attention module's projections, free of overflow.
 
-    Computed on copies of W_Q and W_K each scaled by a power of two (exact), the norms scaled back in float64.
+    Computed on float64 copies of W_Q and W_K, where no product or sum of squares of float32 (or narrower)
+    weights can overflow or underflow; float64 weights are first scaled by a power of two (exact), the norms
+    scaled back.
 
     Args:
         weights: The module's projections; only read.
@@ -288,6 +293,12 @@ def attention_query_key_norms(weights: AttentionWeights) -> list[float]:
         >>> [f"{norm:.3g}" for norm in attention_query_key_norms(weights)]
         ['1e+30', '1e+30']
     """
+    if torch.float64 not in (weights.query.dtype, weights.key.dtype):
+        query, key = (
+            weight.detach().to(torch.float64, memory_format=torch.contiguous_format)
+            for weight in (weights.query, weights.key)
+        )
+        return query_key_spectral_norms(query, key, weights.num_heads, weights.key_value_heads).tolist()
     (query,), _, query_scale = _scaled_copy([weights.query])
     (key,), _, key_scale = _scaled_copy([weights.key])
     norms = query_key_spectral_norms(query, key, weights.num_heads, weights.key_value_heads)

@@ -602,3 +602,23 @@ def test_inconsistent_attention_weights_are_rejected() -> None:
         probe.measure(0)
     dropped = WeightProbe(nn.Linear(2, 2)).load_state_dict({"right_vectors": {"model": "not a tensor"}})
     assert dropped == ["right_vectors.model (str 'not a tensor', not a floating-point tensor)"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "magnitude"), [(torch.float32, 2.0**126), (torch.float32, 2.0**-120), (torch.float64, 1e150)]
+)
+def test_query_key_norms_of_weights_whose_products_leave_their_dtypes_range_are_exact(
+    dtype: torch.dtype, magnitude: float
+) -> None:
+    """float32 weights near either end of its range are measured in float64, where their products fit;
+    float64 weights are scaled by a power of two first. Either way the norm is that of the unscaled heads."""
+    generator = torch.Generator().manual_seed(17)
+    query = torch.randn(2 * 3, 8, generator=generator, dtype=torch.float64)
+    key = torch.randn(2 * 3, 8, generator=generator, dtype=torch.float64)
+    weights = AttentionWeights((query * magnitude).to(dtype), (key * magnitude).to(dtype), None, num_heads=2)
+    norms = weight_norms.attention_query_key_norms(weights)
+    scaled = [
+        reference_singular_values(query[3 * h : 3 * h + 3].T @ key[3 * h : 3 * h + 3])[0] * magnitude**2
+        for h in range(2)
+    ]
+    np.testing.assert_allclose(norms, scaled, rtol=1e-6)
