@@ -99,8 +99,11 @@ def test_a_random_start_falls_below_the_threshold_with_probability_at_most_p(n: 
         assert float(np.mean(component < threshold)) <= p + margin
 
 
-def test_the_threshold_tightens_with_n_and_p_and_halves_for_a_mixed_start() -> None:
+def test_the_threshold_falls_as_the_root_of_n_with_p_and_halves_for_a_mixed_start() -> None:
+    """C = √(2n/π)/p is the inverse of the threshold t: t falls as 1/√n, in proportion to p, and halves for a
+    mixed start, except at n = 2, where a mixed start's component is bounded by p²/2."""
     assert start_certainty(1000, 0.01) == pytest.approx((2 * 1000 / np.pi) ** 0.5 / 0.01)
-    assert start_certainty(1000, 0.01, mixed=True) == pytest.approx(2 * start_certainty(1000, 0.01))
     assert start_certainty(4000, 0.01) == pytest.approx(2 * start_certainty(1000, 0.01))
+    assert start_certainty(1000, 0.02) == pytest.approx(start_certainty(1000, 0.01) / 2)
+    assert start_certainty(1000, 0.01, mixed=True) == pytest.approx(2 * start_certainty(1000, 0.01))
     assert start_certainty(2, 0.1, mixed=True) == pytest.approx(200)
