@@ -546,7 +546,7 @@ def test_a_legend_names_layers_by_what_sets_them_apart_under_the_pattern_they_sh
 
 
 def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entries_it_holds() -> None:
-    from spectral_monitor.report import _PLOT_INCHES, _metric_by_layer
+    from spectral_monitor.report import _AXES_EDGES_INCHES, _DPI, _PLOT_INCHES, _metric_by_layer
 
     steps = np.arange(0, 3000, 10)
     name = "model.a_module_name_longer_than_a_legend_line.h.{}.attn"  # a title that must wrap
@@ -568,7 +568,8 @@ def test_the_legend_stands_beside_the_axes_inside_the_figure_however_many_entrie
         inside = figure.bbox
         assert inside.x0 <= legend.x0 and legend.x1 <= inside.x1 and inside.y0 <= legend.y0, metric
         assert legend.y1 <= inside.y1 and axes.bbox.x1 < legend.x0, metric
-        assert (axes.bbox.x0, axes.bbox.x1) == pytest.approx((75, 613)), metric  # the axes stay put
+        edges = tuple(inches * _DPI for inches in _AXES_EDGES_INCHES)
+        assert (axes.bbox.x0, axes.bbox.x1) == pytest.approx(edges), metric  # the axes stay put
     assert tuple(figure.get_size_inches()) == _PLOT_INCHES  # back to the usual size for a short legend
 
 
